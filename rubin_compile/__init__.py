@@ -1,0 +1,1 @@
+from rubin_compile import ops  # noqa: F401
