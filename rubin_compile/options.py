@@ -1,0 +1,130 @@
+"""``RubinOptions``: every setting of the backend, in one dataclass.
+
+Settings come from three places, later ones winning: the defaults below, ``RUBIN_*`` environment
+variables, and ``torch.compile(..., backend="rubin", options={...})`` (or the options given to the vLLM
+pass). An unknown name is an error that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+# The pipeline of DESIGN.md, in order. Kept here (not in passes/) so options can be validated without
+# importing the passes.
+PIPELINE: tuple[str, ...] = (
+    "canonicalize",
+    "match_moe",
+    "match_attention",
+    "match_gemm",
+    "select_kernels",
+    "place_locality",
+    "chain_pdl",
+)
+
+
+class RubinOptionsError(ValueError):
+    """Raised for an option that does not exist or has a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class RubinOptions:
+    """Settings of the ``rubin`` backend.
+
+    Parameters
+    ----------
+    dump_dir:
+        Write a readable dump of every graph before and after each pass that changed it, with a report,
+        under this folder (env ``RUBIN_DUMP_DIR``). ``python -m rubin_compile explain DIR`` reads it.
+    strict:
+        Raise instead of leaving something we recognise but cannot rewrite unchanged (env ``RUBIN_STRICT=1``).
+    passes:
+        Names of the passes to run, a subset of the pipeline (env ``RUBIN_PASSES=canonicalize,match_moe``);
+        ``None`` runs all of them. The order is always the pipeline's.
+    inductor:
+        Extra ``torch._inductor.config`` settings for the compile, as ``torch.compile(options=...)`` would
+        take them with ``backend="inductor"`` (backend route only).
+    """
+
+    dump_dir: Optional[str] = None
+    strict: bool = False
+    passes: Optional[tuple[str, ...]] = None
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+
+    # Options that change what the passes produce: they go into the pass's uuid (dump_dir too, so that a
+    # new dump folder forces the compile that writes it instead of a cache hit).
+    def behaviour_key(self) -> dict[str, Any]:
+        return {
+            "dump_dir": self.dump_dir,
+            "strict": self.strict,
+            "passes": list(self.enabled_passes()),
+        }
+
+    def enabled_passes(self) -> tuple[str, ...]:
+        if self.passes is None:
+            return PIPELINE
+        return tuple(p for p in PIPELINE if p in self.passes)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        """The settings given by ``RUBIN_*`` variables, as a dict of option values."""
+        environ = os.environ if environ is None else environ
+        known = {f"RUBIN_{n.upper()}": n for n in cls.names() if n != "inductor"}
+        out: dict[str, Any] = {}
+        for key, value in environ.items():
+            if not key.startswith("RUBIN_"):
+                continue
+            if key not in known:
+                raise RubinOptionsError(
+                    f"unknown environment variable {key}; the rubin backend reads {sorted(known)}"
+                )
+            out[known[key]] = value
+        return out
+
+    @classmethod
+    def resolve(
+        cls, options: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None
+    ) -> "RubinOptions":
+        """Defaults, then ``RUBIN_*`` variables, then ``options``; validated."""
+        if isinstance(options, RubinOptions):
+            return options
+        merged: dict[str, Any] = dict(cls.from_env(environ))
+        for key, value in (options or {}).items():
+            if key not in cls.names():
+                raise RubinOptionsError(
+                    f"unknown rubin option {key!r}; valid options are {cls.names()} "
+                    "(see `help(rubin_compile.RubinOptions)`)"
+                )
+            merged[key] = value
+        return cls(**{k: _convert(k, v) for k, v in merged.items()})
+
+
+def _convert(name: str, value: Any) -> Any:
+    if name == "dump_dir":
+        return None if value in (None, "") else os.fspath(value)
+    if name == "strict":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        raise RubinOptionsError(f"option strict must be a bool (or 0/1 in RUBIN_STRICT), got {value!r}")
+    if name == "passes":
+        if value is None:
+            return None
+        items = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
+        items = [p for p in items if p]
+        bad = [p for p in items if p not in PIPELINE]
+        if bad:
+            raise RubinOptionsError(f"unknown pass(es) {bad} in option passes; the pipeline is {list(PIPELINE)}")
+        return tuple(items)
+    if name == "inductor":
+        if not isinstance(value, Mapping):
+            raise RubinOptionsError(f"option inductor must be a dict of Inductor config settings, got {value!r}")
+        return dict(value)
+    return value

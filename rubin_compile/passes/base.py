@@ -1,0 +1,66 @@
+"""What every pass shares: the context it runs in, and the ``PassResult`` it returns.
+
+A pass is a module in this package with ``NAME`` and ``run(graph, ctx) -> PassResult``; ``manager.py``
+owns the order, the dumps after each pass, timing and ``uuid()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from rubin_compile.options import RubinOptions
+
+
+@dataclass
+class Rewrite:
+    """One source idiom rewritten into a canonical op."""
+
+    node: str  # name of the new canonical node in the graph
+    canonical_op: str  # e.g. "rubin.moe"
+    source_idiom: str  # e.g. "vllm _C.cpu_fused_moe", "hf grouped_mm (qwen3_moe)", "expert loop"
+    replaced: list[str]  # names of the source nodes it replaced
+    details: dict[str, Any] = field(default_factory=dict)  # shapes, dtype, activation, routing, ...
+
+
+@dataclass
+class Unchanged:
+    """Something that looked like an idiom we handle but was left as it was, and why."""
+
+    node: str
+    idiom: str
+    reason: str
+
+
+@dataclass
+class PassResult:
+    """What one pass did to one graph."""
+
+    name: str
+    implemented: bool = True
+    changed: bool = False
+    rewrites: list[Rewrite] = field(default_factory=list)
+    unchanged: list[Unchanged] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph: the options, and where the graph came from."""
+
+    options: RubinOptions
+    graph_id: str = "graph"
+    source: str = "backend"  # "backend" (torch.compile(backend="rubin")) or "vllm" (the vLLM pass)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def node_val(node: torch.fx.Node) -> Optional[Any]:
+    """The fake value (tensor or tuple of tensors) recorded on a node, if any."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None

@@ -1,0 +1,34 @@
+"""match_moe: rewrite every mixture-of-experts idiom we recognise into ``rubin.moe``.
+
+Each matcher is a module of this package with ``IDIOM`` (a short name for reports) and
+``match(graph, ctx) -> (list[Rewrite], list[Unchanged])``; its docstring quotes the source idiom it
+recognises. Matchers run in the order below; each leaves alone what it does not fully recognise, with the
+reason recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from rubin_compile.passes.base import PassContext, PassResult
+
+NAME = "match_moe"
+
+# Order matters only where idioms could overlap; the specific vLLM forms go first.
+MATCHERS: tuple[str, ...] = (
+)
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
+    result = PassResult(NAME)
+    for module_name in MATCHERS:
+        matcher = importlib.import_module(f"{__name__}.{module_name}")
+        rewrites, unchanged = matcher.match(graph, ctx)
+        result.rewrites.extend(rewrites)
+        result.unchanged.extend(unchanged)
+    result.changed = bool(result.rewrites)
+    if result.changed:
+        graph.lint()
+    return result
