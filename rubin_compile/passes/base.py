@@ -64,3 +64,8 @@ class PassContext:
 def node_val(node: torch.fx.Node) -> Optional[Any]:
     """The fake value (tensor or tuple of tensors) recorded on a node, if any."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def not_implemented(name: str, meanwhile: str) -> PassResult:
+    """The result of a pipeline stage whose issue has not landed yet: it says so, and what happens instead."""
+    return PassResult(name, implemented=False, notes=[f"not implemented yet: {meanwhile}"])

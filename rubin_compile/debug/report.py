@@ -1,0 +1,55 @@
+"""Turning a pass-manager report (the dict written to report.json) into tables for people."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(v) for v in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """report.md: one section per pass, a table of rewrites and one of what was left unchanged."""
+    lines = [f"# rubin report for graph `{report['graph_id']}`", ""]
+    lines.append(f"source: {report.get('source')}; options: {_cell(report.get('options', {}))}")
+    lines.append("")
+    for p in report["passes"]:
+        status = []
+        if not p.get("implemented", True):
+            status.append("not implemented yet")
+        status.append(f"{len(p['rewrites'])} rewritten")
+        if p["unchanged"]:
+            status.append(f"{len(p['unchanged'])} left unchanged")
+        status.append("graph changed" if p["changed"] else "graph unchanged")
+        status.append(f"{p['seconds'] * 1e3:.1f} ms")
+        lines.append(f"## {p['name']}: " + "; ".join(status))
+        lines.append("")
+        if p["rewrites"]:
+            lines += _table(
+                ["node", "canonical op", "source idiom", "replaced", "details"],
+                [[r["node"], r["canonical_op"], r["source_idiom"], r["replaced"], r["details"]]
+                 for r in p["rewrites"]],
+            )
+            lines.append("")
+        if p["unchanged"]:
+            lines += _table(
+                ["node", "idiom", "left unchanged because"],
+                [[u["node"], u["idiom"], u["reason"]] for u in p["unchanged"]],
+            )
+            lines.append("")
+        for note in p["notes"]:
+            lines.append(f"- {note}")
+        if p["notes"]:
+            lines.append("")
+    return "\n".join(lines)
