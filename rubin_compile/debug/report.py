@@ -13,6 +13,11 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _nodes(names: list[str]) -> str:
+    """A node list short enough for a table cell; report.json keeps the whole list."""
+    return ", ".join(names) if len(names) <= 6 else f"{len(names)} nodes: {', '.join(names[:4])}, ..."
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
@@ -38,7 +43,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if p["rewrites"]:
             lines += _table(
                 ["node", "canonical op", "source idiom", "replaced", "details"],
-                [[r["node"], r["canonical_op"], r["source_idiom"], r["replaced"], r["details"]]
+                [[r["node"], r["canonical_op"], r["source_idiom"], _nodes(r["replaced"]), r["details"]]
                  for r in p["rewrites"]],
             )
             lines.append("")

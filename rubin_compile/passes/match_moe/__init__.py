@@ -18,6 +18,7 @@ NAME = "match_moe"
 
 # Order matters only where idioms could overlap; the specific vLLM forms go first.
 MATCHERS: tuple[str, ...] = (
+    "expert_loop",
 )
 
 
