@@ -1,0 +1,111 @@
+"""The canonical rubin.moe op: semantics, dtypes, FP8 dequantisation, errors, fake impl."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rubin_compile.ops.moe import MoEArgumentError, moe_reference
+
+
+def dense_moe(x, w13, w2, topk_w, topk_ids, act="silu", b13=None, b2=None):
+    """Token-by-token float64 restatement of the documented semantics (independent of the op's code)."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = w13[e] @ x[t] + (0 if b13 is None else b13[e].double())
+            g = F.silu(h[:inter]) if act == "silu" else F.gelu(h[:inter], approximate="tanh")
+            out[t] += float(topk_w[t, j]) * (w2[e] @ (g * h[inter:]) + (0 if b2 is None else b2[e].double()))
+    return out
+
+
+def make(T=6, H=24, E=5, I=12, k=2, dtype=torch.float32, bias=False):
+    x = torch.randn(T, H, dtype=dtype)
+    w13 = torch.randn(E, 2 * I, H, dtype=dtype) * 0.3
+    w2 = torch.randn(E, H, I, dtype=dtype) * 0.3
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+    w = torch.rand(T, k)
+    b13 = torch.randn(E, 2 * I, dtype=dtype) if bias else None
+    b2 = torch.randn(E, H, dtype=dtype) if bias else None
+    return x, w13, w2, w, ids, b13, b2
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_matches_documented_semantics(act, bias):
+    x, w13, w2, w, ids, b13, b2 = make(bias=bias)
+    got = torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2)
+    want = dense_moe(x, w13, w2, w, ids, act, b13, b2)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_half_precision_close_to_float64(dtype, tol):
+    x, w13, w2, w, ids, _, _ = make(dtype=dtype)
+    got = torch.ops.rubin.moe(x, w13, w2, w, ids)
+    want = dense_moe(x, w13, w2, w, ids)
+    assert got.dtype == dtype
+    assert (got.double() - want).norm() / want.norm() < tol
+
+
+def test_edge_cases_duplicate_ids_empty_batch_int32_ids():
+    x, w13, w2, w, ids, _, _ = make(T=3, k=2)
+    ids[:, 1] = ids[:, 0]  # the same expert twice in a row: both slots count
+    torch.testing.assert_close(torch.ops.rubin.moe(x, w13, w2, w, ids.int()).double(),
+                               dense_moe(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
+    x0, w130, w20, w0, ids0, _, _ = make(T=0)
+    assert torch.ops.rubin.moe(x0, w130, w20, w0, ids0).shape == (0, 24)
+
+
+def test_fp8_block_and_per_tensor_dequantisation():
+    x, w13, w2, w, ids, _, _ = make(H=40, I=20)  # not multiples of the block size
+    E = w13.shape[0]
+    q13, q2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, 1, 1) + 0.5
+    s2 = torch.rand(E) + 0.5
+    got = torch.ops.rubin.moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2)
+    want = dense_moe(x, q13.float() * s13, q2.float() * s2.view(E, 1, 1), w, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    bs = [16, 16]
+    b13 = torch.rand(E, 3, 3) + 0.5  # ceil(40/16) x ceil(40/16)
+    b2 = torch.rand(E, 3, 2) + 0.5  # ceil(40/16) x ceil(20/16)
+    got = torch.ops.rubin.moe(x, q13, q2, w, ids, w13_scale=b13, w2_scale=b2, block_shape=bs)
+    full13 = b13.repeat_interleave(16, 1)[:, :40].repeat_interleave(16, 2)[:, :, :40]
+    full2 = b2.repeat_interleave(16, 1)[:, :40].repeat_interleave(16, 2)[:, :, :20]
+    want = dense_moe(x, q13.float() * full13, q2.float() * full2, w, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
+    (lambda a: a.update(w2=a["w2"][:, :, :-1]), "w2 shape"),
+    (lambda a: a.update(w13=a["w13"].double()), "must have hidden_states' dtype"),
+    (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
+    (lambda a: a.update(topk_ids=a["topk_ids"][:-1], topk_weights=a["topk_weights"][:-1]), "rows"),
+])
+def test_bad_arguments_are_clear_errors(mutate, message):
+    x, w13, w2, w, ids, _, _ = make()
+    args = dict(hidden_states=x, w13=w13, w2=w2, topk_weights=w, topk_ids=ids)
+    mutate(args)
+    with pytest.raises(MoEArgumentError, match=message):
+        torch.ops.rubin.moe(**args)
+
+
+def test_out_of_range_expert_id():
+    x, w13, w2, w, ids, _, _ = make()
+    ids[0, 0] = 99
+    with pytest.raises(MoEArgumentError, match="outside"):
+        moe_reference(x, w13, w2, w, ids)
+
+
+def test_fake_impl_and_opcheck():
+    x, w13, w2, w, ids, _, _ = make()
+    torch.library.opcheck(torch.ops.rubin.moe.default, (x, w13, w2, w, ids))
+    with torch._subclasses.FakeTensorMode() as mode:
+        out = torch.ops.rubin.moe(*(mode.from_tensor(t) for t in (x, w13, w2, w, ids)))
+    assert out.shape == x.shape and out.dtype == x.dtype

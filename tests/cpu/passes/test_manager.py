@@ -1,0 +1,93 @@
+"""The pass manager: pipeline order, honest placeholders, uuid(), dumps, explain, TORCH_TRACE."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rubin_compile.debug.explain import ExplainError, explain
+from rubin_compile.options import PIPELINE, RubinOptions
+from rubin_compile.passes.manager import PassManager
+from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+
+def _graph():
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    return gm.graph
+
+
+def test_pipeline_order_and_placeholders_say_not_implemented():
+    report = PassManager(RubinOptions.resolve({}, environ={})).run(_graph())
+    assert [p["name"] for p in report["passes"]] == list(PIPELINE)
+    later = {"match_attention", "match_gemm", "select_kernels", "place_locality", "chain_pdl"}
+    for p in report["passes"]:
+        assert p["implemented"] == (p["name"] not in later)
+        if p["name"] in later:
+            assert p["notes"][0].startswith("not implemented yet")
+
+
+def test_disabled_passes_do_not_run():
+    report = PassManager(RubinOptions.resolve({"passes": "canonicalize"}, environ={})).run(_graph())
+    ran = [p["name"] for p in report["passes"] if p["notes"] != ["disabled by options.passes"]]
+    assert ran == ["canonicalize"]
+
+
+def test_uuid_is_stable_and_changes_with_options():
+    base = RubinOptions.resolve({}, environ={})
+    assert PassManager(base).uuid() == PassManager(RubinOptions.resolve({}, environ={})).uuid()
+    assert PassManager(base).uuid() != PassManager(RubinOptions.resolve({"strict": True}, environ={})).uuid()
+    assert PassManager(base).uuid() != PassManager(RubinOptions.resolve({"passes": "match_moe"}, environ={})).uuid()
+
+
+def test_dumps_and_explain(rubin_run):
+    model = LoopMoE().eval()
+    with torch.no_grad():
+        rubin_run.compile(model)(torch.randn(5, 32))
+    (graph_dir,) = sorted(rubin_run.dump_dir.iterdir())
+    names = sorted(p.name for p in graph_dir.iterdir())
+    assert "00-input.py" in names and "02-match_moe.py" in names and "02-match_moe.diff" in names
+    assert "report.json" in names and "report.md" in names
+    diff = (graph_dir / "02-match_moe.diff").read_text()
+    assert "+" in diff and "torch.ops.rubin.moe.default" in diff
+    report = json.loads((graph_dir / "report.json").read_text())
+    assert report["uuid"] and report["options"]["dump_dir"] == str(rubin_run.dump_dir)
+    out = io.StringIO()
+    assert explain(str(rubin_run.dump_dir), out) == 1
+    text = out.getvalue()
+    assert "| moe_default | rubin.moe | expert loop |" in text
+    assert "1 rewrite(s) in all" in text
+    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "expert loop" in cli.stdout and "chain_pdl" not in cli.stdout
+
+
+def test_explain_on_a_folder_without_dumps(tmp_path):
+    with pytest.raises(ExplainError, match="no rubin dump here"):
+        explain(str(tmp_path), io.StringIO())
+    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "no such folder" in cli.stderr
+
+
+def test_env_dump_dir_and_torch_trace_artifacts(tmp_path):
+    """RUBIN_DUMP_DIR alone turns dumps on; TORCH_TRACE gets the same artifacts for tlparse."""
+    script = textwrap.dedent("""
+        import torch
+        from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+        m = LoopMoE().eval()
+        with torch.no_grad():
+            torch.compile(m, backend="rubin")(torch.randn(4, 32))
+    """)
+    env = dict(os.environ, RUBIN_DUMP_DIR=str(tmp_path / "dumps"), TORCH_TRACE=str(tmp_path / "trace"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "dumps").glob("*/report.json"))
+    logs = "".join(p.read_text() for p in (tmp_path / "trace").glob("*.log"))
+    for name in ("rubin_graph_input", "rubin_graph_after_match_moe", "rubin_report"):
+        assert f'"name": "{name}"' in logs
