@@ -64,3 +64,12 @@ def tensor_meta(node: Any) -> Optional[torch.Tensor]:
     """The fake tensor on a node, or None."""
     v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def inherit_source(new_nodes: list[torch.fx.Node], origin: torch.fx.Node) -> None:
+    """Give nodes a rewrite created the source line of the node they stand for, so dumps keep saying
+    which line of the model they come from."""
+    trace = origin.meta.get("stack_trace")
+    if trace:
+        for n in new_nodes:
+            n.meta.setdefault("stack_trace", trace)

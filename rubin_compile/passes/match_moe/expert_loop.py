@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, emit_moe, tensor_meta
+from rubin_compile.passes.match_moe.emit import call, emit_moe, inherit_source, tensor_meta
 
 IDIOM = "expert loop"
 aten = torch.ops.aten
@@ -258,6 +258,7 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
         w2 = call(graph, aten.view.default, (call(graph, aten.cat.default, ([ex.w_down for ex in ordered],)),
                                              [num_experts, hidden, num_inter]))
         moe = emit_moe(graph, x_common, w13, w2, topk_weights, ids, activation=acts.pop())
+    inherit_source([w13.args[0], w13, w2.args[0], w2, moe], root)
     root.replace_all_uses_with(moe)
     replaced = []
     for n in reversed(list(graph.nodes)):  # erase the old loop, users before producers
