@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
 from rubin_compile.passes.match_moe.emit import call, emit_moe, inherit_source, tensor_meta
+from rubin_compile.passes.match_moe.routing import describe_routing
 
 IDIOM = "expert loop"
 aten = torch.ops.aten
@@ -268,10 +269,11 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
                 replaced.append(n.name)
                 graph.erase_node(n)
     x_shape = tuple(x_val.shape)
+    routing = describe_routing(topk_weights, ids)  # upstream of the loop, untouched by the rewrite
     return Rewrite(
         node=moe.name, canonical_op="rubin.moe", source_idiom=IDIOM, replaced=sorted(replaced),
         details={"T": x_shape[0], "H": x_shape[1], "E": num_experts, "I": num_inter,
                  "k": tensor_meta(ids).shape[-1], "dtype": str(x_val.dtype).replace("torch.", ""),
-                 "activation": moe.kwargs["activation"], "routing_weights": topk_weights.name,
+                 "activation": moe.kwargs["activation"], "routing": routing,
                  "note": "expert weights are stacked into w13 / w2 on every call"},
     )

@@ -84,6 +84,11 @@ def test_loop_rewritten_and_numerics(rubin_run, dtype, variant):
     assert len(rewrites) == 1 and rewrites[0]["source_idiom"] == "expert loop"
     assert rewrites[0]["details"]["activation"] == variant["act"]
     assert rewrites[0]["details"]["E"] == variant.get("experts", 6)
+    routing = rewrites[0]["details"]["routing"]
+    topk_first = variant.get("order") == "topk_softmax"
+    assert routing["order"] == ("topk_then_softmax" if topk_first else "softmax_then_topk")
+    assert routing["renormalize"] == (variant.get("renorm", True) and not topk_first)
+    assert routing["router_bias"] == variant.get("router_bias", False)
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.moe") == 1
     # before: three mm per expert plus the router's mm / addmm; after: only the router's is left

@@ -1,0 +1,428 @@
+"""Matcher (c): Hugging Face transformers 5.x experts in their default grouped-mm form.
+
+Tiny configs with random weights (nothing downloaded) go through ``torch.compile(backend="rubin")``;
+every experts block must become one ``rubin.moe`` and the outputs must equal eager transformers. Near
+misses stay unchanged with a reason, and still compute what eager does.
+
+Tolerances: fp32 and block-level bf16 use ``assert_close_to_eager`` (1e-4 / 2e-2 of the output's scale).
+Whole-model bf16 logits are checked per token: bf16 router logits have near-ties, and Inductor's fused
+RMSNorm / attention (upstream of every router, untouched by this matcher) round differently from eager, so
+an occasional token picks another expert in eager than compiled (with or without rubin) and its logits
+move by up to ~20%. So at least 75% of the tokens must be within 3e-2 of the logits' scale, and the
+median token within 1.5e-2; a wrong rewrite moves every token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.conftest import assert_close_to_eager, count_ops
+
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations import moe as hf_moe  # noqa: E402
+
+HIDDEN, VOCAB = 64, 128
+GROUPED_MMS = ("transformers.grouped_mm_fallback", "aten._grouped_mm")
+COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, use_cache=False)
+
+
+def qwen3_moe(**kw):
+    cfg = dict(COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+               num_experts_per_tok=4, norm_topk_prob=True)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**cfg, **kw}))
+
+
+def mixtral(**kw):
+    cfg = dict(COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**cfg, **kw}))
+
+
+def olmoe(**kw):
+    cfg = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**cfg, **kw}))
+
+
+def deepseek_v3(**kw):
+    cfg = dict(COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+               n_group=2, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=16,
+               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**cfg, **kw}))
+
+
+def gpt_oss(**kw):
+    cfg = dict(COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+               layer_types=["full_attention"] * 2)
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**cfg, **kw}))
+
+
+def gemma4_block() -> nn.Module:
+    """Gemma 4's MoE: GELU-tanh experts; the router renormalises, then scales by a per-expert weight."""
+    cfg = transformers.Gemma4TextConfig(**{**COMMON, "num_hidden_layers": 1}, head_dim=16, intermediate_size=64,
+                                        enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                        moe_intermediate_size=32, layer_types=["full_attention"])
+    layer = transformers.Gemma4ForCausalLM(cfg).model.layers[0]
+    with torch.no_grad():
+        layer.router.per_expert_scale.uniform_(0.5, 1.5)
+    return RouterExperts(layer.router, layer.experts)
+
+
+def moe_block(model: nn.Module) -> nn.Module:
+    """The first layer's MoE block (router + experts) of a tiny model."""
+    return model.model.layers[0].mlp
+
+
+def grouped_mm_count(code: str) -> int:
+    return sum(count_ops(code, op) for op in GROUPED_MMS)
+
+
+def input_code(rubin_run) -> str:
+    return "\n".join(p.read_text() for p in sorted(rubin_run.dump_dir.glob("*/00-input.py")))
+
+
+def hf_rewrites(rubin_run) -> list[dict]:
+    return [r for r in rubin_run.rewrites() if r["source_idiom"].startswith("hf grouped_mm")]
+
+
+def hf_unchanged(rubin_run) -> list[dict]:
+    return [u for u in rubin_run.unchanged() if u["idiom"] == "hf grouped_mm"]
+
+
+def run_block(rubin_run, block: nn.Module, dtype: torch.dtype, tokens: int = 14, cast: bool = True):
+    """Compile a MoE block (cast to ``dtype`` unless ``cast=False``), run it and eager on one fresh random
+    input of ``dtype``; (compiled output, eager output)."""
+    block = (block.to(dtype) if cast else block).eval()
+    compiled = rubin_run.compile(block)
+    x = torch.randn(2, tokens // 2, HIDDEN, dtype=dtype)
+    with torch.no_grad():
+        got, want = compiled(x), block(x)
+    if isinstance(got, tuple):  # GPT-OSS returns (hidden, router_scores)
+        got, want = got[0], want[0]
+    return got, want
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        assert_close_to_eager(got, want, dtype)
+        return
+    assert torch.isfinite(got).all()
+    scale = want.float().abs().max().item()
+    per_token = ((got.float() - want.float()).abs().amax(-1) / scale).flatten()
+    ok = (per_token <= 3e-2).float().mean().item()
+    assert ok >= 0.75 and per_token.median().item() <= 1.5e-2, (
+        f"{ok:.0%} of tokens within 3e-2 of scale {scale:.3g}; per-token errors {per_token.tolist()}")
+
+
+# --- whole models -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
+def test_every_block_of_the_model_rewritten_and_logits_match(rubin_run, family, dtype):
+    model = family().to(dtype).eval()
+    layers = model.config.num_hidden_layers
+    compiled = rubin_run.compile(model)
+    with torch.no_grad():
+        for _ in range(2):  # fresh random tokens each check; same shape, so one compile
+            ids = torch.randint(0, VOCAB, (2, 8))
+            assert_logits_close(compiled(ids).logits, model(ids).logits, dtype)
+
+    rewrites = hf_rewrites(rubin_run)
+    assert len(rewrites) == layers, rubin_run.unchanged()
+    assert hf_unchanged(rubin_run) == []
+    # transformers under torch.compile: the custom fallback op for fp32, F.grouped_mm (aten) for bf16
+    form = "transformers.grouped_mm_fallback" if dtype == torch.float32 else "aten._grouped_mm"
+    k = model.config.num_experts_per_tok
+    for r in rewrites:
+        d = r["details"]
+        assert (d["form"], d["activation"], d["k"], d["E"], d["H"], d["bias"]) == (form, "silu", k, 8, HIDDEN, False)
+        assert d["weights"] == "as stored, no copy"
+        routing = d["routing"]
+        assert routing["recognised"] and routing["order"] == "softmax_then_topk"
+        assert routing["renormalize"] is True and routing["router_bias"] is False  # Mixtral always; Qwen norm_topk_prob
+    before, after = input_code(rubin_run), rubin_run.final_code()
+    assert grouped_mm_count(before) == 2 * layers and count_ops(before, "rubin.moe") == 0
+    assert grouped_mm_count(after) == 0 and count_ops(after, "rubin.moe") == layers
+    assert count_ops(after, "aten.histc") == 0 and count_ops(after, "aten.sort") == 0
+    assert count_ops(after, "aten.topk") == layers  # routing stays as ATen ops
+
+
+# --- routing variants and other families, block by block ---------------------------------------------
+
+
+FP32, BF16 = pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")
+BLOCK_VARIANTS = [  # (name, build, expected details / routing, dtypes)
+    ("qwen3_no_renorm", lambda: moe_block(qwen3_moe(norm_topk_prob=False)),
+     dict(order="softmax_then_topk", renormalize=False), (FP32, BF16)),
+    ("qwen3_top1", lambda: moe_block(qwen3_moe(num_experts_per_tok=1)),
+     dict(order="softmax_then_topk", top_k=1), (FP32,)),
+    ("qwen3_gelu_tanh", lambda: moe_block(qwen3_moe(hidden_act="gelu_pytorch_tanh")),
+     dict(activation="gelu_tanh"), (FP32, BF16)),
+    ("olmoe", lambda: moe_block(olmoe()), dict(order="softmax_then_topk", renormalize=False), (FP32,)),
+    ("deepseek_v3", lambda: moe_block(deepseek_v3()), dict(
+        order="sigmoid_then_topk", renormalize=True, score_correction_bias=True, group_limited=True, scale=2.5),
+     (FP32, BF16)),
+    ("gemma4", gemma4_block, dict(activation="gelu_tanh", renormalize=True, per_expert_scale=True), (FP32,)),
+]
+
+
+@pytest.mark.parametrize("build, expect, dtype", [
+    pytest.param(build, expect, dtype.values[0], id=f"{name}-{dtype.id}")
+    for name, build, expect, dtypes in BLOCK_VARIANTS for dtype in dtypes
+])
+def test_block_variants_rewritten(rubin_run, build, expect, dtype):
+    got, want = run_block(rubin_run, build(), dtype)
+    assert_close_to_eager(got, want, dtype)
+    (rewrite,) = hf_rewrites(rubin_run)
+    details, routing = rewrite["details"], rewrite["details"]["routing"]
+    assert routing["recognised"], routing
+    for key, value in expect.items():
+        assert (details if key == "activation" else routing)[key] == value, (key, details)
+    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
+    assert grouped_mm_count(rubin_run.final_code()) == 0
+
+
+def test_dynamic_token_count(rubin_run):
+    """A second token count recompiles with a symbolic T; the block is still rewritten."""
+    block = moe_block(qwen3_moe()).eval()
+    compiled = rubin_run.compile(block)
+    with torch.no_grad():
+        for tokens in (6, 10):
+            x = torch.randn(2, tokens // 2, HIDDEN)
+            assert_close_to_eager(compiled(x), block(x))
+    rewrites = hf_rewrites(rubin_run)
+    assert len(rewrites) == 2 and hf_unchanged(rubin_run) == []
+    assert isinstance(rewrites[1]["details"]["T"], str)  # symbolic
+
+
+def test_cuda_form_compiled_on_meta(rubin_run):
+    """transformers takes its non-CPU branch on the meta device: histc on int32 ids and F.grouped_mm
+    (aten._grouped_mm), as on CUDA. The graph cannot run (meta has no data); the report is what counts."""
+    with torch.device("meta"):
+        block = moe_block(qwen3_moe(num_hidden_layers=1)).to(torch.bfloat16)
+        x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
+    # Inductor replaces meta *outputs* by empty tensors before post-grad passes; a copy to the CPU keeps them.
+    compiled = rubin_run.compile(lambda t: block(t).to("cpu"))
+    with pytest.raises(NotImplementedError, match="meta"), torch.no_grad():
+        compiled(x)
+    (rewrite,) = hf_rewrites(rubin_run)
+    assert rewrite["details"]["form"] == "aten._grouped_mm"
+    assert rewrite["details"]["histc_input"] == "int32"
+    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
+
+
+# --- experts layouts that exist through @use_experts_implementation flags -----------------------------
+
+
+def synthetic_experts(is_transposed: bool, has_bias: bool, act: str = "silu"):
+    """An experts class decorated exactly as transformers' own (``is_transposed``: Aria's layout;
+    ``has_bias``: biased experts), so its forward is transformers' ``grouped_mm_experts_forward``."""
+
+    @hf_moe.use_experts_implementation(is_transposed=is_transposed, has_bias=has_bias)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+            self.num_experts = E
+            up_shape, down_shape = ((E, H, 2 * I), (E, I, H)) if is_transposed else ((E, 2 * I, H), (E, H, I))
+            self.gate_up_proj = nn.Parameter(torch.randn(up_shape) * 0.2)
+            self.down_proj = nn.Parameter(torch.randn(down_shape) * 0.2)
+            if has_bias:
+                self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * I) * 0.2)
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H) * 0.2)
+            self.act_fn = ACT2FN[act]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise AssertionError("the grouped_mm experts implementation replaces this")
+
+    return Experts
+
+
+class RouterExperts(nn.Module):
+    """A transformers router followed by an experts module, as the MoE blocks of transformers do it."""
+
+    def __init__(self, router: nn.Module, experts: nn.Module) -> None:
+        super().__init__()
+        self.router, self.experts = router, experts
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        _, weights, ids = self.router(x)
+        return self.experts(x, ids, weights)
+
+
+def synthetic_block(is_transposed=False, has_bias=False, router="qwen3", act="silu") -> nn.Module:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=32, num_experts=8,
+                                      num_experts_per_tok=2, norm_topk_prob=True, num_local_experts=8)
+    cfg._experts_implementation = "grouped_mm"
+    r = Qwen3MoeTopKRouter(cfg) if router == "qwen3" else GptOssTopKRouter(cfg)
+    with torch.no_grad():
+        for p in r.parameters():
+            p.normal_(0, 0.3)
+    return RouterExperts(r, synthetic_experts(is_transposed, has_bias, act)(cfg))
+
+
+@pytest.mark.parametrize("is_transposed, has_bias", [(False, True), (True, False), (True, True)])
+def test_transposed_and_biased_experts(rubin_run, is_transposed, has_bias):
+    got, want = run_block(rubin_run, synthetic_block(is_transposed, has_bias), torch.float32)
+    assert_close_to_eager(got, want)
+    (rewrite,) = hf_rewrites(rubin_run)
+    assert rewrite["details"]["bias"] is has_bias
+    assert ("view" in rewrite["details"]["weights"]) is is_transposed  # a permute view, never a copy
+    code = rubin_run.final_code()
+    assert count_ops(code, "rubin.moe") == 1 and grouped_mm_count(code) == 0
+    assert count_ops(code, "aten.clone") == 0 and count_ops(code, "aten.contiguous") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_router_bias_and_topk_then_softmax(rubin_run, dtype):
+    """GPT-OSS's router (bias, top-k then softmax) in front of SiLU experts."""
+    got, want = run_block(rubin_run, synthetic_block(router="gpt_oss"), dtype)
+    assert_close_to_eager(got, want, dtype)
+    (rewrite,) = hf_rewrites(rubin_run)
+    routing = rewrite["details"]["routing"]
+    assert (routing["order"], routing["router_bias"], routing["renormalize"]) == ("topk_then_softmax", True, False)
+
+
+# --- near misses ---------------------------------------------------------------------------------------
+
+
+def _spy_on_first_projection(monkeypatch) -> list:
+    """Make the gate_up projection output escape the experts block (a second user of an intermediate)."""
+    seen: list = []
+    original = hf_moe._grouped_linear
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if not seen:
+            seen.append(out)
+        return out
+
+    monkeypatch.setattr(hf_moe, "_grouped_linear", spy)
+    return seen
+
+
+def _mixed_dtype_block():
+    block = moe_block(qwen3_moe()).eval()
+    block.experts.to(torch.bfloat16)  # hidden states and router stay fp32
+    return block
+
+
+def _expert_parallel_block():
+    block = moe_block(qwen3_moe()).eval()
+    block.experts._is_expert_parallel = True  # the EP sentinel masking around both grouped mms
+    return block
+
+
+@pytest.mark.parametrize("build, reason", [
+    (lambda mp: moe_block(qwen3_moe(hidden_act="gelu")), "activation is gelu(gate) * up"),
+    (lambda mp: moe_block(qwen3_moe(hidden_act="relu")), "activation is relu(gate) * up"),
+    (lambda mp: (_spy_on_first_projection(mp), moe_block(qwen3_moe()))[1], "user outside the experts block"),
+    (lambda mp: _mixed_dtype_block(), "mixed dtypes"),
+    (lambda mp: moe_block(gpt_oss()), "interleaved"),
+    (lambda mp: _expert_parallel_block(), "expert-parallel"),
+], ids=["gelu_erf", "relu", "extra_user", "mixed_dtypes", "gpt_oss_clamped_swiglu", "expert_parallel"])
+def test_near_misses_left_unchanged_with_reason(rubin_run, monkeypatch, build, reason):
+    block = build(monkeypatch)
+    got, want = run_block(rubin_run, block, torch.float32, cast=False)
+    assert_close_to_eager(got, want, torch.bfloat16 if reason == "mixed dtypes" else torch.float32)
+    assert hf_rewrites(rubin_run) == []
+    (left,) = hf_unchanged(rubin_run)
+    assert reason in left["reason"] and left["reason"], left
+    before, after = input_code(rubin_run), rubin_run.final_code()
+    assert count_ops(after, "rubin.moe") == 0
+    assert grouped_mm_count(after) == grouped_mm_count(before) == 2
+
+
+def test_strict_mode_raises_on_a_near_miss(rubin_run):
+    block = moe_block(gpt_oss()).eval()
+    compiled = rubin_run.compile(block, strict=True)
+    with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*interleaved"), torch.no_grad():
+        compiled(torch.randn(1, 4, HIDDEN))
+
+
+# --- routing descriptions (routing.describe_routing on traced router graphs) ---------------------------
+
+
+# Routers as transformers writes them; each takes (x, router weight, router bias, correction bias,
+# per-expert scale) and returns (topk_weights, topk_ids).
+def softmax_topk_renorm(x, w_r, b_r, corr, scale_e):  # Mixtral; Qwen3-MoE with norm_topk_prob
+    w, ids = torch.topk(torch.softmax(x @ w_r.t(), dim=-1, dtype=torch.float32), 2, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def softmax_topk(x, w_r, b_r, corr, scale_e):  # OLMoE, Qwen2-MoE
+    return torch.topk(torch.softmax(x @ w_r.t(), dim=-1, dtype=torch.float32), 2, dim=-1)
+
+
+def topk_softmax_bias(x, w_r, b_r, corr, scale_e):  # GPT-OSS
+    top, ids = torch.topk(F.linear(x, w_r, b_r), 2, dim=-1)
+    return torch.softmax(top, dim=1), ids
+
+
+def sigmoid_correction_renorm_scale(x, w_r, b_r, corr, scale_e):  # DeepSeek-V3 (without the group mask)
+    scores = torch.sigmoid(x @ w_r.t())
+    ids = torch.topk(scores + corr, 2, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5, ids
+
+
+def topk_sigmoid(x, w_r, b_r, corr, scale_e):  # Llama 4
+    top, ids = torch.topk(x @ w_r.t(), 1, dim=-1)
+    return torch.sigmoid(top), ids
+
+
+def per_expert_scale(x, w_r, b_r, corr, scale_e):  # Gemma 4
+    w, ids = softmax_topk_renorm(x, w_r, b_r, corr, scale_e)
+    return w * scale_e[ids], ids
+
+
+ROUTERS = {
+    softmax_topk_renorm: dict(order="softmax_then_topk", renormalize=True, router_bias=False, top_k=2),
+    softmax_topk: dict(order="softmax_then_topk", renormalize=False),
+    topk_softmax_bias: dict(order="topk_then_softmax", router_bias=True, renormalize=False),
+    sigmoid_correction_renorm_scale: dict(order="sigmoid_then_topk", score_correction_bias=True, renormalize=True,
+                                          scale=2.5),
+    topk_sigmoid: dict(order="topk_then_sigmoid", top_k=1),
+    per_expert_scale: dict(order="softmax_then_topk", renormalize=True, per_expert_scale=True),
+}
+
+
+@pytest.mark.parametrize("router", list(ROUTERS), ids=lambda f: f.__name__)
+def test_describe_routing(router):
+    from torch._inductor.pattern_matcher import fwd_only
+
+    from rubin_compile.passes.match_moe.routing import describe_routing
+
+    expect = ROUTERS[router]
+    E = 8
+    gm = fwd_only(router, [torch.randn(5, HIDDEN), torch.randn(E, HIDDEN), torch.randn(E), torch.randn(E),
+                           torch.rand(E)])
+    weights, ids = gm.graph.output_node().args[0]
+    info = describe_routing(weights, ids)
+    assert info["recognised"], info
+    assert info["num_experts"] == E
+    for key, value in expect.items():
+        assert info[key] == value, (key, info)
+
+
+def test_describe_routing_says_why_when_unrecognised():
+    from torch._inductor.pattern_matcher import fwd_only
+
+    from rubin_compile.passes.match_moe.routing import describe_routing
+
+    def argsort_router(x, w_r):
+        logits = x @ w_r.t()
+        ids = torch.argsort(logits, dim=-1, descending=True)[:, :2]
+        return torch.ones(x.shape[0], 2), ids
+
+    gm = fwd_only(argsort_router, [torch.randn(5, HIDDEN), torch.randn(8, HIDDEN)])
+    info = describe_routing(*gm.graph.output_node().args[0])
+    assert not info["recognised"] and "topk" in info["why"]
