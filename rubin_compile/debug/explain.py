@@ -20,6 +20,11 @@ def find_reports(root: Path) -> list[Path]:
     return sorted(root.glob("*/report.json"))
 
 
+def shown_when_changed(p: dict) -> bool:
+    """``--changed`` keeps a pass that rewrote, left something unchanged, or chose kernels."""
+    return bool(p["rewrites"] or p["unchanged"] or p.get("plans"))
+
+
 def explain(root: str, out: TextIO, only_changed: bool = False, graph: Optional[str] = None) -> int:
     """Print the report tables of every graph dumped under ``root``; return how many graphs were shown."""
     path = Path(root)
@@ -36,10 +41,10 @@ def explain(root: str, out: TextIO, only_changed: bool = False, graph: Optional[
         report = json.loads(report_path.read_text())
         if graph is not None and report["graph_id"] != graph:
             continue
-        if only_changed and not any(p["rewrites"] or p["unchanged"] for p in report["passes"]):
+        if only_changed and not any(shown_when_changed(p) for p in report["passes"]):
             continue
         if only_changed:
-            report = {**report, "passes": [p for p in report["passes"] if p["rewrites"] or p["unchanged"]]}
+            report = {**report, "passes": [p for p in report["passes"] if shown_when_changed(p)]}
         out.write(render_markdown(report) + "\n")
         shown += 1
     total = sum(len(p["rewrites"]) for r in reports for p in json.loads(r.read_text())["passes"])

@@ -24,16 +24,49 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return out
 
 
+def _spec(spec: dict[str, Any]) -> str:
+    quant = spec.get("quant", "none")
+    parts = [spec.get("act_dtype", "?") if quant == "none" else f"{quant} (act {spec.get('act_dtype')})"]
+    if spec.get("block_shape"):
+        parts.append("block " + "x".join(map(str, spec["block_shape"])))
+    parts += [f"{k}={v}" for k, v in spec.get("shape", {}).items()]
+    if spec.get("activation"):
+        parts.append(spec["activation"])
+    return " ".join(parts)
+
+
+def _plan_tables(plans: list[dict[str, Any]]) -> list[str]:
+    """select_kernels: the kernel per node, then every rejected candidate with its reason."""
+    lines = _table(
+        ["node", "canonical op", "spec", "kernel", "runs", "also supported", "forced"],
+        [[p["node"], p["canonical_op"], _spec(p["spec"]), f"{p['kernel']} ({p['target']})", p["entry"] or "-",
+          ", ".join(p.get("outranked", [])) or "-",
+          "-" if p.get("forced") is None else p["forced"] + (" (rejected)" if p.get("forced_reason") else "")]
+         for p in plans],
+    )
+    rejected = [[p["node"], r["kernel"], r["reason"]] for p in plans for r in p["rejected"]]
+    if rejected:
+        lines += ["", *_table(["node", "rejected kernel", "why"], rejected)]
+    lines.append("")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """report.md: one section per pass, a table of rewrites and one of what was left unchanged."""
     lines = [f"# rubin report for graph `{report['graph_id']}`", ""]
     lines.append(f"source: {report.get('source')}; options: {_cell(report.get('options', {}))}")
     lines.append("")
+    target = report.get("target")
+    if target:
+        lines.append(f"target: {target['name']} ({target.get('description', '')})")
+        lines.append("")
     for p in report["passes"]:
         status = []
         if not p.get("implemented", True):
             status.append("not implemented yet")
         status.append(f"{len(p['rewrites'])} rewritten")
+        if p.get("plans"):
+            status.append(f"{len(p['plans'])} kernel(s) chosen")
         if p["unchanged"]:
             status.append(f"{len(p['unchanged'])} left unchanged")
         status.append("graph changed" if p["changed"] else "graph unchanged")
@@ -47,6 +80,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                  for r in p["rewrites"]],
             )
             lines.append("")
+        if p.get("plans"):
+            lines += _plan_tables(p["plans"])
         if p["unchanged"]:
             lines += _table(
                 ["node", "idiom", "left unchanged because"],

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.options import RubinOptions
+from rubin_compile.target import Target
 
 
 @dataclass
@@ -36,6 +37,23 @@ class Unchanged:
 
 
 @dataclass
+class KernelPlan:
+    """The kernel chosen for one canonical node, and why every other candidate was not."""
+
+    node: str  # name of the canonical node
+    canonical_op: str  # e.g. "rubin.moe"
+    target: str  # the target the plan is for, e.g. "sm107"
+    kernel: str  # the chosen kernel, e.g. "flashinfer_trtllm"
+    impl: str  # what was written into the node's ``impl`` argument, e.g. "flashinfer_trtllm@sm107"
+    entry: str  # what runs, e.g. "flashinfer.fused_moe.trtllm_bf16_moe"
+    spec: dict[str, Any] = field(default_factory=dict)  # quantisation, dtypes, shapes, activation
+    rejected: list[dict[str, str]] = field(default_factory=list)  # {"kernel", "reason"}, by priority
+    outranked: list[str] = field(default_factory=list)  # supported, but of lower priority
+    forced: Optional[str] = None  # options.kernels asked for this kernel
+    forced_reason: Optional[str] = None  # why the forced kernel was not used
+
+
+@dataclass
 class PassResult:
     """What one pass did to one graph."""
 
@@ -46,6 +64,7 @@ class PassResult:
     unchanged: list[Unchanged] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    plans: list[KernelPlan] = field(default_factory=list)  # select_kernels: one per canonical node
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,6 +78,7 @@ class PassContext:
     graph_id: str = "graph"
     source: str = "backend"  # "backend" (torch.compile(backend="rubin")) or "vllm" (the vLLM pass)
     extra: dict[str, Any] = field(default_factory=dict)
+    target: Optional[Target] = None  # the resolved options.target (the pass manager sets it)
 
 
 def node_val(node: torch.fx.Node) -> Optional[Any]:

@@ -78,7 +78,8 @@ class PassManager(CustomGraphPass):
         enabled = self.options.enabled_passes()
         dump = GraphDump.create(self.options.dump_dir, _compile_id()) if self.options.dump_dir else None
         graph_id = dump.graph_id if dump else _compile_id()
-        ctx = PassContext(options=self.options, graph_id=graph_id, source=self.source)
+        target = self.options.resolved_target()
+        ctx = PassContext(options=self.options, graph_id=graph_id, source=self.source, target=target)
         previous = graph_code(graph)
         _trace_artifact("rubin_graph_input", previous)
         if dump:
@@ -102,6 +103,7 @@ class PassManager(CustomGraphPass):
         report = {
             "graph_id": graph_id,
             "source": self.source,
+            "target": {"name": target.name, "description": target.description, **target.features()},
             "options": self.options.behaviour_key(),
             "uuid": self.uuid(),
             "passes": [r.to_json() for r in results],

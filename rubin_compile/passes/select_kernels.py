@@ -1,14 +1,166 @@
-"""select_kernels: a stage of the pipeline that a later issue builds (see DESIGN.md).
+"""select_kernels: bind every canonical node to the best kernel for the target, and record why.
 
-Until then it changes nothing and says so in every report: every canonical op runs its reference implementation (plain PyTorch).
+For each ``torch.ops.rubin.<op>`` node (today ``rubin.moe``; ``rubin.gemm`` and ``rubin.attention`` come
+with their matchers) it builds a ``KernelSpec`` from the node's arguments and fake values (quantisation,
+dtypes, shapes, activation), asks the registry (kernels/registry.py) for the supported candidate of highest
+priority on ``ctx.target``, and writes the choice into the node's ``impl`` argument
+(``"flashinfer_trtllm@sm107"``), so the dumps show it and Inductor's cache keys on it. The plan -- chosen
+kernel, what runs, every rejected candidate with its reason -- goes into ``PassResult.plans`` and from
+there into report.json / report.md.
+
+``options.kernels`` forces a kernel per op (vLLM's ``--moe-backend``): a forced kernel that cannot run on
+the target is rejected with its reason and selection goes on as usual; with ``strict`` that is an error.
+On the CPU target every candidate but ``reference`` is rejected, so CPU runs keep exact numerics.
 """
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
 
 import torch
 
-from rubin_compile.passes.base import PassContext, PassResult, not_implemented
+from rubin_compile.kernels import registry
+from rubin_compile.kernels.registry import KernelSpec
+from rubin_compile.options import CANONICAL_OPS
+from rubin_compile.passes.base import KernelPlan, PassContext, PassResult, node_val
+from rubin_compile.passes.manager import RubinStrictError
 
 NAME = "select_kernels"
 
 
+class KernelSelectionError(RubinStrictError):
+    """``strict=True`` and a kernel forced by ``options.kernels`` cannot run on the target."""
+
+
+# rubin ops that run a canonical op's kernel through its ``impl`` argument without being that op:
+# ops/vllm_moe.py's layer ops call rubin.moe's kernel on the weights of the vLLM layer they name.
+RUNS_KERNEL_OF: dict[str, str] = {"vllm_moe_layer": "moe", "vllm_moe_layer_shared": "moe"}
+
+
+def canonical_op(node: torch.fx.Node) -> Optional[str]:
+    """``"moe"`` for a ``torch.ops.rubin.moe`` node (or an op in ``RUNS_KERNEL_OF``), etc.; else ``None``."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.namespace != "rubin":
+        return None
+    name = op_name(node)
+    return name if name in CANONICAL_OPS else RUNS_KERNEL_OF.get(name)
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``"moe"`` for ``torch.ops.rubin.moe.default``."""
+    return node.target._schema.name.split("::")[-1]
+
+
+def bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in schema.arguments), node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
+    """Set argument ``name`` of the node where it is given: positionally or as a keyword."""
+    index = [a.name for a in node.target._schema.arguments].index(name)
+    if index < len(node.args):
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def _dtype(node: Any) -> str:
+    val = node_val(node)
+    return str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "unknown"
+
+
+def _size(val: Any, dim: int) -> Optional[int]:
+    if not isinstance(val, torch.Tensor) or val.dim() <= dim:
+        return None
+    size = val.shape[dim]
+    return size if isinstance(size, int) else None  # symbolic sizes (dynamic T) are left out
+
+
+def moe_spec(node: torch.fx.Node) -> KernelSpec:
+    """What selection needs to know of a ``rubin.moe`` node (schema in ops/moe.py)."""
+    args = bound_arguments(node)
+    hidden, w13, ids = (node_val(args[n]) for n in ("hidden_states", "w13", "topk_ids"))
+    weight_dtype = _dtype(args["w13"])
+    block = args.get("block_shape")
+    if weight_dtype.startswith("float8"):
+        quant = "fp8_block" if block else "fp8_tensor"
+    else:
+        quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
+    two_i = _size(w13, 1)
+    sizes = {"T": _size(hidden, 0), "E": _size(w13, 0), "H": _size(hidden, 1),
+             "I": two_i // 2 if two_i is not None else None, "k": _size(ids, 1)}
+    return KernelSpec(
+        op="moe", quant=quant, act_dtype=_dtype(args["hidden_states"]), weight_dtype=weight_dtype,
+        block_shape=tuple(block) if block else None,
+        shape=tuple((k, v) for k, v in sizes.items() if v is not None),
+        activation=args.get("activation"), node=node.name,
+    )
+
+
+def vllm_layer_spec(node: torch.fx.Node) -> KernelSpec:
+    """A ``rubin.vllm_moe_layer*`` node: its weights live on the vLLM layer, not in the graph, and the
+    matcher only rewrites unquantised layers (ops/vllm_moe.py:layer_unsupported_reason), so the weights
+    have the activations' dtype; E, I and k are not known here, so no shape limit is checked."""
+    args = bound_arguments(node)
+    hidden = node_val(args["hidden_states"])
+    dtype = _dtype(args["hidden_states"])
+    sizes = {"T": _size(hidden, 0), "H": _size(hidden, 1)}
+    return KernelSpec(op="moe", quant="none", act_dtype=dtype, weight_dtype=dtype,
+                      shape=tuple((k, v) for k, v in sizes.items() if v is not None), node=node.name)
+
+
+# rubin op name -> how its node becomes a spec. A matcher that adds a canonical op adds its builder here.
+SPEC_BUILDERS: dict[str, Callable[[torch.fx.Node], KernelSpec]] = {
+    "moe": moe_spec, "vllm_moe_layer": vllm_layer_spec, "vllm_moe_layer_shared": vllm_layer_spec,
+}
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-    return not_implemented(NAME, "every canonical op runs its reference implementation (plain PyTorch)")
+    result = PassResult(NAME)
+    target = ctx.target if ctx.target is not None else ctx.options.resolved_target()
+    forced_kernels = dict(ctx.options.kernels)
+    for op, name in forced_kernels.items():
+        registry.candidate(op, name)  # an unknown kernel name is an error, listing the valid ones
+    for node in list(graph.nodes):
+        op = canonical_op(node)
+        if op is None:
+            continue
+        builder = SPEC_BUILDERS.get(op_name(node))
+        if builder is None:
+            result.notes.append(
+                f"{node.name}: no spec builder for rubin.{op_name(node)}; it keeps impl={bound_arguments(node).get('impl')!r}"
+            )
+            continue
+        spec = builder(node)
+        forced = forced_kernels.get(op)
+        selection = registry.select(spec, target, forced)
+        if forced is not None and selection.forced_reason is not None:
+            if ctx.options.strict:
+                raise KernelSelectionError(
+                    f"rubin (strict): options.kernels forces {forced!r} for rubin.{op} (node {node.name} in "
+                    f"graph {ctx.graph_id}), but it cannot run on target {target.name}: {selection.forced_reason}. "
+                    f"Kernels that can: {[selection.chosen.name, *selection.outranked]}."
+                )
+            result.notes.append(
+                f"{node.name}: forced kernel {forced!r} rejected on {target.name} ({selection.forced_reason}); "
+                f"chose {selection.chosen.name!r}"
+            )
+        impl = selection.impl
+        if bound_arguments(node).get("impl") != impl:
+            set_argument(node, "impl", impl)
+            result.changed = True
+        result.plans.append(KernelPlan(
+            node=node.name, canonical_op=f"rubin.{op_name(node)}", target=target.name, kernel=selection.chosen.name,
+            impl=impl, entry=selection.chosen.entry(spec), spec=spec.to_json(),
+            rejected=[{"kernel": k, "reason": r} for k, r in selection.rejected],
+            outranked=selection.outranked, forced=forced, forced_reason=selection.forced_reason,
+        ))
+    if not result.plans:
+        result.notes.append(f"no canonical node to bind (target {target.name})")
+    return result

@@ -1,0 +1,59 @@
+"""The ``torch`` provider: PyTorch's own CUDA kernels where they are the best available.
+
+* GEMM, BF16 / FP16: ``torch.mm`` (cuBLAS / cuBLASLt) on every CUDA target.
+* GEMM, FP8 per-tensor: ``torch._scaled_mm`` (cuBLASLt FP8) where the target has FP8 tensor cores.
+  Its block-scaled and FP4 modes are not declared here: which of them torch 2.11-2.14 accepts on which
+  architecture is decided in ATen's CUDA sources, which we have not checked (so they are not claimed).
+* Attention, BF16 / FP16: ``torch.nn.functional.scaled_dot_product_attention`` (flash / efficient /
+  cuDNN backends); SDPA has no FP8 KV cache.
+
+The canonical ``rubin.gemm`` and ``rubin.attention`` ops come with their matchers; until then
+``IMPLEMENTATIONS`` is empty and these candidates only take part in plans.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rubin_compile.kernels.registry import QUANT_LABELS, Candidate, KernelSpec
+from rubin_compile.target import Target
+
+IMPLEMENTATIONS: dict = {}
+
+_HALF = ("bfloat16", "float16")
+
+
+def _gemm_supports(target: Target, spec: KernelSpec) -> Optional[str]:
+    if not target.is_cuda:
+        return f"target {target.name} has no CUDA GPU"
+    if spec.act_dtype not in _HALF:
+        return f"activations in {spec.act_dtype} are not supported ({', '.join(_HALF)})"
+    if spec.quant == "none":
+        return None
+    if spec.quant == "fp8_tensor":
+        return None if target.fp8 else f"{target.name} has no FP8 tensor cores (torch._scaled_mm)"
+    return f"torch has no {QUANT_LABELS[spec.quant]} GEMM declared here (torch.mm / _scaled_mm per-tensor only)"
+
+
+def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
+    if not target.is_cuda:
+        return f"target {target.name} has no CUDA GPU"
+    if spec.quant != "none":
+        return f"SDPA has no {QUANT_LABELS[spec.quant]} KV cache"
+    if spec.act_dtype not in _HALF:
+        return f"activations in {spec.act_dtype} are not supported ({', '.join(_HALF)})"
+    return None
+
+
+def _runnable(target: Target) -> Optional[str]:
+    return None if target.is_cuda else f"target {target.name} has no CUDA GPU"
+
+
+def candidates() -> list[Candidate]:
+    gemm_entry = {"none": "torch.mm (cuBLAS)", "fp8_tensor": "torch._scaled_mm (cuBLASLt FP8)"}
+    return [
+        Candidate("gemm", "torch", _gemm_supports, {"*": 30}, _runnable,
+                  lambda spec: gemm_entry.get(spec.quant, "")),
+        Candidate("attention", "torch", _attention_supports, {"*": 30}, _runnable,
+                  lambda spec: "torch.nn.functional.scaled_dot_product_attention"),
+    ]

@@ -1,0 +1,213 @@
+"""The kernel registry: the selection table of docs/kernels/selection.md, FlashInfer's declarations,
+rejection reasons, forced kernels, and the clear error when a plan's kernel cannot run here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from rubin_compile import target as T
+from rubin_compile.kernels import flashinfer as fi
+from rubin_compile.kernels import registry as R
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "kernels" / "selection.md"
+TARGETS = {"sm_90": "sm90", "sm_100": "sm100", "sm_103": "sm103", "sm_107": "sm107", "cpu": "cpu"}
+DTYPES = {"bf16": "none", "FP8 per-tensor": "fp8_tensor", "FP8 block": "fp8_block", "NVFP4": "nvfp4", "MXFP4": "mxfp4"}
+PACKAGES = {"flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl", "cudnn": "nvidia-cudnn-frontend",
+            "triton": "triton"}
+missing = [pip for module, pip in PACKAGES.items() if importlib.util.find_spec(module) is None]
+needs_packages = pytest.mark.skipif(bool(missing), reason=f"the selection table assumes {missing} installed (tests/run.sh)")
+
+
+def documented_table() -> dict[tuple[str, str, str], tuple[str, str]]:
+    """(op, target, quant) -> (kernel, runs), parsed from the tables of docs/kernels/selection.md."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 6 or cells[0] not in R.CANONICAL_OPS:
+            continue
+        op, target, dtype, kernel, runs, _why = cells
+        key = (op, TARGETS[target], DTYPES[dtype])
+        assert key not in rows, f"{key} appears twice in {DOC.name}"
+        rows[key] = (kernel, runs.strip("`"))
+    return rows
+
+
+def documented_summary() -> dict[tuple[str, str, str], str]:
+    """(op, target, quant) -> kernel, from the "<op>: summary" matrices of the same document."""
+    out, op, columns = {}, None, None
+    for line in DOC.read_text().splitlines():
+        heading = re.fullmatch(r"### (\w+): summary", line.strip())
+        if heading or line.startswith("#"):
+            op = heading.group(1) if heading else None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if op is None or len(cells) != 6:
+            continue
+        if cells[0] == "target":
+            columns = [DTYPES[c] for c in cells[1:]]
+        elif cells[0] in TARGETS:
+            out.update({(op, TARGETS[cells[0]], q): k for q, k in zip(columns, cells[1:])})
+    return out
+
+
+def test_the_document_covers_every_op_target_and_dtype():
+    rows = documented_table()
+    want = {(op, t, q) for op in R.CANONICAL_OPS for t in TARGETS.values() for q in R.QUANTS}
+    assert set(rows) == want
+    assert documented_summary() == {key: kernel for key, (kernel, _) in rows.items()}
+
+
+@needs_packages
+@pytest.mark.parametrize("op", R.CANONICAL_OPS)
+def test_selection_matches_the_documented_table(op):
+    for (doc_op, target, quant), (kernel, runs) in documented_table().items():
+        if doc_op != op:
+            continue
+        spec = R.example_spec(op, quant)
+        chosen = R.select(spec, T.resolve(target)).chosen
+        assert (chosen.name, chosen.entry(spec)) == (kernel, runs), (op, target, quant)
+
+
+@needs_packages
+def test_flashinfer_entry_points_resolve_to_real_callables():
+    for op, table in fi.TABLES.items():
+        for kernel, entries in table.items():
+            for quant, entry in entries.items():
+                for path in entry.functions:
+                    assert callable(fi.resolve(path)), (op, kernel, quant, path)
+
+
+@needs_packages
+def test_declarations_read_from_flashinfer():
+    # @supported_compute_capability on the CuTe-DSL MoE entry points
+    assert fi.declared_ccs(fi.MOE["flashinfer_cutedsl"]["nvfp4"]) == {100, 103, 107}
+    assert fi.declared_ccs(fi.MOE["flashinfer_cutedsl"]["mxfp4"]) == {100, 103}
+    assert fi.declared_ccs(fi.MOE["flashinfer_cutedsl"]["none"]) == {90}
+    # @backend_requirement tables of the GEMMs
+    assert fi.declared_ccs(fi.GEMM["flashinfer_cutedsl"]["fp8_tensor"]) == {107}
+    assert 90 not in fi.declared_ccs(fi.GEMM["flashinfer_cutlass"]["fp8_tensor"])
+    assert {90, 100, 107} <= fi.declared_ccs(fi.GEMM["flashinfer_cudnn"]["fp8_tensor"])
+
+
+@needs_packages
+def test_rules_copied_from_flashinfer_code_still_match_its_source():
+    """Where FlashInfer decides in code, flashinfer.py copies the rule; fail when FlashInfer changes it."""
+    from flashinfer.fused_moe import core
+
+    dispatch = inspect.getsource(core.get_cutlass_fused_moe_module)
+    for cc in fi.CUTLASS_MOE_CCS:
+        assert f'"{cc}"' in dispatch, cc
+    assert "arch[0] < 10" in inspect.getsource(core.is_trtllm_moe_supported.__wrapped__)
+    assert 'FP8 block scaling not yet implemented for Blackwell' in inspect.getsource(core.cutlass_fused_moe)
+    utils = importlib.import_module("flashinfer.utils")
+    assert "major == 9" in inspect.getsource(utils.is_sm90a_supported)
+    decode = importlib.import_module("flashinfer.decode")
+    assert '"trtllm-gen" if get_compute_capability(query.device)[0] == 10 else "xqa"' in inspect.getsource(
+        decode.trtllm_batch_decode_with_kv_cache)
+
+
+def test_cpu_chooses_the_reference_and_says_why_for_the_others():
+    sel = R.select(R.example_spec("moe", "none"), T.resolve("cpu"))
+    assert sel.chosen.name == "reference" and sel.impl == "reference"
+    assert {k for k, _ in sel.rejected} == {c.name for c in R.candidates("moe")} - {"reference"}
+    assert all("no CUDA GPU" in reason for _, reason in sel.rejected)
+
+
+def test_shape_dtype_and_cc_reasons():
+    spec = R.KernelSpec("moe", "none", "bfloat16", "bfloat16", None, (("E", 6), ("H", 32), ("I", 24), ("k", 2)), "silu")
+    sel = R.select(spec, T.resolve("sm107"))
+    reasons = dict(sel.rejected)
+    if importlib.util.find_spec("flashinfer"):
+        assert "shape limit: I=24 must be a multiple of 128" in reasons["flashinfer_trtllm"]
+        assert "cc [90] only, not on sm107" in reasons["flashinfer_cutedsl"]
+    fp32 = R.select(dataclasses.replace(R.example_spec("moe", "none"), act_dtype="float32", weight_dtype="float32"),
+                    T.resolve("sm90"))
+    assert "activations in float32 are not supported" in dict(fp32.rejected)["triton"]
+
+
+def test_missing_packages_reject_their_candidates(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton") else real(name, *a))
+    sel = R.select(R.example_spec("moe", "fp8_tensor"), T.resolve("sm100"))
+    reasons = dict(sel.rejected)
+    assert reasons["flashinfer_trtllm"] == "package flashinfer-python is not installed"
+    assert reasons["triton"] == "package triton is not installed"
+    assert sel.chosen.name == "reference"
+
+
+@needs_packages
+def test_forced_kernel_that_cannot_run_is_rejected_with_its_reason():
+    sel = R.select(R.example_spec("moe", "none"), T.resolve("sm107"), forced="flashinfer_cutedsl")
+    assert sel.forced == "flashinfer_cutedsl" and "cc [90] only" in sel.forced_reason
+    assert sel.chosen.name == "flashinfer_trtllm"
+    ok = R.select(R.example_spec("moe", "none"), T.resolve("sm107"), forced="triton")
+    assert ok.chosen.name == "triton" and ok.forced_reason is None and ok.impl == "triton@sm107"
+
+
+def test_unknown_kernel_names_list_the_valid_ones():
+    with pytest.raises(R.UnknownKernelError, match=r"unknown kernel 'cutlass' for rubin.moe.*flashinfer_cutlass"):
+        R.candidate("moe", "cutlass")
+
+
+def test_a_declaration_that_fails_becomes_a_reason():
+    def broken(target, spec):
+        raise ImportError("no such module")
+
+    cand = R.Candidate("moe", "reference", broken, {"*": 0})
+    assert cand.check(T.resolve("sm90"), R.example_spec("moe", "none")) == "could not check support: ImportError: no such module"
+
+
+def test_impl_strings():
+    assert R.format_impl("reference", T.resolve("sm107")) == "reference"
+    assert R.format_impl("flashinfer_trtllm", T.resolve("sm107")) == "flashinfer_trtllm@sm107"
+    assert R.parse_impl("flashinfer_trtllm@sm107") == ("flashinfer_trtllm", "sm107")
+    assert R.parse_impl("triton") == ("triton", None)
+
+
+def test_reference_runs_everywhere():
+    assert R.implementation("moe", "reference") is importlib.import_module("rubin_compile.kernels.reference").moe_reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("impl", ["flashinfer_trtllm@sm107", "flashinfer_cutedsl@sm107", "triton@sm90"])
+def test_a_plan_for_a_gpu_raises_a_clear_error_here(impl, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernel, planned = R.parse_impl(impl)
+    with pytest.raises(R.KernelUnavailableError) as err:
+        R.implementation("moe", impl)
+    message = str(err.value)
+    assert f"compiled for target {planned} with kernel {kernel!r}" in message
+    assert "cannot run on this machine (target cpu)" in message
+
+
+def test_unknown_kernel_at_run_time_is_a_clear_error():
+    with pytest.raises(R.KernelUnavailableError, match=r"rubin.moe: unknown kernel 'nope'"):
+        R.implementation("moe", "nope@sm90")
+
+
+def test_priorities_are_per_target_and_format():
+    cutedsl = R.candidate("moe", "flashinfer_cutedsl")
+    assert cutedsl.rank(T.resolve("sm107"), R.example_spec("moe", "nvfp4")) == 50
+    assert cutedsl.rank(T.resolve("sm100"), R.example_spec("moe", "nvfp4")) == 30
+    assert cutedsl.rank(T.resolve("sm90"), R.example_spec("moe", "none")) == 5
+
+
+@needs_packages
+def test_a_plan_for_another_gpu_names_why_this_gpu_cannot_run_it(monkeypatch):
+    """An sm_100 plan executed on an H200: the trtllm-gen MoE is not declared for cc 90."""
+    monkeypatch.setattr(T, "detect", lambda device_index=0: T.resolve("sm90"))
+    with pytest.raises(R.KernelUnavailableError) as err:
+        R.implementation("moe", "flashinfer_trtllm@sm100")
+    assert "compiled for target sm100 with kernel 'flashinfer_trtllm'" in str(err.value)
+    assert "(target sm90)" in str(err.value) and "not on sm90 (cc 90)" in str(err.value)
+    # runnable on this GPU, but no adapter from rubin.moe to it yet: still a clear error, not a crash
+    with pytest.raises(R.KernelUnavailableError, match=r"no adapter from rubin.moe to flashinfer_cutlass yet"):
+        R.implementation("moe", "flashinfer_cutlass@sm90")

@@ -1,0 +1,183 @@
+"""select_kernels: plans per target in the dumps, forced kernels, strict mode, and the clear error when a
+plan made for a GPU is executed on this CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from rubin_compile.kernels.registry import KernelUnavailableError
+from rubin_compile.options import RubinOptions
+from rubin_compile.passes import select_kernels
+from rubin_compile.passes.base import PassContext
+from rubin_compile.passes.manager import PassManager
+from tests.conftest import assert_close_to_eager
+from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                      reason="flashinfer-python is not installed (tests/run.sh installs it)")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
+
+
+def _model(dtype):
+    model = LoopMoE().to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def _plans(rubin_run):
+    return [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels"
+            for pl in p["plans"]]
+
+
+def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4, k=2):
+    """A graph with one rubin.moe node and fake values on every node, as match_moe leaves it."""
+    import rubin_compile.ops  # noqa: F401
+
+    def f(x, w13, w2, tw, ids, *scales):
+        kwargs = {}
+        if scales:
+            kwargs = {"w13_scale": scales[0], "w2_scale": scales[1], "block_shape": block_shape}
+        return torch.ops.rubin.moe(x, w13, w2, tw, ids, "silu", **kwargs)
+
+    with FakeTensorMode():
+        args = [torch.empty(T, H, dtype=torch.bfloat16), torch.empty(E, 2 * I, H, dtype=w_dtype),
+                torch.empty(E, H, I, dtype=w_dtype), torch.empty(T, k), torch.zeros(T, k, dtype=torch.int64)]
+        if w_dtype == torch.float8_e4m3fn:
+            if block_shape:
+                bn, bk = block_shape
+                args += [torch.empty(E, -(-2 * I // bn), -(-H // bk)), torch.empty(E, -(-H // bn), -(-I // bk))]
+            else:
+                args += [torch.empty(E), torch.empty(E)]
+        return make_fx(f, tracing_mode="fake")(*args).graph
+
+
+def _select(graph, **options):
+    opts = RubinOptions.resolve(options, environ={})
+    return select_kernels.run(graph, PassContext(options=opts, target=opts.resolved_target()))
+
+
+def _impl(graph):
+    (node,) = [n for n in graph.nodes if select_kernels.canonical_op(n) == "moe"]
+    return node.kwargs.get("impl", "reference")
+
+
+@pytest.mark.parametrize("w_dtype, block, target, kernel, quant", [
+    (torch.bfloat16, None, "sm90", "triton", "none"),
+    (torch.float8_e4m3fn, None, "sm90", "triton", "fp8_tensor"),
+    (torch.float8_e4m3fn, [128, 128], "sm90", "triton", "fp8_block"),
+    (torch.float8_e4m3fn, [128, 128], "sm100", "flashinfer_trtllm", "fp8_block"),
+    (torch.bfloat16, None, "sm107", "flashinfer_trtllm", "none"),
+    (torch.bfloat16, None, "cpu", "reference", "none"),
+])
+def test_spec_from_the_node_and_the_kernel_written_into_it(w_dtype, block, target, kernel, quant):
+    if kernel.startswith("flashinfer") and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer-python is not installed")
+    graph = _moe_graph(w_dtype, block)
+    result = _select(graph, target=target)
+    (plan,) = result.plans
+    assert plan.spec["quant"] == quant and plan.spec["shape"] == {"T": 4, "E": 8, "H": 256, "I": 256, "k": 2}
+    assert plan.kernel == kernel and plan.target == target
+    assert _impl(graph) == plan.impl == (kernel if kernel == "reference" else f"{kernel}@{target}")
+    assert result.changed == (kernel != "reference")
+
+
+@cpu_only
+def test_cpu_target_runs_the_reference_with_exact_numerics(rubin_run):
+    model = _model(torch.float32)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        out = rubin_run.compile(model)(x)
+        assert_close_to_eager(out, model(x))
+    (plan,) = _plans(rubin_run)
+    assert plan["kernel"] == "reference" and plan["target"] == "cpu" and plan["impl"] == "reference"
+    assert {r["kernel"] for r in plan["rejected"]} >= {"triton", "flashinfer_cutlass", "flashinfer_trtllm"}
+    assert rubin_run.reports()[0]["target"]["name"] == "cpu"
+
+
+@needs_flashinfer
+@cpu_only
+def test_plan_for_sm107_made_on_the_cpu_and_executing_it_raises_a_clear_error(rubin_run):
+    compiled = rubin_run.compile(_model(torch.bfloat16), target="sm107")
+    with pytest.raises(KernelUnavailableError) as err, torch.no_grad():
+        compiled(torch.randn(5, 32, dtype=torch.bfloat16))
+    (plan,) = _plans(rubin_run)
+    # H=32 / I=24: trtllm-gen's I % 128 limit rejects it, so CUTLASS (128-bit aligned rows) is chosen.
+    assert plan["kernel"] == "flashinfer_cutlass" and plan["impl"] == "flashinfer_cutlass@sm107"
+    rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
+    assert rejected["flashinfer_trtllm"] == "shape limit: I=24 must be a multiple of 128"
+    assert "cc [90] only, not on sm107" in rejected["flashinfer_cutedsl"]
+    message = str(err.value)
+    assert "compiled for target sm107 with kernel 'flashinfer_cutlass'" in message
+    assert "cannot run on this machine (target cpu)" in message
+    # The dump shows the bound kernel; report.md and explain show the plan.
+    (graph_dir,) = rubin_run.dump_dir.iterdir()
+    assert "impl = 'flashinfer_cutlass@sm107'" in (graph_dir / "05-select_kernels.py").read_text()
+    report_md = (graph_dir / "report.md").read_text()
+    assert "target: sm107 (Rubin)" in report_md
+    assert "| moe_default | rubin.moe | bfloat16 T=5 E=6 H=32 I=24 k=2 silu | flashinfer_cutlass (sm107) |" in report_md
+    assert "| moe_default | flashinfer_trtllm | shape limit: I=24 must be a multiple of 128 |" in report_md
+    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "flashinfer_cutlass (sm107)" in cli.stdout and "rejected kernel" in cli.stdout
+
+
+@needs_flashinfer
+def test_forced_kernel_rejected_with_its_reason_and_strict_makes_it_an_error():
+    graph = _moe_graph()
+    result = _select(graph, target="sm107", kernels={"moe": "flashinfer_cutedsl"})
+    (plan,) = result.plans
+    assert plan.forced == "flashinfer_cutedsl" and "cc [90] only, not on sm107" in plan.forced_reason
+    assert plan.kernel == "flashinfer_trtllm"
+    assert any("forced kernel 'flashinfer_cutedsl' rejected on sm107" in n for n in result.notes)
+    with pytest.raises(select_kernels.KernelSelectionError,
+                       match=r"rubin \(strict\): options.kernels forces 'flashinfer_cutedsl' for rubin.moe.*sm107.*cc \[90\]"):
+        _select(_moe_graph(), target="sm107", kernels={"moe": "flashinfer_cutedsl"}, strict=True)
+
+
+def test_forced_kernel_that_can_run_is_used_and_unknown_names_are_errors():
+    graph = _moe_graph()
+    (plan,) = _select(graph, target="sm90", kernels={"moe": "reference"}).plans
+    assert plan.kernel == "reference" and plan.forced_reason is None and _impl(graph) == "reference"
+    with pytest.raises(ValueError, match=r"unknown kernel 'cutlass' for rubin.moe; its kernels are \[.*'triton'"):
+        _select(_moe_graph(), target="sm90", kernels={"moe": "cutlass"})
+
+
+@cpu_only
+def test_forced_reference_on_a_gpu_target_still_runs_here(rubin_run):
+    model = _model(torch.bfloat16)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = rubin_run.compile(model, target="sm100", kernels={"moe": "reference"})(x)
+        assert_close_to_eager(out, model(x))
+    (plan,) = _plans(rubin_run)
+    assert plan["kernel"] == "reference" and plan["forced"] == "reference"
+
+
+def test_uuid_follows_the_target_and_forced_kernels():
+    def uuid(**o):
+        return PassManager(RubinOptions.resolve(o, environ={})).uuid()
+
+    assert uuid(target="sm107") != uuid(target="sm90") != uuid(target="cpu")
+    assert uuid(target="sm107") == uuid(target="sm_107") == uuid(target="rubin")
+    assert uuid(target="sm90") != uuid(target="sm90", kernels={"moe": "triton"})
+    report = json.loads(json.dumps(PassManager(RubinOptions.resolve({"target": "sm107"}, environ={})).run(_moe_graph())))
+    assert report["target"]["name"] == "sm107" and report["target"]["sm_count"] == 212
+
+
+def test_impl_given_positionally_is_replaced_in_place():
+    graph = _moe_graph()
+    (node,) = [n for n in graph.nodes if select_kernels.canonical_op(n) == "moe"]
+    node.args = (*node.args, "silu", None, None, None, None, None, "reference")  # as an emitter might
+    node.kwargs = {}
+    _select(graph, target="sm90")
+    assert node.args[11] == "triton@sm90" and "impl" not in node.kwargs

@@ -1,0 +1,35 @@
+"""Kernel selection on a real GPU: the detected target, and a compiled MoE that runs the chosen kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rubin_compile import target as T
+from tests.conftest import assert_close_to_eager
+from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_detect_reads_the_device():
+    props = torch.cuda.get_device_properties(0)
+    here = T.detect()
+    assert here.compute_capability == (props.major, props.minor)
+    assert here.sm_count == props.multi_processor_count and here.is_cuda
+    if (props.major, props.minor) == (9, 0):
+        assert here.name == "sm90" and here.pdl and here.fp8 and not here.tcgen05
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0) if torch.cuda.is_available() else True,
+                    reason="the sm_90 row of docs/kernels/selection.md")
+def test_auto_target_binds_triton_on_sm90_and_matches_eager(rubin_run):
+    model = LoopMoE(hidden=256, inter=256, experts=8, k=2).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+        out = rubin_run.compile(model)(x)
+        assert_close_to_eager(out, model(x))
+    plans = [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
+    assert [pl["impl"] for pl in plans] == ["triton@sm90"]
