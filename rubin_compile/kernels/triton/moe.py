@@ -1,0 +1,824 @@
+"""Fused mixture-of-experts Triton kernels for ``rubin.moe`` (decode at the HBM roofline, and prefill).
+
+The op (see ``rubin_compile/ops/moe.py``)::
+
+    out[t] = sum_j w[t, j] * (act(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)) @ w2[e].T,   e = ids[t, j]
+
+Decode is bound by reading the routed experts' weights, so the floor is (bytes of the distinct experts
+routed) / (HBM bandwidth). The design keeps every other cost off that path:
+
+* **FC1 kernel** (``_moe_fc1_kernel``): one program per (group of slots sharing an expert, N tile of I).
+  It streams its expert's gate rows and up rows across K = H once, multiplies them with all of the
+  group's token rows (``tl.dot``, rows padded to ``BM``), applies the activation in registers and writes
+  the small ``[T*k, I]`` intermediate. No separate activation launch.
+* **FC2 kernel** (``_moe_fc2_kernel``): one program per (group, N tile of H). It streams ``w2`` once,
+  scales each row by its top-k weight, writes the weighted row to a per-slot buffer and bumps a counter
+  per (token, N tile); the program that brings the counter to ``k`` sums the ``k`` rows **in slot order**
+  and writes the output. The top-k reduction is therefore fused and deterministic (no float atomics):
+  results do not depend on which program finishes first, so PDL on and off are bitwise identical.
+* **Grouping without a sort launch** (decode, ``T*k <= 64``): program ``s`` of axis 0 takes slot ``s``;
+  it is the group's leader if no earlier slot routes to the same expert, else it exits. The leader
+  gathers every slot of its expert, so each expert's weights are read once however many tokens chose it.
+* **Grouped mode** (``64 < T*k <= 4096``): one single-program launch (``_moe_route_kernel``) sorts the
+  slots by expert in registers and writes a group table; FC1/FC2 then take one program per routed expert.
+* **Prefill** (many tokens): the same kernels over ``BM``-row blocks of tokens sorted by expert (a
+  grouped GEMM with ``tl.dot`` on the tensor cores), routed by a few capturable torch ops.
+
+PDL (sm_90+, ``pdl=True``): every kernel calls ``gdc_wait()`` before it reads anything the previous
+kernel writes and never inside a pipelined loop (Triton issue 11905), and calls
+``gdc_launch_dependents()`` after its last read of inputs. Before its wait, FC2 does only index math on
+routing data that was complete before FC1 passed its own wait (FC1 triggers only after that wait), and
+starts pulling its first weight bytes into L2 (``cp.async.bulk.prefetch.L2``); FC1 cannot prefetch
+before its wait because which experts it needs is written by the router kernel before it.
+
+Tiles come in two orientations: plain (acc [tokens, BN], mma.sync for 16-row token tiles, wgmma from 64)
+and swapped (``swap``: acc [BN, tokens] = W[BN, BK] . X^T, so the weight tile is the wgmma's M side even
+when a group has a handful of tokens).
+
+FP8 (e4m3) weights: per-tensor / per-expert scales are applied to the accumulator; 128x128 block scales
+are applied per K tile (``BK`` divides the scale block). With ``a_fp8`` (the default for FP8 weights)
+each token's K tile is quantised to e4m3 in-kernel (its amax / 448) and the unconverted weights go to
+the FP8 tensor cores with swapped tiles (relative error ~4e-2 against float64). Without it activations
+stay 16-bit and the weights are converted in registers (W8A16, error ~3e-3), which measured no faster
+than bf16 on the H200: the conversion, not memory, bounds it.
+
+Configurations are data (``moe_configs/<GPU name>.json``, written by ``tune_moe.py`` on the GPU); a
+heuristic covers shapes not in the table. Nothing is tuned at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.ops.moe import FP8_DTYPES, check_moe_args
+
+try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gdc_wait = gdc_launch_dependents = None
+
+CONFIG_DIR = Path(__file__).with_name("moe_configs")
+SLOT_MAX = 64  # decode "slot" mode handles up to this many (token, expert) slots with no routing launch
+ROUTE_KERNEL_MAX = 4096  # the single-program routing kernel sorts up to this many slots in registers
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# ------------------------------------------------------------------------------------------------
+# configurations
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of one of the two GEMM kernels."""
+
+    BM: int = 16  # token rows per dot (padded); a group with more rows loops over chunks of BM
+    BN: int = 64  # output columns per program
+    BK: int = 128  # K step
+    num_warps: int = 4
+    num_stages: int = 4
+    prefetch: int = 0  # bytes of this program's weight slice to pull into L2 up front (0 = off)
+    swap: bool = False  # weight tile as the MMA's M side (acc [BN, BM]): wgmma / FP8 wgmma for few tokens
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How one MoE call is run: routing mode, the two GEMMs' tiles, and the top-k reduction."""
+
+    mode: str = "slot"  # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert) or "prefill"
+    fc1: GemmConfig = field(default_factory=GemmConfig)
+    fc2: GemmConfig = field(default_factory=GemmConfig)
+    cap: int = 0  # rows per group in "prefill" mode (0 = one group per expert)
+    fused_sum: bool = True  # last-arriving FC2 program sums the k slots (else a separate sum kernel)
+    a_fp8: bool = False  # FP8 weights only: quantise activations in-kernel and use FP8 tensor cores
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "MoEConfig":
+        """Build from a table entry; keys that are not config fields (timings, errors) are ignored."""
+        fields = MoEConfig.__dataclass_fields__
+        rest = {n: v for n, v in d.items() if n in fields and n not in ("fc1", "fc2")}
+        return MoEConfig(fc1=GemmConfig(**d.get("fc1", {})), fc2=GemmConfig(**d.get("fc2", {})), **rest)
+
+
+def shape_key(E: int, H: int, I: int, k: int, weight_dtype: torch.dtype, block_shape=None) -> str:
+    """Key of a shape bucket in the tuned-config JSON."""
+    if weight_dtype in FP8_DTYPES:
+        w = "fp8_block" if block_shape is not None else "fp8"
+    else:
+        w = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(weight_dtype, str(weight_dtype))
+    return f"E={E},H={H},I={I},k={k},w={w}"
+
+
+def device_file_name(device_name: str) -> str:
+    """File name of a GPU's tuned-config table, e.g. 'NVIDIA H200' -> 'NVIDIA_H200.json'."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name.strip()) + ".json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_config_table(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
+    """The tuned table for a GPU name ({} if there is none). Read once per process; never tunes."""
+    path = Path(directory) if directory else CONFIG_DIR
+    path = path / device_file_name(device_name)
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def expected_distinct_experts(T: int, E: int, k: int) -> float:
+    """Expected number of distinct experts hit by T tokens routed uniformly to k distinct experts each."""
+    if T <= 0 or k <= 0:
+        return 0.0
+    return min(float(E), E * (1.0 - (1.0 - min(k, E) / E) ** T))
+
+
+def _pow2_at_least(x: float, lo: int, hi: int) -> int:
+    v = lo
+    while v < x and v < hi:
+        v *= 2
+    return v
+
+
+def heuristic_config(
+    T: int, E: int, H: int, I: int, k: int, weight_dtype: torch.dtype, block_shape=None, num_sms: int = 132
+) -> MoEConfig:
+    """A sane configuration for shapes the tuned table does not cover.
+
+    Decode: fill the SMs about twice over with (group, N tile) programs, each streaming a weight slice
+    across the whole K in ``BK`` steps, 4-stage pipelined. Prefill: 128-row blocks, wgmma tiles
+    (FC1 128 x 64 x 64 gate and up, FC2 128 x 128 x 64), 8 warps, 3 stages.
+    """
+    S = T * k
+    fp8 = weight_dtype in FP8_DTYPES
+    bk = 128
+    if fp8 and block_shape is not None:
+        bk = _largest_pow2_divisor(int(block_shape[1]), 128)
+    groups = max(1.0, expected_distinct_experts(T, E, k))
+    rows = S / groups
+    w_elt = 1 if fp8 else 2
+    if rows > 64 and T >= 512:
+        mode = "prefill"
+        fc1 = GemmConfig(BM=128, BN=64, BK=min(64, bk), num_warps=8, num_stages=3)
+        fc2 = GemmConfig(BM=128, BN=128, BK=min(64, bk), num_warps=8, num_stages=3)
+        return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, w_elt), fc2=fit_smem(fc2, "fc2", 2, w_elt),
+                         cap=128, fused_sum=True, a_fp8=False)
+    mode = "slot" if S <= SLOT_MAX else "grouped"
+    bm = _pow2_at_least(rows, 16, 64)
+
+    def pick_bn(n: int, widest: int) -> int:
+        for bn in (128, 64, 32):
+            if bn > widest:
+                continue
+            if groups * triton.cdiv(n, bn) >= 2 * num_sms:
+                return bn
+        return 16
+
+    if fp8:
+        # FP8 weights: swapped tiles (weights on the wgmma's M side) with FP8 activations quantised in-kernel,
+        # so the weights go to the FP8 tensor cores unconverted (converting them in registers is the
+        # bottleneck of the W8A16 path on this design)
+        fc1 = GemmConfig(BM=bm, BN=min(64, max(32, pick_bn(I, 128))), BK=bk, num_warps=4, num_stages=4, swap=True)
+        fc2 = GemmConfig(BM=bm, BN=min(64, max(32, pick_bn(H, 128))), BK=bk, num_warps=4, num_stages=4, swap=True)
+        return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, 1), fc2=fit_smem(fc2, "fc2", 2, 1),
+                         cap=0, fused_sum=True, a_fp8=True)
+    # (FC2's fused-sum epilogue spills at BN=128 with 4 warps, hence its narrower widest tile)
+    fc1 = GemmConfig(BM=bm, BN=pick_bn(I, 128), BK=bk, num_warps=4, num_stages=4)
+    fc2 = GemmConfig(BM=bm, BN=pick_bn(H, 64), BK=bk, num_warps=4, num_stages=4)
+    return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, w_elt), fc2=fit_smem(fc2, "fc2", 2, w_elt),
+                     cap=0, fused_sum=True, a_fp8=False)
+
+
+SMEM_LIMIT = 225 * 1024  # of the H100 / H200's 227 KB per block, with room for Triton's scratch
+
+
+def smem_estimate(g: GemmConfig, which: str, x_elt: int, w_elt: int) -> int:
+    """Shared memory of one GEMM config: an (x tile + weight tile(s)) per pipeline buffer.
+
+    Triton keeps num_stages buffers on the wgmma path (BM >= 64 or swapped), num_stages - 1 on mma.sync
+    (checked against the compiled kernels' reports).
+    """
+    stage = g.BM * g.BK * x_elt + (2 if which == "fc1" else 1) * g.BN * g.BK * w_elt
+    return stage * (g.num_stages if (g.swap or g.BM >= 64) else g.num_stages - 1)
+
+
+def fit_smem(g: GemmConfig, which: str, x_elt: int = 2, w_elt: int = 2) -> GemmConfig:
+    """Shrink a config until it fits shared memory: fewer stages (down to 2), then a narrower BN."""
+    while smem_estimate(g, which, x_elt, w_elt) > SMEM_LIMIT:
+        if g.num_stages > 2:
+            g = replace(g, num_stages=g.num_stages - 1)
+        elif g.BN > 16:
+            g = replace(g, BN=g.BN // 2)
+        else:
+            g = replace(g, BK=max(16, g.BK // 2))
+    return g
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    v = 1
+    while v * 2 <= cap and n % (v * 2) == 0:
+        v *= 2
+    return v
+
+
+def lookup_config(
+    T: int,
+    E: int,
+    H: int,
+    I: int,
+    k: int,
+    weight_dtype: torch.dtype,
+    block_shape=None,
+    device_name: str = "",
+    num_sms: int = 132,
+    table: Optional[dict[str, Any]] = None,
+) -> tuple[MoEConfig, str]:
+    """Choose a config: the tuned entry for this GPU and shape at the nearest tuned T, else the heuristic.
+
+    Returns (config, source) where source says where it came from ("table:<key>@T=<t>" or "heuristic").
+    A table entry whose mode cannot serve this T (slot mode needs T*k <= SLOT_MAX) is adjusted to the
+    nearest mode that can, keeping its tiles.
+    """
+    if table is None:
+        table = load_config_table(device_name) if device_name else {}
+    entry = table.get("configs", {}).get(shape_key(E, H, I, k, weight_dtype, block_shape))
+    if entry:
+        tuned = sorted(int(t) for t in entry)
+        # nearest in log2 space, ties towards the smaller T
+        best = min(tuned, key=lambda t: (abs(math.log2(max(T, 1)) - math.log2(t)), t))
+        cfg = MoEConfig.from_json(entry[str(best)])
+        return _fit_mode(cfg, T, k), f"table:{shape_key(E, H, I, k, weight_dtype, block_shape)}@T={best}"
+    return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms), "heuristic"
+
+
+def _fit_mode(cfg: MoEConfig, T: int, k: int) -> MoEConfig:
+    if cfg.mode == "slot" and T * k > SLOT_MAX:
+        return replace(cfg, mode="grouped")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # tanh(u) = 2 * sigmoid(2u) - 1 (no libdevice call: also runs under TRITON_INTERPRET)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0))
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
+    """Ask the copy engine to pull ``nbytes`` at ``ptr`` (16-byte aligned) into L2; returns nothing useful."""
+    offs = tl.arange(0, NCHUNK) * CHUNK
+    size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
+    size = (size // 16) * 16
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr.to(tl.pointer_type(tl.int8)) + offs, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _slot_group(ids_ptr, S, pid, SLOT_P2: tl.constexpr):
+    """Slot mode: slot ``pid``'s expert, whether an earlier slot already leads that expert, its row count."""
+    offs = tl.arange(0, SLOT_P2)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)
+    e = tl.load(ids_ptr + pid)
+    match = ids == e
+    dup = tl.sum((match & (offs < pid)).to(tl.int32), axis=0) > 0
+    count = tl.sum(match.to(tl.int32), axis=0)
+    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+    return e, dup, count, match, rank
+
+
+@triton.jit
+def _group_rows(
+    match, rank, sorted_ptr, start, count, m0, ROUTE: tl.constexpr, BM: tl.constexpr, SLOT_P2: tl.constexpr
+):
+    """Slot indices (and validity) of rows [m0, m0 + BM) of the current group."""
+    want = m0 + tl.arange(0, BM)
+    if ROUTE == 0:
+        sel = match[None, :] & (rank[None, :] == want[:, None])
+        slot = tl.sum(tl.where(sel, tl.arange(0, SLOT_P2)[None, :], 0), axis=1)
+        valid = want < count
+    else:
+        valid = want < count
+        slot = tl.load(sorted_ptr + start + want, mask=valid, other=0)
+    return slot.to(tl.int64), valid
+
+
+@triton.jit
+def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: tl.constexpr,
+              DOT_PREC: tl.constexpr):
+    """acc + x . w over one K tile.
+
+    Plain: x [BM, BK], w [BK, BN], acc [BM, BN]. Swapped (``SWAP``): w [BN, BK], x [BK, BM], acc [BN, BM],
+    so the weight tile is the MMA's M side (wgmma from BN = 64, FP8 wgmma with ``A_FP8``) and a few
+    tokens are its N side. ``sw`` [BN]: the weight rows' block scales for this K tile (W_SCALE == 2).
+    With ``A_FP8`` each token's K tile is quantised to e4m3 with its own scale (amax / 448).
+    """
+    if A_FP8:
+        xf = x.to(tl.float32)
+        if SWAP:
+            xs = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12) / 448.0
+            d = tl.dot(w, (xf / xs[None, :]).to(tl.float8e4nv))
+            scale = xs[None, :]
+            if W_SCALE == 2:
+                scale = scale * sw[:, None]
+        else:
+            xs = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
+            d = tl.dot((xf / xs[:, None]).to(tl.float8e4nv), w)
+            scale = xs[:, None]
+            if W_SCALE == 2:
+                scale = scale * sw[None, :]
+        out = acc + d * scale
+    elif W_SCALE == 2:
+        if SWAP:
+            out = acc + tl.dot(w.to(x.dtype), x, input_precision=DOT_PREC) * sw[:, None]
+        else:
+            out = acc + tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC) * sw[None, :]
+    else:
+        if SWAP:
+            out = tl.dot(w.to(x.dtype), x, acc, input_precision=DOT_PREC)
+        else:
+            out = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit(do_not_specialize=["S", "K_TOP", "cnt_numel", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk"])
+def _moe_fc1_kernel(
+    x_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, inter_ptr, cnt_ptr,
+    S, K_TOP, H, I, cnt_numel,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_se, stride_sn, stride_sk, stride_it, SCALE_BN, SCALE_BK,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, SWAP: tl.constexpr,
+):
+    """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n])."""
+    pid_g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BK)
+    if GDC:
+        gdc_wait()  # hidden states, ids and route tables are written by earlier kernels
+    # Zero FC2's arrival counters (FC2 touches them only after its own gdc_wait, i.e. after this grid).
+    if pid_g == 0:
+        per = tl.cdiv(cnt_numel, tl.num_programs(1))
+        for c0 in range(0, per, 1024):
+            zo = c0 + tl.arange(0, 1024)
+            tl.store(cnt_ptr + pid_n * per + zo, tl.zeros([1024], tl.int32), mask=(zo < per) & (pid_n * per + zo < cnt_numel))
+    if ROUTE == 0:
+        e, dup, count, match, rank = _slot_group(ids_ptr, S, pid_g, SLOT_P2)
+        start = 0
+        if dup:
+            return
+    else:
+        count = tl.load(gcount_ptr + pid_g)
+        if count == 0:
+            return
+        e = tl.load(gexp_ptr + pid_g)
+        start = tl.load(gstart_ptr + pid_g)
+        match = tl.zeros([SLOT_P2], tl.int1)
+        rank = tl.zeros([SLOT_P2], tl.int32)
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    if PREFETCH > 0:
+        nbytes = tl.minimum(I - pid_n * BN, BN) * H * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.minimum(nbytes, PREFETCH)
+        _prefetch_l2(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
+        _prefetch_l2(w_base + (I + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
+    s_base = ws_ptr + e64 * stride_se
+    for m0 in range(0, count, BM):
+        slot, valid = _group_rows(match, rank, sorted_ptr, start, count, m0, ROUTE, BM, SLOT_P2)
+        tok = slot // K_TOP
+        if SWAP:
+            x_ptrs = x_ptr + tok[None, :] * stride_xt + offs_k[:, None] * stride_xh
+            wg_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            acc_g = tl.zeros([BN, BM], tl.float32)
+            acc_u = tl.zeros([BN, BM], tl.float32)
+        else:
+            x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+            wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc_g = tl.zeros([BM, BN], tl.float32)
+            acc_u = tl.zeros([BM, BN], tl.float32)
+        wu_ptrs = wg_ptrs + I * stride_wn
+        for k0 in range(0, H, BK):
+            k_mask = (offs_k < H - k0) | EVEN_K
+            if SWAP:
+                x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
+                wg = tl.load(wg_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            sg = 1.0
+            su = 1.0
+            if W_SCALE == 2:
+                kb = k0 // SCALE_BK
+                sg = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+                su = tl.load(s_base + ((offs_n + I) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+            acc_g = _mma_step(x, wg, acc_g, sg, W_SCALE, A_FP8, SWAP, DOT_PREC)
+            acc_u = _mma_step(x, wu, acc_u, su, W_SCALE, A_FP8, SWAP, DOT_PREC)
+            x_ptrs += BK * stride_xh
+            wg_ptrs += BK * stride_wk
+            wu_ptrs += BK * stride_wk
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        if GDC:
+            gdc_launch_dependents()  # last read of inputs done (later chunks re-read only L2-hot weights)
+        if W_SCALE == 1:
+            s = tl.load(s_base).to(tl.float32)
+            acc_g = acc_g * s
+            acc_u = acc_u * s
+        if HAS_BIAS:
+            bg = tl.load(b_ptr + e64 * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+            bu = tl.load(b_ptr + e64 * stride_be + (offs_n + I) * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+            acc_g += bg[None, :]
+            acc_u += bu[None, :]
+        if ACT == 0:
+            h = _silu(acc_g) * acc_u
+        else:
+            h = _gelu_tanh(acc_g) * acc_u
+        i_ptrs = inter_ptr + slot[:, None] * stride_it + offs_n[None, :]
+        tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk"])
+def _moe_fc2_kernel(
+    a_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, tw_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr,
+    part_ptr, out_ptr, cnt_ptr,
+    S, K_TOP, H, I,
+    stride_at, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_se, stride_sn, stride_sk, stride_pt, stride_ot, SCALE_BN, SCALE_BK,
+    HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
+    FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
+):
+    """FC2 + top-k weighted sum: out[t, n] = sum_j w[t, j] * (inter[t*k + j] . w2[e_j, n])."""
+    pid_g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BK)
+    # Routing data (ids, route tables) was complete before FC1 passed its gdc_wait, and FC1 lets this grid
+    # start only after that, so reading it here, before our own wait, is safe.
+    if ROUTE == 0:
+        e, dup, count, match, rank = _slot_group(ids_ptr, S, pid_g, SLOT_P2)
+        start = 0
+        if dup:
+            return
+    else:
+        count = tl.load(gcount_ptr + pid_g)
+        if count == 0:
+            return
+        e = tl.load(gexp_ptr + pid_g)
+        start = tl.load(gstart_ptr + pid_g)
+        match = tl.zeros([SLOT_P2], tl.int1)
+        rank = tl.zeros([SLOT_P2], tl.int32)
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    if PREFETCH > 0:  # weights: nothing before us writes them
+        nbytes = tl.minimum(H - pid_n * BN, BN) * I * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        _prefetch_l2(w_base + pid_n * BN * stride_wn, tl.minimum(nbytes, PREFETCH), PF_CHUNK, PREFETCH // PF_CHUNK)
+    if GDC:
+        gdc_wait()  # the intermediate is FC1's output
+    s_base = ws_ptr + e64 * stride_se
+    n_tiles = tl.num_programs(1)
+    for m0 in range(0, count, BM):
+        slot, valid = _group_rows(match, rank, sorted_ptr, start, count, m0, ROUTE, BM, SLOT_P2)
+        if SWAP:
+            a_ptrs = a_ptr + slot[None, :] * stride_at + offs_k[:, None]
+            w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
+            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, I, BK):
+            k_mask = (offs_k < I - k0) | EVEN_K
+            if SWAP:
+                a = tl.load(a_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            sw = 1.0
+            if W_SCALE == 2:
+                sw = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask, other=0.0)
+            acc = _mma_step(a, w, acc, sw, W_SCALE, A_FP8, SWAP, DOT_PREC)
+            a_ptrs += BK
+            w_ptrs += BK * stride_wk
+        if SWAP:
+            acc = tl.trans(acc)
+        if GDC:
+            gdc_launch_dependents()
+        if W_SCALE == 1:
+            acc = acc * tl.load(s_base).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e64 * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
+        p_ptrs = part_ptr + slot[:, None] * stride_pt + offs_n[None, :]
+        tl.store(p_ptrs, acc.to(part_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        if FUSED_SUM:
+            # Publish this program's rows, then count arrivals per (token, N tile). The program that
+            # completes a token sums its k rows in slot order: deterministic, no float atomics.
+            tl.debug_barrier()
+            tok = slot // K_TOP
+            old = tl.atomic_add(cnt_ptr + tok * n_tiles + pid_n, 1, mask=valid, sem="acq_rel", scope="gpu")
+            last = valid & (old == K_TOP - 1)
+            if tl.sum(last.to(tl.int32), axis=0) > 0:
+                tot = tl.zeros([BM, BN], tl.float32)
+                q_ptrs = part_ptr + (tok * K_TOP)[:, None] * stride_pt + offs_n[None, :]
+                for j in range(0, K_TOP):
+                    p = tl.load(q_ptrs + j * stride_pt, mask=last[:, None] & n_mask[None, :], other=0.0,
+                                cache_modifier=".cg")
+                    tot += p.to(tl.float32)
+                o_ptrs = out_ptr + tok[:, None] * stride_ot + offs_n[None, :]
+                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["K_TOP"])
+def _moe_sum_kernel(part_ptr, out_ptr, H, K_TOP, stride_pt, stride_ot, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    """out[t] = sum_j part[t*k + j] in slot order (used when the config does not fuse the sum into FC2)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    if GDC:
+        gdc_wait()
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, K_TOP):
+        acc += tl.load(part_ptr + (t * K_TOP + j) * stride_pt + offs, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_launch_dependents()
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["S", "G", "CAP"])
+def _moe_route_kernel(
+    ids_ptr, S, G, CAP, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, scratch_ptr,
+    S_P2: tl.constexpr, G_P2: tl.constexpr, GDC: tl.constexpr,
+):
+    """One program: sort slots by expert (stable), cut them into groups of <= CAP rows per expert.
+
+    Writes sorted_slots[S], and for g < G: group expert, start and row count (0 past the last group).
+    """
+    offs = tl.arange(0, S_P2)
+    valid = offs < S
+    if GDC:
+        gdc_wait()
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    if GDC:
+        gdc_launch_dependents()
+    key = tl.where(valid, ids * S_P2 + offs, 0x7FFFFFFF)
+    skey = tl.sort(key)
+    sid = skey // S_P2
+    tl.store(sorted_ptr + offs, skey % S_P2, mask=valid)
+    tl.store(scratch_ptr + offs, sid, mask=valid)
+    tl.debug_barrier()
+    prev = tl.load(scratch_ptr + offs - 1, mask=valid & (offs > 0), other=-1, cache_modifier=".cg")
+    run_first = valid & (sid != prev)
+    run_start = tl.associative_scan(tl.where(run_first, offs, 0), 0, _max_combine)
+    first = run_first | (valid & ((offs - run_start) % CAP == 0))
+    gidx = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    n_groups = tl.sum(first.to(tl.int32), axis=0)
+    tl.store(gexp_ptr + gidx, sid, mask=first)
+    tl.store(gstart_ptr + gidx, offs, mask=first)
+    tl.debug_barrier()
+    go = tl.arange(0, G_P2)
+    st = tl.load(gstart_ptr + go, mask=go < n_groups, other=0, cache_modifier=".cg")
+    nxt = tl.load(gstart_ptr + go + 1, mask=go + 1 < n_groups, other=S, cache_modifier=".cg")
+    tl.store(gcount_ptr + go, tl.where(go < n_groups, nxt - st, 0), mask=go < G)
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[str, int, bool]:
+    """(name, SM count, supports PDL) of a CUDA device."""
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count, props.major >= 9
+
+
+def _device_facts(device: torch.device) -> tuple[str, int, bool]:
+    if device.type == "cuda":
+        return _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    return "cpu", 132, False  # the interpreter: no PDL instructions, heuristic tiles
+
+
+def route_groups_torch(flat_ids: torch.Tensor, E: int, cap: int):
+    """Prefill routing with capturable torch ops: slots sorted by expert, cut into groups of <= cap rows.
+
+    Returns (sorted_slots int32 [S], group_expert, group_start, group_count: int32 [G]) with
+    G = S // cap + min(E, S); groups past the last have count 0.
+    """
+    S = flat_ids.numel()
+    dev = flat_ids.device
+    sorted_ids, order = torch.sort(flat_ids.to(torch.int32), stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=dev, dtype=torch.int32))
+    counts = bounds[1:] - bounds[:-1]
+    nblk = (counts + cap - 1) // cap
+    cum = torch.cumsum(nblk, 0)
+    G = S // cap + min(E, S)
+    b = torch.arange(G, device=dev, dtype=cum.dtype)
+    e = torch.searchsorted(cum, b, right=True).clamp_(max=E - 1)
+    gstart = bounds[e] + (b - (cum[e] - nblk[e])) * cap
+    gcount = torch.clamp(bounds[e + 1] - gstart, 0, cap)
+    gcount = torch.where(b < cum[-1], gcount, torch.zeros_like(gcount))
+    i32 = torch.int32
+    return order.to(i32), e.to(i32), gstart.to(i32), gcount.to(i32)
+
+
+def _scale_args(scale: Optional[torch.Tensor], block_shape, E: int):
+    """(tensor, stride_e, stride_n, stride_k, W_SCALE) for the kernels."""
+    if scale is None:
+        return None, 0, 0, 0, 0
+    s = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
+    if block_shape is not None:
+        return s, s.stride(0), s.stride(1), s.stride(2), 2
+    s = s.reshape(-1)
+    return s, (0 if s.numel() == 1 else s.stride(0)), 0, 0, 1
+
+
+def _pf_chunk(prefetch: int, cfg: GemmConfig) -> int:
+    """Bytes per prefetch instruction: one instruction per thread, so no thread repeats another's."""
+    if prefetch <= 0:
+        return 16
+    return max(16, prefetch // (32 * cfg.num_warps))
+
+
+def _clamp_bk(cfg: GemmConfig, block_shape, k_extent: int) -> GemmConfig:
+    bk = cfg.BK
+    if block_shape is not None:
+        bk = min(bk, _largest_pow2_divisor(int(block_shape[1]), bk))
+    bk = max(16, min(bk, triton.next_power_of_2(max(k_extent, 16))))
+    return cfg if bk == cfg.BK else replace(cfg, BK=bk)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_shape: Optional[Sequence[int]] = None,
+    *,
+    pdl: bool = False,
+    config: Optional[MoEConfig] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``rubin.moe`` on the GPU with the fused Triton kernels (same arguments and result as the reference).
+
+    Parameters beyond the op's: ``pdl`` launches every kernel with programmatic dependent launch
+    (sm_90+; results are bitwise identical either way); ``config`` overrides the tuned/heuristic choice;
+    ``out`` ([T, H], hidden_states' dtype, contiguous rows) receives the result (the tests poison it).
+    No host synchronisation: safe to capture in a CUDA graph. ``topk_ids`` outside [0, E) are not
+    checked on the device (that would need a sync); the reference op reports them.
+    """
+    T, H, E, I, k = check_moe_args(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
+        w2_scale, block_shape,
+    )
+    dtype = hidden_states.dtype
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise NotImplementedError(f"rubin.moe[triton]: hidden_states dtype {dtype} is not supported (bf16, fp16, fp32)")
+    dev = hidden_states.device
+    if out is None:
+        out = torch.empty((T, H), dtype=dtype, device=dev)
+    elif out.shape != (T, H) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"rubin.moe[triton]: out must be [{T}, {H}] {dtype} with contiguous rows")
+    if T == 0 or k == 0:
+        return out.zero_()
+    name, num_sms, has_pdl = _device_facts(dev)
+    if config is None:
+        config, _ = lookup_config(T, E, H, I, k, w13.dtype, block_shape, name, num_sms)
+    config = _fit_mode(config, T, k)
+    gdc = has_pdl and not _INTERPRET and gdc_wait is not None
+    launch = {"launch_pdl": True} if (pdl and gdc) else {}
+    S = T * k
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    tw = topk_weights.reshape(-1)
+    if not tw.is_contiguous():
+        tw = tw.contiguous()
+    fp8 = w13.dtype in FP8_DTYPES
+    a_fp8 = bool(config.a_fp8 and fp8 and not _INTERPRET)
+    dot_prec = "ieee" if dtype == torch.float32 else "tf32"
+    act = 0 if activation == "silu" else 1
+    fc1 = _clamp_bk(config.fc1, block_shape, H)
+    fc2 = _clamp_bk(config.fc2, block_shape, I)
+    if _INTERPRET:
+        fc1, fc2 = replace(fc1, prefetch=0), replace(fc2, prefetch=0)
+    i32 = torch.int32
+
+    # routing
+    if config.mode == "slot" and S <= SLOT_MAX:
+        route, G = 0, S
+        sorted_slots = gexp = gstart = gcount = ids  # unused
+    else:
+        route = 1
+        cap = config.cap if (config.mode == "prefill" and config.cap > 0) else (1 << 30)
+        if S <= ROUTE_KERNEL_MAX:
+            G = min(E, S) if cap >= S else S // cap + min(E, S)
+            sorted_slots = torch.empty(S, dtype=i32, device=dev)
+            gexp = torch.empty(G, dtype=i32, device=dev)
+            gstart = torch.empty(G + 1, dtype=i32, device=dev)
+            gcount = torch.empty(G, dtype=i32, device=dev)
+            s_p2 = triton.next_power_of_2(S)
+            scratch = torch.empty(s_p2, dtype=i32, device=dev)
+            _moe_route_kernel[(1,)](
+                ids, S, G, cap, sorted_slots, gexp, gstart, gcount, scratch,
+                S_P2=s_p2, G_P2=triton.next_power_of_2(G), GDC=gdc,
+                num_warps=4 if s_p2 <= 1024 else 8, **launch,
+            )
+        else:
+            cap = min(cap, S)
+            sorted_slots, gexp, gstart, gcount = route_groups_torch(ids, E, cap)
+            G = gexp.numel()
+
+    inter = torch.empty((S, I), dtype=dtype, device=dev)
+    part = torch.empty((S, H), dtype=dtype, device=dev)
+    nt1 = triton.cdiv(I, fc1.BN)
+    nt2 = triton.cdiv(H, fc2.BN)
+    cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
+    cnt_numel = T * nt2 if config.fused_sum else 0
+    s13, s13e, s13n, s13k, wsc = _scale_args(w13_scale, block_shape, E)
+    s2, s2e, s2n, s2k, _ = _scale_args(w2_scale, block_shape, E)
+    sbn, sbk = (int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1)
+    b13 = w13_bias if w13_bias is not None else out
+    b2 = w2_bias if w2_bias is not None else out
+    elt = w13.element_size()
+    pf1 = fc1.prefetch if (w13.stride(2) == 1 and w13.stride(1) == H and (H * elt) % 16 == 0) else 0
+    pf2 = fc2.prefetch if (w2.stride(2) == 1 and w2.stride(1) == I and (I * elt) % 16 == 0) else 0
+
+    _moe_fc1_kernel[(G, nt1)](
+        hidden_states, w13, b13, s13 if s13 is not None else out, ids, sorted_slots, gexp, gstart, gcount,
+        inter, cnt,
+        S, k, H, I, cnt_numel,
+        hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
+        s13e, s13n, s13k, inter.stride(0), sbn, sbk,
+        ACT=act, HAS_BIAS=w13_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
+        ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0, GDC=gdc,
+        PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, num_warps=fc1.num_warps, num_stages=fc1.num_stages, **launch,
+    )
+    _moe_fc2_kernel[(G, nt2)](
+        inter, w2, b2, s2 if s2 is not None else out, ids, tw, sorted_slots, gexp, gstart, gcount,
+        part, out, cnt,
+        S, k, H, I,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
+        s2e, s2n, s2k, part.stride(0), out.stride(0), sbn, sbk,
+        HAS_BIAS=w2_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
+        ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0, GDC=gdc,
+        PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=config.fused_sum, SWAP=fc2.swap,
+        num_warps=fc2.num_warps, num_stages=fc2.num_stages, **launch,
+    )
+    if not config.fused_sum:
+        block = min(1024, triton.next_power_of_2(H))
+        _moe_sum_kernel[(T, triton.cdiv(H, block))](
+            part, out, H, k, part.stride(0), out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **launch,
+        )
+    return out

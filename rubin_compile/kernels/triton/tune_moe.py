@@ -1,0 +1,376 @@
+"""Tune the fused MoE Triton kernels on the GPU and write the config table (never run at import).
+
+    PYTHONPATH=. python -m rubin_compile.kernels.triton.tune_moe --out rubin_compile/kernels/triton/moe_configs
+
+For every benchmark shape, weight format and token count it times candidate tiles for FC1 and for FC2
+(CUDA-graph replays, weights rotated over two copies so L2 never holds the next call's experts, median
+of the replays), keeps the fastest pair, checks it against the reference op, and writes
+``<GPU name>.json`` (see ``moe.lookup_config``). Kernel variants are compiled up front in parallel
+worker processes that share Triton's on-disk cache.
+
+The timing helpers and input generators here are shared with ``benchmarks/moe.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(E=128, k=8, H=2048, I=768),
+    "mixtral-8x7b": dict(E=8, k=2, H=4096, I=14336),
+    "deepseek-v3-tp8": dict(E=256, k=8, H=7168, I=256),
+    "minimax-m2": dict(E=256, k=8, H=3072, I=1536),
+}
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+WEIGHT_FORMATS = ("bf16", "fp8_block")
+BLOCK = [128, 128]
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def make_weights(E: int, H: int, I: int, wfmt: str, device="cuda", seed: int = 0) -> dict:
+    """Random expert weights (never zeros) in the given format, as keyword arguments of the op."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = torch.bfloat16
+
+    def rand(shape, fan_in):
+        w = torch.empty(shape, dtype=dt, device=device)
+        for e in range(shape[0]):  # one expert at a time keeps the float32 temporary small
+            w[e] = (torch.randn(shape[1:], generator=g, device=device) / math.sqrt(fan_in)).to(dt)
+        return w
+
+    if wfmt == "bf16":
+        return dict(w13=rand((E, 2 * I, H), H), w2=rand((E, H, I), I))
+    if wfmt == "fp8_block":
+        bn, bk = BLOCK
+        out = {}
+        for name, (n, kdim) in (("w13", (2 * I, H)), ("w2", (H, I))):
+            w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
+            for e in range(E):
+                w[e] = (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            s = torch.rand((E, -(-n // bn), -(-kdim // bk)), generator=g, device=device) / (64 * math.sqrt(kdim))
+            out[name], out[name + "_scale"] = w, s + 1e-4 / math.sqrt(kdim)
+        out["block_shape"] = list(BLOCK)
+        return out
+    raise ValueError(f"unknown weight format {wfmt!r}")
+
+
+def make_routing(T: int, E: int, k: int, device="cuda", generator: Optional[torch.Generator] = None):
+    """Each token picks k distinct experts uniformly at random; weights are a softmax over its picks."""
+    scores = torch.rand((T, E), device=device, generator=generator)
+    ids = scores.topk(k, dim=-1).indices
+    tw = torch.softmax(torch.randn((T, k), device=device, generator=generator), dim=-1)
+    return tw, ids
+
+
+def expert_bytes(H: int, I: int, wfmt: str) -> int:
+    """Bytes of one expert's weights (and scales) that a call must read if the expert is routed."""
+    if wfmt == "bf16":
+        return 3 * H * I * 2
+    bn, bk = BLOCK
+    return 3 * H * I + 4 * (-(-2 * I // bn) * -(-H // bk) + -(-H // bn) * -(-I // bk))
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+def time_graph(
+    calls: Sequence[Callable[[], object]],
+    refresh: Optional[Callable[[int], None]] = None,
+    reps: int = 50,
+    warmup: int = 5,
+) -> list[float]:
+    """Per-call times (us) of CUDA-graph replays of ``calls`` run back to back, one value per replay.
+
+    ``refresh(i)`` runs before replay i, outside the timed region (e.g. to draw fresh routing into the
+    static input buffers the graph reads).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (a, b) in enumerate(events):
+        if refresh is not None:
+            refresh(i)
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1000.0 / len(calls) for a, b in events]
+    del graph
+    return times
+
+
+def time_eager(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> list[float]:
+    """Per-call times (us) of plain launches timed with events (for code a CUDA graph cannot capture)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1000.0)
+    return out
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ts = time_eager(lambda: dst.copy_(src), reps=reps, warmup=2)
+    del src, dst
+    return 2 * nbytes / (statistics.median(ts) * 1e-6) / 1e9
+
+
+# ------------------------------------------------------------------------------------------------
+# tuning
+# ------------------------------------------------------------------------------------------------
+
+
+def _fits(g, which, wfmt) -> bool:
+    from rubin_compile.kernels.triton.moe import SMEM_LIMIT, smem_estimate
+
+    return smem_estimate(g, which, 2, 2 if wfmt == "bf16" else 1) <= SMEM_LIMIT
+
+
+def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool = False):
+    """Candidate tiles for one GEMM (FC1 over n = I, FC2 over n = H); mma.sync tiles and swapped (wgmma) ones."""
+    GemmConfig = moe.GemmConfig
+    if base.BM >= 64 and T >= 512:  # prefill tiles
+        if which == "fc1":
+            tiles = [(128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 8, 3)]
+        else:
+            tiles = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)]
+        out = [GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in tiles]
+        return [g for g in out if _fits(g, which, wfmt)]
+    widths = (16, 32, 64, 128) if which == "fc1" else (32, 64, 128)
+    out = []
+    for bn in widths if not a8 else ():  # mma.sync tiles (FP8 activations need the swapped wgmma ones)
+        if bn > max(16, 2 * n):
+            continue
+        for bk, st in ((128, 4), (256, 3)) if (wfmt == "bf16" and bn <= 32) else ((128, 4),):
+            out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=8 if (which == "fc2" and bn >= 128) else 4,
+                                  num_stages=st))
+    for bn in (64, 128):  # swapped: the weight tile is the wgmma's M side
+        for bk, st in ((128, 3), (64, 4)):
+            out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=4, num_stages=st, swap=True))
+    return [g for g in out if _fits(g, which, wfmt)]
+
+
+def candidate_configs(moe, T, E, H, I, k, wfmt) -> list:
+    """FC1 tiles paired with the heuristic FC2, FC2 tiles paired with the heuristic FC1, and a few variants."""
+    wdt = torch.bfloat16 if wfmt == "bf16" else torch.float8_e4m3fn
+    block = BLOCK if wfmt == "fp8_block" else None
+    base = moe.heuristic_config(T, E, H, I, k, wdt, block)
+    cands = [base]
+    for a8 in ((False, True) if wfmt != "bf16" else (False,)):
+        b = replace(base, a_fp8=a8)
+        for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8):
+            cands.append(replace(b, fc1=c))
+        for c in _gemm_candidates(moe, T, H, wfmt, "fc2", b.fc2, a8):
+            cands.append(replace(b, fc2=c))
+    if base.mode != "prefill":
+        # FC2 pulls its first weight bytes into L2 before its gdc_wait; and the unfused sum
+        cands.append(replace(base, fc2=replace(base.fc2, prefetch=32768)))
+        cands.append(replace(base, fused_sum=False))
+    if base.mode == "grouped" and T >= 64:  # also try splitting experts into 64-row blocks
+        p = replace(base, mode="prefill", cap=64, fc1=replace(base.fc1, BM=64, num_stages=3),
+                    fc2=replace(base.fc2, BM=64, num_stages=3))
+        if _fits(p.fc1, "fc1", wfmt) and _fits(p.fc2, "fc2", wfmt):
+            cands.append(p)
+    return list(dict.fromkeys(cands))
+
+
+def describe(cfg) -> str:
+    """Short text of a config for logs."""
+    def g(c):
+        return (f"{c.BM}x{c.BN}x{c.BK}/s{c.num_stages}w{c.num_warps}" + (f"/pf{c.prefetch // 1024}k" if c.prefetch else "")
+                + ("/swap" if c.swap else ""))
+    return (f"{cfg.mode}{'' if not cfg.cap else f'(cap {cfg.cap})'} fc1={g(cfg.fc1)} fc2={g(cfg.fc2)}"
+            + ("" if cfg.fused_sum else " unfused-sum") + (" a_fp8" if cfg.a_fp8 else ""))
+
+
+def _warm_one(job):
+    """Worker: compile one (shape, format, T, config) by running it once on small inputs."""
+    H, I, k, T, wfmt, cfg_json, pdl = job
+    import rubin_compile.kernels.triton.moe as moe
+
+    torch.cuda.set_device(0)
+    E = 4
+    w = make_weights(E, H, I, wfmt, seed=1)
+    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+    tw, ids = make_routing(T, E, min(k, E))
+    try:
+        moe.fused_moe(x, w["w13"], w["w2"], tw, ids, "silu", None, None, w.get("w13_scale"), w.get("w2_scale"),
+                      w.get("block_shape"), pdl=pdl, config=moe.MoEConfig.from_json(json.loads(cfg_json)))
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # reported, not hidden: the caller prints it and drops the candidate
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def warm_compile(jobs: list, workers: int) -> dict:
+    """Compile kernel variants in parallel processes (they share Triton's on-disk cache)."""
+    if not jobs:
+        return {}
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        errs = pool.map(_warm_one, jobs, chunksize=1)
+    return {j: e for j, e in zip(jobs, errs) if e}
+
+
+def _warm_key(H, I, k, T, wfmt, cfg, pdl):
+    # kernels specialise on tiles, routing mode and format, not on sizes: one compile serves all shapes
+    mode_T = 2 if cfg.mode == "slot" else 64
+    return (H, I, k, mode_T, wfmt, json.dumps(cfg.to_json(), sort_keys=True), pdl)
+
+
+def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps: int, workers: int, log,
+         merge: bool = False) -> dict:
+    import rubin_compile.kernels.triton.moe as moe
+    from rubin_compile.ops.moe import moe_reference
+
+    name = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth_gbs()
+    log(f"{name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+    cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
+    cand = {c: candidate_configs(moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1]) for c in cases}
+    jobs = {}
+    for (s, wf, T), cs in cand.items():
+        sh = shapes[s]
+        for cfg in cs:
+            key = _warm_key(sh["H"], sh["I"], sh["k"], T, wf, cfg, True)
+            jobs.setdefault((key[4], key[5], key[3]), key)
+    t0 = time.time()
+    errs = warm_compile(list(jobs.values()), workers)
+    log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({len(errs)} failed)")
+    for j, e in errs.items():
+        log(f"  compile failed: {j[4]} {j[5]} -> {e}")
+    bad = {(j[4], j[5]) for j in errs}
+
+    table = {"device": name, "triton": __import__("triton").__version__, "torch": torch.__version__,
+             "copy_gbs": round(copy_gbs),
+             "method": f"CUDA-graph replays of 4 back-to-back calls on 2 rotating weight copies, median of {reps}",
+             "configs": {}}
+    path = out_dir / moe.device_file_name(name)
+    if merge and path.is_file():  # keep entries of shapes / token counts not tuned in this run
+        table["configs"] = json.loads(path.read_text()).get("configs", {})
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    for s, sh in shapes.items():
+        E, k, H, I = sh["E"], sh["k"], sh["H"], sh["I"]
+        for wf in formats:
+            weights = [make_weights(E, H, I, wf, seed=i) for i in range(2)]
+            key = moe.shape_key(E, H, I, k, torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
+                                BLOCK if wf == "fp8_block" else None)
+            entry = table["configs"].setdefault(key, {})
+            for T in tokens:
+                xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+                routes = [make_routing(T, E, k, generator=gen) for _ in range(4)]
+                results = []
+                for cfg in cand[(s, wf, T)]:
+                    if (wf, json.dumps(cfg.to_json(), sort_keys=True)) in bad:
+                        continue
+                    calls = [
+                        (lambda i=i, cfg=cfg: moe.fused_moe(
+                            xs[i], weights[i % 2]["w13"], weights[i % 2]["w2"], routes[i][0], routes[i][1], "silu",
+                            None, None, weights[i % 2].get("w13_scale"), weights[i % 2].get("w2_scale"),
+                            weights[i % 2].get("block_shape"), pdl=True, config=cfg))
+                        for i in range(4)
+                    ]
+                    t = statistics.median(time_graph(calls, reps=reps, warmup=3))
+                    results.append((t, cfg))
+                for t, c in results:
+                    log(f"    {t:9.1f} us  {describe(c)}", detail=True)
+                if not results:
+                    log(f"{s:16s} {wf:9s} T={T:5d}: no candidate compiled")
+                    continue
+                results.sort(key=lambda r: r[0])
+                best_t, best = results[0]
+                # the winner must be right: compare with the reference (float32 upcast) on one call
+                w0 = weights[0]
+                got = moe.fused_moe(xs[0], w0["w13"], w0["w2"], routes[0][0], routes[0][1], config=best,
+                                    w13_scale=w0.get("w13_scale"), w2_scale=w0.get("w2_scale"),
+                                    block_shape=w0.get("block_shape"))
+                up = (lambda w: w.float()) if wf == "bf16" else (lambda w: w)  # FP8: the reference dequantises
+                ref = moe_reference(xs[0].float(), up(w0["w13"]), up(w0["w2"]), routes[0][0], routes[0][1],
+                                    w13_scale=w0.get("w13_scale"), w2_scale=w0.get("w2_scale"),
+                                    block_shape=w0.get("block_shape"))
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                entry[str(T)] = dict(best.to_json(), us=round(best_t, 2), rel_err=float(f"{err:.2e}"),
+                                     heuristic_us=round(next(t for t, c in results if c == cand[(s, wf, T)][0]), 2)
+                                     if any(c == cand[(s, wf, T)][0] for _, c in results) else None)
+                distinct = sum(int(torch.unique(r[1]).numel()) for r in routes) / len(routes)
+                floor = distinct * expert_bytes(H, I, wf) / (copy_gbs * 1e3)
+                log(f"{s:16s} {wf:9s} T={T:5d}: best {best_t:8.1f} us = {100 * floor / best_t:5.1f}% of copy bw "
+                    f"(floor {floor:7.1f}; heuristic {entry[str(T)]['heuristic_us']} us; {len(results)} tried) "
+                    f"err {err:.1e} {describe(best)}")
+                if not err < (6e-2 if best.a_fp8 else 2e-2):  # never ship a wrong config: say so, leave it out
+                    log(f"    WRONG RESULT (rel err {err:.2e}): entry not written")
+                    del entry[str(T)]
+            del weights
+            torch.cuda.empty_cache()
+            out_dir.mkdir(parents=True, exist_ok=True)  # after every shape: a cut-short run keeps its work
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    log(f"wrote {path}")
+    return table
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).with_name("moe_configs")))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--merge", action="store_true", help="update the existing table instead of replacing it")
+    ap.add_argument("--log", default=None, help="also write every candidate's time to this file")
+    args = ap.parse_args(argv)
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    logf = open(args.log, "w") if args.log else None
+
+    def log(msg, detail=False):
+        if not detail:
+            print(msg, flush=True)
+        if logf:
+            logf.write(msg + "\n")
+            logf.flush()
+
+    tune(shapes, tokens, args.formats.split(","), Path(args.out), args.reps, args.workers, log, args.merge)
+
+
+if __name__ == "__main__":
+    main()

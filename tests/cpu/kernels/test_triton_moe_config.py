@@ -1,0 +1,245 @@
+"""The Triton MoE provider on a CPU: config lookup, heuristics, registry wiring, and the kernels' indexing
+under Triton's interpreter (float32, tiny shapes; the interpreter computes bf16 dots wrongly)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rubin_compile.kernels import registry
+from rubin_compile.ops.moe import moe_reference
+
+ROOT = Path(__file__).resolve().parents[3]
+PKG = "rubin_compile.kernels.triton"
+
+
+@pytest.fixture(scope="module")
+def tmoe():
+    """rubin_compile.kernels.triton.moe imported with TRITON_INTERPRET=1 (kernels run on CPU tensors)."""
+    pytest.importorskip("triton", reason="the Triton provider needs the triton package")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    saved = {n: m for n, m in sys.modules.items() if n == PKG or n.startswith(PKG + ".")}
+    for n in saved:
+        del sys.modules[n]
+    try:
+        yield importlib.import_module(PKG + ".moe")
+    finally:
+        for n in [n for n in sys.modules if n == PKG or n.startswith(PKG + ".")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+        mp.undo()
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registry_names_the_provider():
+    assert registry.PROVIDERS["triton"] == PKG
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_registry_says_cannot_run_without_cuda():
+    code = (
+        "from rubin_compile.kernels import registry\n"
+        "try:\n"
+        "    registry.implementation('moe', 'triton')\n"
+        "except registry.KernelUnavailableError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert "REFUSED" in r.stdout, r.stdout + r.stderr
+    assert "cannot run on this machine" in r.stdout and "CUDA" in r.stdout
+
+
+def test_interpreter_import_exposes_the_implementation(tmoe):
+    pkg = sys.modules[PKG]
+    assert pkg.IMPLEMENTATIONS == {"moe": tmoe.fused_moe}
+
+
+# ------------------------------------------------------------------ configs
+
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("T,E,H,I,k", [(1, 128, 2048, 768, 8), (8, 128, 2048, 768, 8), (1, 8, 4096, 14336, 2),
+                                       (64, 256, 7168, 256, 8), (256, 256, 3072, 1536, 8), (4096, 128, 2048, 768, 8)])
+@pytest.mark.parametrize("wdt,block", [(BF16, None), (FP8, [128, 128]), (FP8, None)])
+def test_heuristic_is_valid(tmoe, T, E, H, I, k, wdt, block):
+    cfg = tmoe.heuristic_config(T, E, H, I, k, wdt, block)
+    S = T * k
+    assert cfg.mode == ("slot" if S <= tmoe.SLOT_MAX else cfg.mode)
+    if S > tmoe.SLOT_MAX:
+        assert cfg.mode in ("grouped", "prefill")
+    if T >= 4096:
+        assert cfg.mode == "prefill" and cfg.cap == cfg.fc1.BM
+    for g in (cfg.fc1, cfg.fc2):
+        for v in (g.BM, g.BN, g.BK):
+            assert v >= 16 and v & (v - 1) == 0
+        if block is not None:
+            assert block[1] % g.BK == 0  # a K step never straddles a scale block
+    if cfg.mode != "prefill":  # decode: enough programs to cover the SMs
+        groups = tmoe.expected_distinct_experts(T, E, k)
+        assert groups * -(-H // cfg.fc2.BN) >= 132
+
+
+@pytest.mark.parametrize("wfmt", ["bf16", "fp8_block"])
+def test_heuristic_fits_shared_memory_on_benchmark_shapes(tmoe, wfmt):
+    # the heuristic is what runs for shapes the tuned table lacks: it must always compile
+    from rubin_compile.kernels.triton.tune_moe import SHAPES, TOKENS
+
+    wdt, block, w_elt = (BF16, None, 2) if wfmt == "bf16" else (FP8, [128, 128], 1)
+    for sh in SHAPES.values():
+        for T in TOKENS + [3, 48, 200, 600, 2000]:
+            cfg = tmoe.heuristic_config(T, sh["E"], sh["H"], sh["I"], sh["k"], wdt, block)
+            assert tmoe.smem_estimate(cfg.fc1, "fc1", 2, w_elt) <= tmoe.SMEM_LIMIT, (sh, T, cfg)
+            assert tmoe.smem_estimate(cfg.fc2, "fc2", 2, w_elt) <= tmoe.SMEM_LIMIT, (sh, T, cfg)
+
+
+def test_smem_estimate_matches_compiled_kernels(tmoe):
+    # shared memory the compiled sm_90 kernels reported (ptxas via Triton, see moe-notes.md)
+    G = tmoe.GemmConfig
+    assert tmoe.smem_estimate(G(BM=16, BN=32, BK=128, num_stages=4), "fc1", 2, 2) == 61440
+    assert tmoe.smem_estimate(G(BM=16, BN=64, BK=128, num_stages=4, swap=True), "fc1", 2, 2) == 147456
+    assert tmoe.smem_estimate(G(BM=128, BN=64, BK=64, num_warps=8, num_stages=3), "fc1", 2, 2) == 98304
+
+
+def test_expected_distinct_experts(tmoe):
+    assert tmoe.expected_distinct_experts(1, 128, 8) == pytest.approx(8)
+    assert tmoe.expected_distinct_experts(4096, 128, 8) == pytest.approx(128)
+    assert tmoe.expected_distinct_experts(0, 128, 8) == 0
+
+
+def test_lookup_uses_nearest_tuned_token_count(tmoe):
+    key = tmoe.shape_key(128, 2048, 768, 8, BF16)
+    c1 = tmoe.MoEConfig(mode="slot", fc1=tmoe.GemmConfig(BN=16)).to_json()
+    c64 = tmoe.MoEConfig(mode="grouped", fc1=tmoe.GemmConfig(BN=64)).to_json()
+    table = {"configs": {key: {"1": c1, "64": c64}}}
+    cfg, src = tmoe.lookup_config(1, 128, 2048, 768, 8, BF16, table=table)
+    assert cfg.fc1.BN == 16 and src.endswith("@T=1")
+    cfg, src = tmoe.lookup_config(100, 128, 2048, 768, 8, BF16, table=table)
+    assert cfg.fc1.BN == 64 and cfg.mode == "grouped" and src.endswith("@T=64")
+    # a slot-mode entry used for more slots than slot mode handles becomes grouped, keeping its tiles
+    cfg, _ = tmoe.lookup_config(7, 128, 2048, 768, 8, BF16, table=table)
+    assert cfg.mode == "slot"  # nearest is T=1 (log2 distance 2.8 vs 3.2), 56 slots still fit
+    cfg, _ = tmoe.lookup_config(9, 128, 2048, 768, 8, BF16, table={"configs": {key: {"1": c1}}})
+    assert cfg.mode == "grouped" and cfg.fc1.BN == 16
+    # another shape or weight format is not in the table: heuristic
+    cfg, src = tmoe.lookup_config(1, 128, 2048, 768, 8, FP8, [128, 128], table=table)
+    assert src == "heuristic"
+
+
+def test_config_json_round_trip(tmoe):
+    cfg = tmoe.MoEConfig(mode="prefill", cap=64, fc1=tmoe.GemmConfig(BM=64, BN=128, BK=64, num_warps=8), a_fp8=True)
+    assert tmoe.MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_device_file_name(tmoe):
+    assert tmoe.device_file_name("NVIDIA H200") == "NVIDIA_H200.json"
+    assert tmoe.device_file_name("NVIDIA GH200 480GB") == "NVIDIA_GH200_480GB.json"
+
+
+def test_shipped_tables_are_valid(tmoe):
+    files = sorted(tmoe.CONFIG_DIR.glob("*.json"))
+    for f in files:
+        table = json.loads(f.read_text())
+        assert f.name == tmoe.device_file_name(table["device"])
+        for key, entry in table["configs"].items():
+            assert key.startswith("E=")
+            for t, c in entry.items():
+                cfg = tmoe.MoEConfig.from_json(c)
+                assert cfg.mode in ("slot", "grouped", "prefill")
+                assert cfg.mode != "slot" or int(t) * int(key.split("k=")[1].split(",")[0]) <= tmoe.SLOT_MAX
+
+
+def test_route_groups_torch(tmoe):
+    ids = torch.tensor([3, 1, 3, 3, 0, 3, 1, 3], dtype=torch.int64)
+    sorted_slots, gexp, gstart, gcount = tmoe.route_groups_torch(ids, E=5, cap=2)
+    assert sorted_slots.tolist() == [4, 1, 6, 0, 2, 3, 5, 7]
+    valid = gcount > 0
+    assert gexp[valid].tolist() == [0, 1, 3, 3, 3]
+    assert gstart[valid].tolist() == [0, 1, 3, 5, 7]
+    assert gcount[valid].tolist() == [1, 2, 2, 2, 1]
+    assert int(gcount.sum()) == ids.numel()
+
+
+# ------------------------------------------------------------------ kernels under the interpreter
+# Triton decorates its own standard library (tl.sum, tl.cdiv, ...) when it is first imported, so the
+# interpreter works only if TRITON_INTERPRET=1 is set before that: the kernels run in one subprocess.
+
+INTERP_CASES = [
+    # T, E, H, I, k, mode, options
+    (1, 8, 32, 16, 2, "slot", {}),
+    (3, 5, 40, 24, 2, "slot", {"act": "gelu_tanh", "bias": True}),  # H, I not multiples of the tiles
+    (3, 5, 40, 24, 2, "slot", {"fused": False}),
+    (20, 4, 32, 16, 1, "slot", {}),  # k = 1, 20 rows on <= 4 experts: the per-group row-chunk loop
+    (6, 4, 32, 16, 3, "slot", {"route": "one_expert"}),  # duplicate experts within a row
+    (40, 6, 48, 32, 2, "grouped", {"noncontig": True}),
+    (40, 6, 48, 32, 2, "prefill", {"cap": 16}),
+    (9, 3, 32, 16, 3, "grouped", {"act": "gelu_tanh"}),
+    (0, 4, 32, 16, 2, "slot", {}),  # zero-size batch
+    (3, 5, 40, 24, 2, "slot", {"swap": True, "bias": True}),  # weight tile as the MMA's M side
+    (40, 6, 48, 32, 2, "grouped", {"swap": True, "act": "gelu_tanh"}),
+    (20, 4, 32, 16, 1, "slot", {"swap": True}),
+]
+
+
+def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused=True, route="random",
+                 noncontig=False, swap=False):
+    """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
+    g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
+    x = torch.randn((T, 2 * H) if noncontig else (T, H), generator=g)
+    if noncontig:
+        x = x[:, ::2]
+    w13 = torch.randn((E, 2 * I, H), generator=g) / H ** 0.5
+    w2 = torch.randn((E, H, I), generator=g) / I ** 0.5
+    if route == "one_expert":
+        ids = torch.full((T, k), E - 1, dtype=torch.int64)
+    else:
+        ids = torch.rand((T, E), generator=g).topk(k, dim=-1).indices
+    tw = torch.softmax(torch.randn((T, k), generator=g), -1)
+    b13 = torch.randn((E, 2 * I), generator=g) if bias else None
+    b2 = torch.randn((E, H), generator=g) if bias else None
+    G = tmoe.GemmConfig
+    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=16, BK=16, swap=swap),
+                         fc2=G(BM=16, BN=16, BK=16, swap=swap))
+    out = torch.full((T, H), float("nan"))
+    tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out)
+    ref = moe_reference(x.double(), w13.double(), w2.double(), tw, ids, act,
+                        None if b13 is None else b13.double(), None if b2 is None else b2.double())
+    if T == 0:
+        return 0.0, False
+    return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any())
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    pytest.importorskip("triton", reason="the Triton provider needs the triton package")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("i", range(len(INTERP_CASES)), ids=[f"{c[5]}-T{c[0]}-E{c[1]}-k{c[4]}" for c in INTERP_CASES])
+def test_kernels_match_reference_in_interpreter(interp_results, i):
+    err, has_nan = interp_results[i]
+    assert not has_nan, "an output element was not written"
+    assert err < 1e-5, f"relative error {err:.2e} (float32, ieee dots)"
+
+
+if __name__ == "__main__":  # the subprocess of interp_results
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    mod = importlib.import_module(PKG + ".moe")
+    print(json.dumps([_interp_case(mod, *c[:6], **c[6]) for c in INTERP_CASES]))
