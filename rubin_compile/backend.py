@@ -42,11 +42,7 @@ def rubin_backend(
     from torch._inductor.compile_fx import compile_fx
 
     opts = RubinOptions.resolve(options)
-    patches = inductor_config_patches(opts, mode)
-    if opts.dump_dir:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches=patches)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(opts, mode))
 
 
 class _Chain(torch._inductor.custom_graph_pass.CustomGraphPass):

@@ -18,6 +18,9 @@ NAME = "match_moe"
 
 # Order matters only where idioms could overlap; the specific vLLM forms go first.
 MATCHERS: tuple[str, ...] = (
+    "vllm_cpu",
+    "vllm_layer",
+    "hf_grouped_mm",
     "expert_loop",
 )
 

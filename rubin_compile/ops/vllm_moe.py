@@ -1,0 +1,329 @@
+"""vLLM MoE layers as canonical ops: ``rubin.vllm_moe_layer`` and ``rubin.vllm_moe_layer_shared``.
+
+vLLM's GPU graphs call one opaque op per MoE layer, ``vllm.moe_forward`` (or ``vllm.moe_forward_shared``
+when the layer has shared experts). Its weights and routing settings are not graph inputs: they live on
+the layer that ``layer_name`` names, found at run time in the forward context. The ops below take the
+same arguments and return the same values, but run the routed experts through ``rubin.moe``'s kernel
+registry (the ``impl`` argument, chosen by select_kernels), so a rewritten graph keeps referring to the
+layer by name and never captures its weights (they would otherwise be pickled into compile caches).
+
+Schema (``LayerName`` is vLLM's hoisted opaque layer-name type on torch >= 2.11, else ``str``)::
+
+    rubin::vllm_moe_layer(Tensor hidden_states, Tensor router_logits, Tensor? shared_experts_input,
+                          Tensor? input_ids, LayerName layer_name, str impl="reference") -> Tensor
+    rubin::vllm_moe_layer_shared(...same...) -> (Tensor shared_out, Tensor fused_out)
+
+Semantics, for the ``MoERunner`` ``layer`` named ``layer_name`` (exactly what its ``_forward_impl`` computes
+in a single-rank run)::
+
+    router_logits = layer.gate(hidden_states)              if the layer owns its gate
+    topk_weights, topk_ids = layer.router.select_experts(hidden_states, router_logits, ...)
+                                                           # vLLM's own routing: top-k, renormalise,
+                                                           # softmax / sigmoid, grouped top-k,
+                                                           # correction bias, routed scaling
+    fused_out  = rubin.moe(hidden_states, W13, W2, topk_weights, topk_ids, act, b13, b2, impl=impl)
+    shared_out = layer.shared_experts' module(shared_experts_input)   (``_shared`` only)
+
+where ``W13``/``W2`` are the layer's expert weights in ``rubin.moe``'s layout (vLLM's CPU build stores them
+prepacked in 16-row blocks; ``unpack_cpu_moe_weight`` undoes that). Whatever vLLM applies outside its op
+(the runner-level routed scaling factor, the shared + routed add, all-reduces) stays in the graph.
+
+``layer_unsupported_reason`` says, at compile time, when a layer is one these ops cannot reproduce
+(quantised, expert/data parallel, LoRA, an activation ``rubin.moe`` lacks, ...); the matcher then leaves
+the vLLM op alone. The ops are defined only once vLLM is imported (their schema names vLLM's type).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+# vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as
+# [N / 16, K, 16]: 16 output rows interleaved along K. Measured against the kernel for fp32 / bf16 / fp16
+# and isa "vec" (and "amx" on a CPU without AMX); ``cpu_pack_unsupported_reason`` re-checks it per shape.
+CPU_PACK_ROWS = 16
+
+GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActivation value -> rubin.moe's
+
+
+def pack_cpu_moe_weight(w: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` -> vLLM's CPU prepacked layout (what ``_C.prepack_moe_weight`` produces)."""
+    E, N, K = w.shape
+    return w.reshape(E, N // CPU_PACK_ROWS, CPU_PACK_ROWS, K).permute(0, 1, 3, 2).reshape(E, N, K)
+
+
+def unpack_cpu_moe_weight(w: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU prepacked ``[E, N, K]`` -> the plain ``[E, N, K]`` layout ``rubin.moe`` takes."""
+    E, N, K = w.shape
+    return w.reshape(E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS).permute(0, 1, 3, 2).reshape(E, N, K)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
+    """None if vLLM's ``prepack_moe_weight(isa)`` packs an ``[n, k]`` ``dtype`` matrix the way
+    ``unpack_cpu_moe_weight`` expects (checked by running it once on random data); else why not."""
+    if n % CPU_PACK_ROWS:
+        return f"N={n} is not a multiple of the {CPU_PACK_ROWS}-row packing block"
+    prepack = getattr(getattr(torch.ops, "_C", None), "prepack_moe_weight", None)
+    if prepack is None:
+        return "vLLM's _C.prepack_moe_weight is not available to check the weight layout"
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(1, n, k, generator=gen).to(dtype)
+        packed = torch.empty_like(w)
+        try:
+            prepack(w, packed, isa)
+        except RuntimeError as exc:
+            return f"prepack_moe_weight(isa={isa!r}) failed on this machine: {exc}"
+        if not torch.equal(pack_cpu_moe_weight(w), packed):
+            return (
+                f"weights prepacked for isa={isa!r} ({dtype}) are not in the {CPU_PACK_ROWS}-row block "
+                "layout rubin knows how to unpack"
+            )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# What a vLLM MoE layer is, seen from rubin
+# --------------------------------------------------------------------------------------------------
+
+
+def layer_unsupported_reason(layer: Any, shared: bool) -> Optional[str]:
+    """None if the ops above reproduce ``layer`` (a vLLM ``MoERunner``) exactly; else the reason."""
+    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    if not isinstance(layer, MoERunner):
+        return f"layer is a {type(layer).__name__}, not vLLM's MoERunner"
+    for method in ("_forward_impl", "_apply_quant_method"):
+        if getattr(type(layer), method) is not getattr(MoERunner, method):
+            return f"{type(layer).__name__} overrides MoERunner.{method}"
+    experts = layer.routed_experts
+    method = experts.quant_method
+    if type(method) is not UnquantizedFusedMoEMethod:
+        return f"quantised MoE method {type(method).__name__} (rubin.moe has no matching weight format yet)"
+    cfg = layer.moe_config
+    if cfg.is_lora_enabled:
+        return "LoRA adapters on the experts"
+    if cfg.use_ep or cfg.dp_size > 1 or cfg.pcp_size > 1 or cfg.is_sequence_parallel:
+        return "expert / data / context parallel MoE (dispatch and combine stay with vLLM)"
+    if getattr(layer, "expert_map", None) is not None:
+        return "an expert map (expert parallelism)"
+    if cfg.tp_size > 1 and layer._fused_output_is_reduced:
+        return "the vLLM kernel all-reduces its own output under tensor parallelism"
+    if getattr(experts, "apply_router_weight_on_input", False):
+        return "router weights applied to the input (apply_router_weight_on_input)"
+    if isinstance(layer.router, ZeroExpertRouter):
+        return "zero-expert routing"
+    if getattr(layer.router, "eplb_state", None) is not None:
+        return "EPLB (redundant experts)"
+    if layer._fse_fuse_gate:
+        return "router and shared-expert gates fused into one GEMM"
+    if shared != (layer.shared_experts is not None):
+        return "the op kind (moe_forward vs moe_forward_shared) does not match the layer's shared experts"
+    act = layer.activation.value
+    if act not in GATED_ACTIVATIONS:
+        return f"activation {act!r} (rubin.moe supports {sorted(GATED_ACTIVATIONS)})"
+    quant = method.moe_quant_config
+    for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
+        if quant is not None and getattr(quant, name, None) is not None:
+            return f"SwiGLU parameter {name} set on the layer"
+    return _weights_unsupported_reason(experts)
+
+
+def _weights_unsupported_reason(experts: Any) -> Optional[str]:
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    method = experts.quant_method
+    backend = method.unquantized_backend
+    w13 = experts.w13_weight
+    if w13.dim() != 3 or experts.w2_weight.dim() != 3:
+        return f"expert weights are not [E, N, K] (w13 {tuple(w13.shape)})"
+    if backend == UnquantizedMoeBackend.TRITON:
+        return None  # vLLM keeps the checkpoint layout: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]
+    if backend == UnquantizedMoeBackend.CPU:
+        fused = method.moe_kernel.fused_experts if method.moe_kernel is not None else None
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        if not isinstance(fused, CPUUnquantizedExperts):
+            return f"CPU experts {type(fused).__name__}"
+        if getattr(fused, "_use_zentorch", False):
+            return "zentorch MoE (its weight layout is zentorch's)"
+        for w in (experts.w13_weight, experts.w2_weight):
+            reason = cpu_pack_unsupported_reason(fused.isa, w.dtype, w.shape[1], w.shape[2])
+            if reason:
+                return reason
+        return None
+    return f"vLLM MoE backend {backend.value} re-lays out the expert weights in a way rubin does not undo"
+
+
+def layer_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The layer's (w13, w2, w13_bias, w2_bias) in ``rubin.moe``'s layout (a copy where vLLM repacked)."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    experts = layer.routed_experts
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    if experts.quant_method.unquantized_backend == UnquantizedMoeBackend.CPU:
+        w13, w2 = unpack_cpu_moe_weight(w13), unpack_cpu_moe_weight(w2)
+    return w13, w2, getattr(experts, "w13_bias", None), getattr(experts, "w2_bias", None)
+
+
+def layer_details(layer: Any) -> dict[str, Any]:
+    """Shapes and routing settings of a layer, for the rewrite report."""
+    experts, router, cfg = layer.routed_experts, layer.router, layer.moe_config
+    E, two_i, H = experts.w13_weight.shape
+    bias = getattr(router, "e_score_correction_bias", None)
+    return {
+        "layer": layer.layer_name,
+        "E": int(E),
+        "H": int(H),
+        "I": int(two_i) // 2,
+        "I_unpadded": cfg.intermediate_size_per_partition_unpadded,
+        "k": router.top_k,
+        "dtype": str(experts.w13_weight.dtype).replace("torch.", ""),
+        "activation": layer.activation.value,
+        "routing": {
+            "scoring_func": getattr(router, "scoring_func", None),
+            "renormalize": getattr(router, "renormalize", None),
+            "use_grouped_topk": getattr(router, "use_grouped_topk", False),
+            "num_expert_group": getattr(router, "num_expert_group", None),
+            "topk_group": getattr(router, "topk_group", None),
+            "e_score_correction_bias": None if bias is None else list(bias.shape),
+            "routed_scaling_factor": getattr(router, "routed_scaling_factor", 1.0),
+            "custom_routing_function": getattr(router, "custom_routing_function", None) is not None,
+            "router": type(router).__name__,
+        },
+        "runner_routed_scaling_factor": layer.routed_scaling_factor,  # applied by vLLM outside the op
+        "gate_in_layer": layer.gate is not None,
+        "shared_experts": layer.shared_experts is not None,
+        "biases": getattr(experts, "w13_bias", None) is not None,
+        "vllm_backend": experts.quant_method.unquantized_backend.value,
+        "tp_size": cfg.tp_size,
+    }
+
+
+def run_layer(
+    layer: Any,
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    shared_experts_input: Optional[torch.Tensor],
+    input_ids: Optional[torch.Tensor],
+    impl: str,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(shared_out or None, fused_out) of ``layer``, as the module docstring defines them."""
+    from rubin_compile.kernels import registry
+
+    if layer.gate is not None:
+        router_logits, _ = layer.gate(hidden_states)
+    shared_out = None
+    if layer.shared_experts is not None:
+        assert shared_experts_input is not None
+        shared_out = layer.shared_experts._layer(shared_experts_input)
+    topk_weights, topk_ids = layer.router.select_experts(
+        hidden_states=hidden_states,
+        router_logits=router_logits,
+        topk_indices_dtype=layer._quant_method.topk_indices_dtype,
+        input_ids=input_ids,
+    )
+    w13, w2, b13, b2 = layer_expert_weights(layer)
+    fused = registry.implementation("moe", impl)(
+        hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value],
+        b13, b2, None, None, None,
+    )
+    return shared_out, fused
+
+
+def find_layer(name: str) -> Any:
+    """The MoE layer named ``name``, as vLLM's ``moe_forward`` finds it (the forward context)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import get_layer_from_name
+
+    return get_layer_from_name(name)
+
+
+def layer_name_value(layer_name: Any) -> str:
+    """The string inside a vLLM ``LayerName`` (real or fake script object) or a plain ``str``."""
+    real = getattr(layer_name, "real_obj", layer_name)
+    return getattr(real, "value", real)
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops (defined once vLLM's LayerName type exists)
+# --------------------------------------------------------------------------------------------------
+
+_defined = False
+
+
+def define_ops() -> None:
+    """Define ``rubin::vllm_moe_layer`` and ``rubin::vllm_moe_layer_shared``; needs vLLM; idempotent."""
+    global _defined
+    if _defined:
+        return
+    # vLLM's LayerName (a hoisted opaque type) on torch >= 2.11 with VLLM_USE_LAYERNAME=1, else str: the
+    # type vllm.moe_forward's layer_name has, so a rewrite passes the very same graph input on.
+    from vllm.utils.torch_utils import LayerNameType as LayerNameT
+
+    def vllm_moe_layer(
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_experts_input: Optional[torch.Tensor],
+        input_ids: Optional[torch.Tensor],
+        layer_name: Any,
+        impl: str = "reference",
+    ) -> torch.Tensor:
+        layer = find_layer(layer_name_value(layer_name))
+        return run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl)[1]
+
+    def vllm_moe_layer_fake(hidden_states, router_logits, shared_experts_input, input_ids, layer_name,
+                            impl="reference"):
+        return torch.empty_like(hidden_states)
+
+    def vllm_moe_layer_shared(
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_experts_input: Optional[torch.Tensor],
+        input_ids: Optional[torch.Tensor],
+        layer_name: Any,
+        impl: str = "reference",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = find_layer(layer_name_value(layer_name))
+        shared, fused = run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl)
+        return shared, fused
+
+    def vllm_moe_layer_shared_fake(hidden_states, router_logits, shared_experts_input, input_ids,
+                                   layer_name, impl="reference"):
+        shared_like = shared_experts_input if shared_experts_input is not None else hidden_states
+        return torch.empty_like(shared_like), torch.empty_like(hidden_states)
+
+    # This module uses postponed annotations; custom_op infers the schema from real types.
+    args = {
+        "hidden_states": torch.Tensor,
+        "router_logits": torch.Tensor,
+        "shared_experts_input": Optional[torch.Tensor],
+        "input_ids": Optional[torch.Tensor],
+        "layer_name": LayerNameT,
+        "impl": str,
+    }
+    vllm_moe_layer.__annotations__ = {**args, "return": torch.Tensor}
+    vllm_moe_layer_shared.__annotations__ = {**args, "return": tuple[torch.Tensor, torch.Tensor]}
+    op = torch.library.custom_op("rubin::vllm_moe_layer", mutates_args=())(vllm_moe_layer)
+    op.register_fake(vllm_moe_layer_fake)
+    op_shared = torch.library.custom_op("rubin::vllm_moe_layer_shared", mutates_args=())(vllm_moe_layer_shared)
+    op_shared.register_fake(vllm_moe_layer_shared_fake)
+    _defined = True
+
+
+def _define_when_vllm_is_imported() -> None:
+    from rubin_compile.integrations import after_import
+
+    # vllm.utils.torch_utils defines and registers LayerName, the only vLLM name the schema needs.
+    after_import("vllm.utils.torch_utils", define_ops)
+
+
+_define_when_vllm_is_imported()

@@ -1,0 +1,185 @@
+"""match_moe/vllm_cpu.py on the real form: vLLM's CPU MoE layers (router + ``_C.cpu_fused_moe``), compiled
+by Inductor with rubin's vLLM pass, against the same layer run eagerly by vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vllm.harness import assert_close, compile_layer, run_eager, set_call_kwarg
+from rubin_compile.ops.vllm_moe import cpu_pack_unsupported_reason, pack_cpu_moe_weight, unpack_cpu_moe_weight
+
+CPU_MOE = "_C::cpu_fused_moe"
+RUBIN_MOE = "rubin::moe"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def fresh_inputs(layer, dtype, tokens=7):
+    H = layer.moe_config.hidden_dim
+    E = layer.moe_config.num_experts
+    return torch.randn(tokens, H, dtype=dtype), torch.randn(tokens, E, dtype=dtype)
+
+
+def check_rewritten_and_close(layer, vllm_config, dtype, af_v2=False):
+    x, logits = fresh_inputs(layer, dtype)
+    run, rec = compile_layer(layer, vllm_config, x, logits, af_v2=af_v2)
+    assert rec.before[CPU_MOE] == 1 and rec.before[RUBIN_MOE] == 0
+    assert rec.after[CPU_MOE] == 0 and rec.after[RUBIN_MOE] == 1
+    for _ in range(2):  # fresh inputs, not the ones it was compiled with
+        x, logits = fresh_inputs(layer, dtype)
+        assert_close(run(x, logits), run_eager(layer, vllm_config, x, logits))
+    (rewrite,) = rec.match_moe()["rewrites"]
+    assert rewrite["source_idiom"] == "vllm _C.cpu_fused_moe"
+    assert rec.match_moe()["unchanged"] == []
+    return rewrite["details"]
+
+
+@pytest.mark.parametrize("af_v2", [False, True], ids=["auto_functionalized", "auto_functionalized_v2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_topk_layer(make_layer, vllm_config, dtype, af_v2):
+    # intermediate 40 is padded to 64 by vLLM's CPU experts: the padding must stay inert.
+    layer = make_layer(dtype=dtype, intermediate_size=40)
+    d = check_rewritten_and_close(layer, vllm_config, dtype, af_v2)
+    assert (d["E"], d["H"], d["I"], d["k"], d["activation"]) == (8, 64, 64, 2, "silu")
+    assert d["dtype"] == str(dtype).replace("torch.", "")
+    assert d["auto_functionalized"] == ("v2" if af_v2 else "v1")
+    assert d["routing"]["recognised"] and d["routing"]["order"] == "topk_then_softmax"
+    assert d["routing"]["top_k"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(renormalize=False),
+        dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
+             e_score_correction_bias=torch.randn(8), routed_scaling_factor=2.5),
+        dict(use_grouped_topk=True, num_expert_group=2, topk_group=1, scoring_func="softmax"),
+    ],
+    ids=["softmax-no-renormalize", "sigmoid-grouped-bias-scaled", "softmax-grouped"],
+)
+def test_other_routing(make_layer, vllm_config, dtype, routing):
+    """The routing stays in the graph (only the experts are rewritten); whatever it is, results hold."""
+    layer = make_layer(dtype=dtype, **routing)
+    check_rewritten_and_close(layer, vllm_config, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_biases_and_gelu_tanh(make_layer, vllm_config, dtype):
+    layer = make_layer(dtype=dtype, has_bias=True, activation="gelu_tanh")
+    d = check_rewritten_and_close(layer, vllm_config, dtype)
+    assert d["biases"] and d["activation"] == "gelu_tanh"
+
+
+def test_router_weight_on_input(make_layer, vllm_config):
+    """top-1 with the router weight applied to the input: the kernel runs with skip_weighted=True."""
+    layer = make_layer(top_k=1, apply_router_weight_on_input=True)
+    d = check_rewritten_and_close(layer, vllm_config, torch.float32)
+    assert d["skip_weighted"] and d["k"] == 1
+
+
+# ---- near-misses: recognised, left unchanged, with the reason recorded ---------------------------------
+
+
+def test_erf_gelu_left_unchanged(make_layer, vllm_config):
+    layer = make_layer(activation="gelu")  # vLLM's CPU kernel runs erf GELU; rubin.moe has gelu_tanh only
+    x, logits = fresh_inputs(layer, torch.float32)
+    run, rec = compile_layer(layer, vllm_config, x, logits)
+    assert rec.after[CPU_MOE] == 1 and rec.after[RUBIN_MOE] == 0
+    (u,) = rec.match_moe()["unchanged"]
+    assert "act='gelu'" in u["reason"] and "erf" in u["reason"]
+    x, logits = fresh_inputs(layer, torch.float32)
+    assert_close(run(x, logits), run_eager(layer, vllm_config, x, logits))
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (set_call_kwarg(CPU_MOE, act="swigluoai"), "act='swigluoai'"),
+        (set_call_kwarg(CPU_MOE, isa="neon"), "isa='neon'"),
+    ],
+    ids=["wrong-activation", "unverified-weight-packing"],
+)
+def test_edited_real_graph_left_unchanged(make_layer, vllm_config, edit, reason):
+    layer = make_layer()
+    x, logits = fresh_inputs(layer, torch.float32)
+    _, rec = compile_layer(layer, vllm_config, x, logits, edit=edit, stop=True)
+    assert rec.after[CPU_MOE] == 1 and rec.after[RUBIN_MOE] == 0
+    (u,) = rec.match_moe()["unchanged"]
+    assert reason in u["reason"]
+
+
+def test_mixed_dtypes_left_unchanged(make_layer, vllm_config):
+    """bf16 activations into fp32 expert weights: rubin.moe wants one dtype, so the call stays."""
+
+    def to_bf16_input(graph):
+        from tests.vllm.harness import op_name
+
+        call = next(n for n in graph.nodes if op_name(n) == CPU_MOE)
+        key = "input"
+        with graph.inserting_before(call):
+            cast = graph.call_function(torch.ops.prims.convert_element_type.default,
+                                       (call.kwargs[key], torch.bfloat16))
+            cast.meta["val"] = call.kwargs[key].meta["val"].to(torch.bfloat16)
+        call.kwargs = {**call.kwargs, key: cast}
+
+    layer = make_layer()
+    x, logits = fresh_inputs(layer, torch.float32)
+    _, rec = compile_layer(layer, vllm_config, x, logits, edit=to_bf16_input, stop=True)
+    (u,) = rec.match_moe()["unchanged"]
+    assert "mixed dtypes" in u["reason"] and "input bfloat16" in u["reason"] and "w13 float32" in u["reason"]
+
+
+def test_strict_mode_fails_clearly(make_layer, vllm_config):
+    from tests.vllm.harness import _caused_by
+    from rubin_compile.passes.manager import RubinStrictError
+
+    layer = make_layer(activation="gelu")
+    x, logits = fresh_inputs(layer, torch.float32)
+    with pytest.raises(Exception) as info:
+        compile_layer(layer, vllm_config, x, logits, options={"strict": True})
+    assert _caused_by(info.value, RubinStrictError)
+    assert "act='gelu'" in str(info.value) and "strict" in str(info.value)
+
+
+# ---- the kernel facts the rewrite rests on --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_fused_moe_semantics(dtype):
+    """``_C.cpu_fused_moe`` overwrites ``output`` (whatever it held), takes prepacked weights, and its
+    ``silu`` / ``gelu_tanh`` are rubin.moe's; its ``gelu`` is not gelu_tanh."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    from rubin_compile.ops.moe import moe_reference
+
+    T, H, I, E, k = 9, 64, 32, 4, 2
+    x = torch.randn(T, H).to(dtype)
+    w13, w2 = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
+    b13, b2 = (torch.randn(E, 2 * I) * 0.1).to(dtype), (torch.randn(E, H) * 0.1).to(dtype)
+    top, ids = torch.randn(T, E).topk(k)
+    weights, ids = torch.softmax(top, -1), ids.to(torch.int32)
+    p13, p2 = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
+    for act in ("silu", "gelu_tanh"):
+        out = torch.randn(T, H).to(dtype)  # garbage that must not survive
+        cpu_fused_moe(out, x, p13, p2, b13, b2, weights, ids, act, "vec")
+        assert_close(out, moe_reference(x, w13, w2, weights, ids, act, b13, b2))
+    out = torch.empty(T, H, dtype=dtype)
+    cpu_fused_moe(out, x, p13, p2, None, None, weights, ids, "gelu", "vec")
+    tanh = moe_reference(x, w13, w2, weights, ids, "gelu_tanh")
+    assert not torch.equal(out, tanh)
+
+
+# ---- the weight layout the rewrite undoes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cpu_weight_packing_matches_vllm(dtype):
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    w = torch.randn(3, 96, 80).to(dtype)
+    packed = cpu_prepack_moe_weight(w, "vec")
+    assert torch.equal(packed, pack_cpu_moe_weight(w))
+    assert torch.equal(unpack_cpu_moe_weight(packed), w)
+    assert cpu_pack_unsupported_reason("vec", dtype, 96, 80) is None
+    assert "multiple of the 16-row" in cpu_pack_unsupported_reason("vec", dtype, 40, 80)
