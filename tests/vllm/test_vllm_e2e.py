@@ -155,10 +155,12 @@ def generated_code(result: dict) -> str:
 
 def test_backend_route_with_aot_compile(engines):
     """``mode=2, backend="rubin"`` under vLLM's default AOT compile (``VLLM_USE_AOT_COMPILE`` is on with
-    torch >= 2.10): the backend's compiled artifact must be serialisable, or the engine fails to start."""
+    torch >= 2.10): the backend's compiled artifact must be serialisable, or the engine fails to start.
+    With RUBIN_DUMP_DIR set too: dumping must not cost the artifact its serialisability."""
     base = engines.run("none", "none")
-    ours = engines.run("backend", "backend")
+    ours = engines.run("backend", "backend", dump=True)
     assert ours["aot_compiles"] == 1 and ours["aot_artifacts_saved"] == 1
+    assert_every_moe_rewritten(ours, "vllm _C.cpu_fused_moe", "rubin.moe")
     code = generated_code(ours)
     assert code.count("torch.ops.rubin.moe.default(") == NUM_MOE_LAYERS
     assert "cpu_fused_moe" not in code
