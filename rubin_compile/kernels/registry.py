@@ -259,11 +259,20 @@ def candidate(op: str, name: str) -> Candidate:
     )
 
 
-def select(spec: KernelSpec, target: Target, forced: Optional[str] = None) -> Selection:
+def select(spec: KernelSpec, target: Target, forced: Optional[str] = None, runs_here: bool = False) -> Selection:
     """Choose the kernel for ``spec`` on ``target``: ``forced`` if it supports them, else the supported
-    candidate of highest priority. Every candidate is asked, so the plan lists why each one lost."""
+    candidate of highest priority. Every candidate is asked, so the plan lists why each one lost.
+
+    ``runs_here``: the graph will run on this machine (the target is the detected one), so a candidate
+    this version cannot run here (no adapter from the canonical op yet, its package or GPU missing) is
+    rejected with that reason instead of being chosen and failing at run time. Plans for other targets
+    keep following the declarations alone, which is what docs/kernels/selection.md documents."""
     ordered = sorted(candidates(spec.op), key=lambda c: -c.rank(target, spec))  # stable: ties keep order
     reasons = {c.name: c.check(target, spec) for c in ordered}
+    if runs_here:
+        for c in ordered:
+            if reasons[c.name] is None:
+                reasons[c.name] = _cannot_run_here(c, spec.op)
     forced_reason = None
     chosen: Optional[Candidate] = None
     if forced is not None:
@@ -278,6 +287,12 @@ def select(spec: KernelSpec, target: Target, forced: Optional[str] = None) -> Se
     rejected = [(c.name, reasons[c.name]) for c in ordered if reasons[c.name] is not None]
     outranked = [c.name for c in ordered if reasons[c.name] is None and c is not chosen]
     return Selection(spec, target, chosen, rejected, outranked, forced, forced_reason)
+
+
+def _cannot_run_here(cand: Candidate, op: str) -> Optional[str]:
+    """Why this machine cannot run ``cand`` for ``op`` (None when it can): the run-time lookup of
+    ``implementation``, asked ahead of time."""
+    return _lookup(op, cand, target_mod.detect())[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,23 +313,28 @@ def implementation(op: str, impl: str) -> Callable:
     except UnknownKernelError as exc:
         raise KernelUnavailableError(f"rubin.{op}: {exc}") from exc
     here = target_mod.detect()
+    fn, reason = _lookup(op, cand, here)
+    if fn is None:
+        raise KernelUnavailableError(_cannot_run(op, kernel, planned, here, reason))
+    return fn
+
+
+def _lookup(op: str, cand: Candidate, here: Target) -> tuple[Optional[Callable], Optional[str]]:
+    """(the callable running ``op`` with ``cand`` on this machine, None) or (None, why it cannot run)."""
     if cand.runnable is not None:
         reason = cand.runnable(here)
         if reason is not None:
-            raise KernelUnavailableError(_cannot_run(op, kernel, planned, here, reason))
+            return None, reason
     try:
         module = importlib.import_module(cand.provider)
     except ImportError as exc:  # an optional package of that provider is missing, or no GPU here
-        raise KernelUnavailableError(_cannot_run(op, kernel, planned, here, str(exc))) from exc
+        return None, str(exc)
     impls = getattr(module, "IMPLEMENTATIONS", {})
-    fn = impls.get((op, kernel)) or impls.get(op)
+    fn = impls.get((op, cand.name)) or impls.get(op)
     if fn is None:
-        raise KernelUnavailableError(_cannot_run(
-            op, kernel, planned, here,
-            f"this version of rubin_compile has no adapter from rubin.{op} to {kernel} yet "
-            f"({cand.provider} declares it for plans only)",
-        ))
-    return fn
+        return None, (f"this version of rubin_compile has no adapter from rubin.{op} to {cand.name} yet "
+                      f"({cand.provider} declares it for plans only)")
+    return fn, None
 
 
 def _cannot_run(op: str, kernel: str, planned: Optional[str], here: Target, reason: str) -> str:

@@ -7,8 +7,8 @@
 * Attention, BF16 / FP16: ``torch.nn.functional.scaled_dot_product_attention`` (flash / efficient /
   cuDNN backends); SDPA has no FP8 KV cache.
 
-The canonical ``rubin.gemm`` and ``rubin.attention`` ops come with their matchers; until then
-``IMPLEMENTATIONS`` is empty and these candidates only take part in plans.
+The adapters are the ops' reference implementations: they *are* ``torch.mm`` / ``torch.addmm`` /
+``torch._scaled_mm`` and ``scaled_dot_product_attention``, which on a GPU run the kernels named above.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from typing import Optional
 from rubin_compile.kernels.registry import QUANT_LABELS, Candidate, KernelSpec
 from rubin_compile.target import Target
 
-IMPLEMENTATIONS: dict = {}
+def _implementations() -> dict:
+    from rubin_compile.ops.attention import attention_reference
+    from rubin_compile.ops.gemm import gemm_reference
+
+    return {"gemm": gemm_reference, "attention": attention_reference}
+
+
+IMPLEMENTATIONS: dict = _implementations()
 
 _HALF = ("bfloat16", "float16")
 

@@ -1,14 +1,449 @@
-"""match_attention: a stage of the pipeline that a later issue builds (see DESIGN.md).
+"""match_attention: rewrite scaled-dot-product attention into ``rubin.attention``; record vLLM's attention.
 
-Until then it changes nothing and says so in every report: attention ops stay as they are and Inductor (or vLLM's attention backend) runs them.
+Idioms rewritten, as post-grad ATen gives them (torch 2.13). Source: ``F.scaled_dot_product_attention`` in
+plain PyTorch and in Hugging Face transformers 5.x (``integrations/sdpa_attention.py``,
+``sdpa_attention_forward``: every ``attn_implementation="sdpa"`` model -- Llama, Qwen2/3(-MoE), Mixtral...),
+and hand-written ``softmax(q @ k.T) @ v`` that Inductor's own ``fuse_attention`` pass turned into SDPA::
+
+    # CPU (torch 2.13: the CPU flash kernel, whatever the mask; fp32 / bf16 / fp16)
+    o = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]            # is_causal
+    o = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=m, scale=0.25)[0]
+    # CUDA (the backend SDPA picked at trace time)
+    o = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=s)[0]            # no mask
+    o = aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, 0.0, False)[0]  # mask as bias
+    o = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, 0.0, True)[0]
+    o = aten._scaled_dot_product_fused_attention_overrideable(q, k, v, bias, ...)[0]      # XPU, PrivateUse1
+    o = aten.scaled_dot_product_attention(q, k, v, m, 0.0, False, enable_gqa=True)         # not decomposed
+
+A bool ``attn_mask`` reaches the op already converted by SDPA (``where(mask, 0.0, -inf)``); it is passed on as
+it is. GQA comes two ways, both kept as GQA: natively (``enable_gqa=True``: the op takes ``k``/``v`` with
+``Hkv < Hq`` heads; transformers does this when there is no mask) or with the key/value heads repeated in the
+graph (transformers' ``repeat_kv`` when there is a mask, or ``k.repeat_interleave(n, dim=1)``)::
+
+    k_rep = aten.reshape(aten.clone(aten.expand(aten.unsqueeze(k, 2), [B, Hkv, n, S, D])), [B, Hkv * n, S, D])
+
+which the rewrite folds away (``rubin.attention`` takes ``k`` itself, and the copy of every KV head ``n`` times
+disappears when nothing else reads it). A ``repeat`` that tiles heads (``h % Hkv``) is not GQA's grouping and
+stays as it is (the op then sees ``Hq == Hkv``).
+
+Left unchanged, with the reason: an output besides the attention output is used (the logsumexp a training
+graph saves for the backward pass), dropout, ``return_debug_mask``, inputs that are not 4-D ``[B, H, S, D]``,
+mixed dtypes, a mask ``rubin.attention`` does not take. SDPA with dropout in a graph compiled for inference
+does not reach post-grad as SDPA at all (Inductor decomposes it to ``bmm`` / ``softmax``): nothing to see.
+
+Recorded, not rewritten: vLLM's attention::
+
+    dep = vllm.unified_kv_cache_update(k, v, layer_name)                 # writes vLLM's paged KV cache
+    out = auto_functionalized(vllm.unified_attention_with_output, query=q, key=k, value=v, output=o,
+                              layer_name=L, output_scale=None, kv_cache_dummy_dep=dep)[1]
+    (also ``auto_functionalized_v2(..., _output_base_index=0, _all_bases=[o])``, and MLA's
+     ``vllm.unified_mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, ...)``)
+
+The KV cache, its paging and the attention backend are vLLM's (chosen by ``--attention-backend`` and
+``--kv-cache-dtype`` when the engine starts, before any graph exists): rubin keeps the call and says so in
+the report ("kept vLLM's attention"), with the layer, vLLM's backend and the kernel it runs (read from the
+layer object in vLLM's forward context at compile time), and what the compile target would prefer,
+answered by the kernel registry (e.g. on sm_100 / sm_107 trtllm-gen through FlashInfer, whose FP8
+attention needs ``--kv-cache-dtype fp8 --attention-backend FLASHINFER``). Those records are notes, not
+rewrites and not "left unchanged" (strict mode does not fail on them): keeping vLLM's attention is the design.
+
+Why a hand walk around one node and not ``register_replacement``: the SDPA ops are single nodes whose
+arguments need checking (dropout, used logsumexp, mask dtype) with a reason for each refusal, and the GQA
+fold is an optional prefix on two of the inputs; a traced pattern per form x mask x fold would be dozens of
+patterns that fail without saying why. vLLM's op is mutating, behind ``auto_functionalized``.
 """
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
 
 import torch
 
-from rubin_compile.passes.base import PassContext, PassResult, not_implemented
+import rubin_compile.ops  # noqa: F401  (registers torch.ops.rubin.*)
+from rubin_compile.ops.attention import AttentionArgumentError, check_attention_args
+from rubin_compile.passes.base import PassContext, PassResult, Rewrite, Unchanged
+from rubin_compile.passes.match_moe.emit import call, inherit_source, tensor_meta
+from rubin_compile.passes.match_moe.vllm_cpu import decode_mutating_call, is_call, op_name
 
 NAME = "match_attention"
+IDIOM = "sdpa"
+
+aten = torch.ops.aten
+
+# The ATen SDPA ops and the name the report gives each form.
+SDPA_FORMS: dict[Any, str] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "aten._scaled_dot_product_flash_attention_for_cpu",
+    aten._scaled_dot_product_flash_attention.default: "aten._scaled_dot_product_flash_attention",
+    aten._scaled_dot_product_efficient_attention.default: "aten._scaled_dot_product_efficient_attention",
+    aten._scaled_dot_product_cudnn_attention.default: "aten._scaled_dot_product_cudnn_attention",
+    aten._scaled_dot_product_fused_attention_overrideable.default:
+        "aten._scaled_dot_product_fused_attention_overrideable",
+    aten.scaled_dot_product_attention.default: "aten.scaled_dot_product_attention",
+}
+
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+# vLLM's attention ops (vllm/model_executor/layers/attention/attention.py, mla_attention.py; vLLM 0.32).
+VLLM_ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
+                      "vllm::unified_attention")
+
+# What each vLLM attention backend runs (vllm/v1/attention/backends/<module>, vLLM 0.32), for the report.
+VLLM_BACKEND_KERNELS: dict[str, str] = {
+    "CPU_ATTN": "vLLM's _C.cpu_attention_with_kv_cache (cpu_attn.py)",
+    "FLASH_ATTN": "vllm_flash_attn flash_attn_varlen_func, FA2 or FA3 (flash_attn.py)",
+    "FLASHINFER": ("FlashInfer's paged prefill / decode wrappers (fa2 / fa3), or trtllm-gen "
+                   "(trtllm_batch_context / decode_with_kv_cache) where vLLM's use_trtllm_attention allows "
+                   "(flashinfer.py)"),
+    "TRITON_ATTN": "vLLM's Triton unified_attention (triton_attn.py)",
+    "FLEX_ATTENTION": "torch flex_attention (flex_attention.py)",
+    "FLASHINFER_MLA": "FlashInfer trtllm-gen MLA decode (mla/flashinfer_mla.py)",
+    "CUTLASS_MLA": "CUTLASS MLA decode (mla/cutlass_mla.py)",
+    "FLASHMLA": "FlashMLA (mla/flashmla.py)",
+    "TRITON_MLA": "vLLM's Triton MLA decode (mla/triton_mla.py)",
+}
+
+# Registry kernel -> the vLLM switches that make vLLM run it (vllm/config/attention.py; CONTEXT.md).
+VLLM_SWITCHES: dict[str, str] = {
+    "flashinfer_trtllm": "--attention-backend FLASHINFER (trtllm-gen; force with "
+                         "--attention-config.use_trtllm_attention=true)",
+    "flashinfer_fa3": "--attention-backend FLASHINFER (FlashInfer's fa3 on sm_90)",
+    "flashinfer_fa2": "--attention-backend FLASHINFER (fa2)",
+}
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-    return not_implemented(NAME, "attention ops stay as they are and Inductor (or vLLM's attention backend) runs them")
+    result = PassResult(NAME)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in SDPA_FORMS:
+            outcome = _rewrite_sdpa(graph, node)
+            if isinstance(outcome, Rewrite):
+                result.rewrites.append(outcome)
+            else:
+                result.unchanged.append(Unchanged(node.name, IDIOM, outcome))
+            continue
+        record = read_vllm_attention(node, ctx)
+        if record is not None:
+            node.meta["rubin_kept"] = record
+            result.notes.append(describe_kept(record))
+    result.changed = bool(result.rewrites)
+    if result.changed:
+        graph.lint()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# SDPA -> rubin.attention
+# --------------------------------------------------------------------------------------------------
+
+
+def _bound(node: torch.fx.Node) -> dict[str, Any]:
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in schema.arguments), node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _output_users(node: torch.fx.Node) -> tuple[Optional[list[torch.fx.Node]], str]:
+    """The getitem(0) nodes of a tuple-returning SDPA op, or (None, why another output is needed)."""
+    returns = node.target._schema.returns
+    if len(returns) == 1:
+        return [node], ""
+    outs = []
+    for user in node.users:
+        if not is_call(user, operator.getitem) or not isinstance(user.args[1], int):
+            return None, f"its result tuple is read whole by {user.name}"
+        if user.args[1] == 0:
+            outs.append(user)
+        elif user.users:
+            what = returns[user.args[1]].name
+            hint = " (saved for the backward pass of a training graph)" if "sumexp" in what else ""
+            return None, (f"its {what} output is used by {', '.join(u.name for u in user.users)}{hint}; "
+                          "rubin.attention returns only the attention output")
+    return outs, ""
+
+
+def _unrepeat(node: Any) -> Optional[tuple[torch.fx.Node, int, list[torch.fx.Node]]]:
+    """For ``reshape([clone](expand(unsqueeze(x, 2), [B, H, n, S, D])), [B, H * n, S, D])`` (GQA's
+    ``repeat_kv`` / ``repeat_interleave(n, dim=1)``): (x, n, the chain's nodes); else None."""
+    if not is_call(node, *_RESHAPES):
+        return None
+    chain = [node]
+    inner = node.args[0]
+    if is_call(inner, aten.clone.default):
+        chain.append(inner)
+        inner = inner.args[0]
+    if not is_call(inner, aten.expand.default):
+        return None
+    chain.append(inner)
+    unsq = inner.args[0]
+    if not is_call(unsq, aten.unsqueeze.default) or unsq.args[1] not in (2, -3):
+        return None
+    chain.append(unsq)
+    base = unsq.args[0]
+    bv, ev, ov = tensor_meta(base), tensor_meta(inner), tensor_meta(node)
+    if bv is None or ev is None or ov is None or bv.dim() != 4 or ev.dim() != 5 or ov.dim() != 4:
+        return None
+    B, H, S, D = bv.shape
+    n = ev.shape[2]
+    if not isinstance(n, int) or n < 1:
+        return None
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    want = ((ev, (B, H, n, S, D)), (ov, (B, H * n, S, D)))
+    if not all(statically_known_true(x == y) for val, shape in want for x, y in zip(val.shape, shape)):
+        return None
+    return base, n, chain
+
+
+def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
+    """Rewrite one SDPA node into ``rubin.attention``; return the Rewrite, or the reason it was left alone."""
+    form = SDPA_FORMS[node.target]
+    args = _bound(node)
+    outs, why = _output_users(node)
+    if outs is None:
+        return why
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        return f"dropout_p={args['dropout_p']}: rubin.attention is inference attention, without dropout"
+    if args.get("return_debug_mask"):
+        return "return_debug_mask=True (a debugging output rubin.attention does not produce)"
+    q, k, v = args["query"], args["key"], args["value"]
+    mask = args.get("attn_mask", args.get("attn_bias"))
+    is_causal = bool(args.get("is_causal", False))
+    scale = args.get("scale")
+    vals = {n: tensor_meta(x) for n, x in (("query", q), ("key", k), ("value", v))}
+    if any(val is None for val in vals.values()) or (mask is not None and tensor_meta(mask) is None):
+        return "no fake tensor recorded on its inputs"
+    for name, val in vals.items():
+        if val.dim() != 4:
+            return (f"{name} is {val.dim()}-D {tuple(val.shape)}; rubin.attention takes [B, H, S, D] "
+                    "(SDPA's other batch ranks are not rewritten)")
+
+    # Fold repeated KV heads back into GQA: both or neither (key and value must keep one head count).
+    gqa = "native (enable_gqa)" if vals["query"].shape[1] != vals["key"].shape[1] else "none (Hq == Hkv)"
+    folded_chains: list[torch.fx.Node] = []
+    rk, rv = _unrepeat(k), _unrepeat(v)
+    if rk is not None and rv is not None and rk[1] == rv[1] and rk[1] > 1:
+        k, v = rk[0], rv[0]
+        folded_chains = rk[2] + rv[2]
+        gqa = f"repeat_kv folded (key/value heads were repeated x{rk[1]} in the graph)"
+    elif rk is not None or rv is not None:
+        gqa = "repeated in the graph, not folded (key and value are not repeated alike)"
+    kv, vv = tensor_meta(k), tensor_meta(v)
+    try:
+        B, Hq, Hkv, S, Skv, D, Dv = check_attention_args(vals["query"], kv, vv, tensor_meta(mask), is_causal, scale)
+    except AttentionArgumentError as e:
+        return f"its operands do not fit rubin.attention: {e}"
+
+    kwargs: dict[str, Any] = {"is_causal": is_causal, "scale": scale}
+    if mask is not None:
+        kwargs = {"attn_mask": mask, **kwargs}
+    with graph.inserting_before(node):
+        new = call(graph, torch.ops.rubin.attention.default, (q, k, v), kwargs)
+    inherit_source([new], node)
+    replaced = [node.name]
+    for out in outs:
+        if out is not node:
+            out.replace_all_uses_with(new)
+            replaced.append(out.name)
+    if node.target is aten.scaled_dot_product_attention.default:
+        node.replace_all_uses_with(new)
+    for user in list(node.users):  # unused getitems (logsumexp, ...)
+        replaced.append(user.name)
+        graph.erase_node(user)
+    for out in outs:
+        if out is not node and not out._erased:
+            graph.erase_node(out)
+    graph.erase_node(node)
+    for n in folded_chains:  # the repeat copies, where nothing else reads them
+        if not n._erased and not n.users:
+            replaced.append(n.name)
+            graph.erase_node(n)
+
+    mval = tensor_meta(mask)
+    qv = vals["query"]
+    details: dict[str, Any] = {
+        "form": form,
+        "B": _size(B), "Hq": _size(Hq), "Hkv": _size(Hkv), "S": _size(S), "Skv": _size(Skv), "D": _size(D),
+        "Dv": _size(Dv), "dtype": str(qv.dtype).replace("torch.", ""),
+        "gqa": gqa,
+        "masking": "causal" if is_causal else ("none" if mask is None else "mask"),
+        "mask": None if mval is None else {"dtype": str(mval.dtype).replace("torch.", ""),
+                                           "shape": [_size(s) for s in mval.shape]},
+        "scale": scale if scale is not None else "1/sqrt(D)",
+    }
+    return Rewrite(node=new.name, canonical_op="rubin.attention", source_idiom=f"{IDIOM} ({form})",
+                   replaced=sorted(set(replaced)), details=details)
+
+
+def _size(s: Any) -> Any:
+    return s if isinstance(s, int) else str(s)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's attention: kept, and recorded
+# --------------------------------------------------------------------------------------------------
+
+
+def read_vllm_attention(node: torch.fx.Node, ctx: PassContext) -> Optional[dict[str, Any]]:
+    """If ``node`` is a vLLM attention call: what rubin knows of it (JSON-able), else None."""
+    mc = decode_mutating_call(node)
+    if mc is not None:
+        op, args, form = mc.op, mc.args, f"auto_functionalized{'_v2' if mc.version == 2 else ''}"
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        op, args, form = node.target, _bound(node), "direct call"
+    else:
+        return None
+    name = op_name(op)
+    if name not in VLLM_ATTENTION_OPS:
+        return None
+    record: dict[str, Any] = {"node": node.name, "op": name, "form": form}
+    qv = tensor_meta(args.get("query", args.get("q")))
+    if qv is not None:
+        record["query_dtype"] = str(qv.dtype).replace("torch.", "")
+    dep = args.get("kv_cache_dummy_dep")
+    if isinstance(dep, torch.fx.Node):
+        record["kv_cache_update"] = dep.name
+    layer_name, layer = _find_layer(args.get("layer_name"))
+    record["layer"] = layer_name
+    if layer is None:
+        record["backend"] = None
+        record["why_unknown"] = ("the layer is not in vLLM's forward context at compile time"
+                                 if layer_name else "the layer name could not be read from the graph")
+    else:
+        record.update(_layer_facts(layer))
+    record["target_preference"] = _target_preference(record, ctx)
+    return record
+
+
+def _find_layer(layer_name: Any) -> tuple[Optional[str], Any]:
+    """(name, layer object) from vLLM's forward context (or its current config) at compile time."""
+    from rubin_compile.ops.vllm_moe import layer_name_value
+
+    value = layer_name.meta.get("val") if isinstance(layer_name, torch.fx.Node) else layer_name
+    name = layer_name_value(value) if value is not None else None
+    if not isinstance(name, str):
+        return None, None
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            layer = get_forward_context().no_compile_layers.get(name)
+            if layer is not None:
+                return name, layer
+        from vllm.config import get_current_vllm_config
+
+        return name, get_current_vllm_config().compilation_config.static_forward_context.get(name)
+    except (ImportError, AssertionError, AttributeError):
+        return name, None
+
+
+def _layer_facts(layer: Any) -> dict[str, Any]:
+    """Backend, kernel, KV cache and head layout of a vLLM ``Attention`` / ``MLAAttention`` layer."""
+    backend_cls = getattr(layer, "attn_backend", None)
+    try:
+        backend = backend_cls.get_name() if backend_cls is not None else None
+    except Exception:  # a backend class without get_name(): report the class
+        backend = getattr(backend_cls, "__name__", str(backend_cls))
+    impl = getattr(layer, "impl", None)
+    kernel = VLLM_BACKEND_KERNELS.get(backend) or (
+        f"{type(impl).__module__}.{type(impl).__name__}" if impl is not None else "unknown")
+    isa = getattr(layer, "isa", None)
+    if isa:
+        kernel += f", isa={isa}"
+    kv_dtype = getattr(layer, "kv_cache_dtype", None)
+    kv_torch = getattr(layer, "kv_cache_torch_dtype", None)
+    facts = {
+        "backend": backend,
+        "impl": type(impl).__name__ if impl is not None else None,
+        "kernel": kernel,
+        "kv_cache_dtype": kv_dtype,
+        "kv_cache_torch_dtype": str(kv_torch).replace("torch.", "") if isinstance(kv_torch, torch.dtype) else None,
+        "num_heads": getattr(layer, "num_heads", None),
+        "num_kv_heads": getattr(layer, "num_kv_heads", None),
+        "head_size": getattr(layer, "head_size", None),
+        "head_size_v": getattr(layer, "head_size_v", None),
+        "sliding_window": getattr(layer, "sliding_window", None),
+        "scale": getattr(impl, "scale", None),
+    }
+    return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in facts.items()}
+
+
+def _kv_quant(kv_cache_dtype: Optional[str]) -> str:
+    return "fp8_tensor" if isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("fp8") else "none"
+
+
+def _target_preference(record: dict[str, Any], ctx: PassContext) -> dict[str, Any]:
+    """What the compile target would run for this layer, from the kernel registry (targets are data): for the
+    layer as it is, for a bf16 model when the layer's dtype has no kernel there, and with an FP8 KV cache."""
+    target = ctx.target if ctx.target is not None else ctx.options.resolved_target()
+    pref: dict[str, Any] = {"target": target.name}
+    if not target.is_cuda:
+        pref["note"] = f"target {target.name} has no GPU attention kernel; vLLM's CPU backend is the one to run"
+        return pref
+    try:
+        from rubin_compile.kernels.registry import KernelSpec, select
+
+        act = record.get("query_dtype") or "bfloat16"
+        shape = (("D", record["head_size"]),) if isinstance(record.get("head_size"), int) else ()
+        quant = _kv_quant(record.get("kv_cache_dtype"))
+        kv = record.get("kv_cache_torch_dtype") or act
+        as_is = select(KernelSpec("attention", quant, act, kv, None, shape), target)
+        half = act if act in ("bfloat16", "float16") else "bfloat16"
+        in_half = as_is
+        if as_is.chosen.name == "reference" and half != act:
+            in_half = select(KernelSpec("attention", quant, half, half if quant == "none" else kv, None, shape), target)
+        fp8 = select(KernelSpec("attention", "fp8_tensor", half, "float8_e4m3fn", None, shape), target)
+    except Exception as exc:  # the registry could not answer: say so, keep compiling
+        pref["note"] = f"the kernel registry could not answer: {type(exc).__name__}: {exc}"
+        return pref
+    pref["kernel"] = as_is.chosen.name
+    pref["entry"] = as_is.chosen.entry(as_is.spec)
+    if as_is.chosen.name == "reference" and as_is.rejected:
+        pref["why_none"] = "; ".join(f"{k}: {r}" for k, r in as_is.rejected[:2])
+    if in_half is not as_is:
+        pref["half_dtype"] = half
+        pref["half_kernel"] = in_half.chosen.name
+        pref["half_entry"] = in_half.chosen.entry(in_half.spec)
+    best = in_half.chosen.name
+    pref["vllm_switches"] = VLLM_SWITCHES.get(best)
+    pref["fp8_kv_kernel"] = fp8.chosen.name
+    pref["fp8_kv_entry"] = fp8.chosen.entry(fp8.spec)
+    if quant == "none" and fp8.chosen.name in VLLM_SWITCHES:
+        pref["fp8_kv_switches"] = f"--kv-cache-dtype fp8 {VLLM_SWITCHES[fp8.chosen.name]}"
+    return pref
+
+
+def describe_kept(record: dict[str, Any]) -> str:
+    """The report line for one kept vLLM attention call."""
+    where = f"layer {record['layer']}" if record.get("layer") else "a layer whose name could not be read"
+    if record.get("backend") is None:
+        runs = f"vLLM's attention backend could not be read ({record.get('why_unknown')})"
+    else:
+        kv = record.get("kv_cache_dtype")
+        kv_txt = f"{kv} = {record.get('kv_cache_torch_dtype')}" if kv == "auto" else kv
+        runs = (f"vLLM's {record['backend']} backend runs {record['kernel']} on its paged KV cache ({kv_txt}); "
+                f"{record.get('num_heads')} query / {record.get('num_kv_heads')} KV heads, head size "
+                f"{record.get('head_size')}")
+    pref = record.get("target_preference", {})
+    if "kernel" in pref:
+        if "half_kernel" in pref:
+            want = (f"target {pref['target']} has no attention kernel for this layer's {record.get('query_dtype')} "
+                    f"({pref.get('why_none')}); a {pref['half_dtype']} model would run {pref['half_kernel']} "
+                    f"({pref['half_entry']})")
+        else:
+            want = f"target {pref['target']} would prefer {pref['kernel']} ({pref['entry']})"
+        if pref.get("vllm_switches"):
+            want += f": {pref['vllm_switches']}"
+            if record.get("backend") not in (None, "FLASHINFER"):
+                want += f" (vLLM runs {record['backend']} now)"
+        if pref.get("fp8_kv_switches"):
+            want += (f"; with an FP8 KV cache it would run {pref['fp8_kv_kernel']} FP8 attention: "
+                     f"{pref['fp8_kv_switches']}")
+    else:
+        want = pref.get("note", "")
+    return (f"kept vLLM's attention at {record['node']} ({record['op']}, {where}): {runs}. The KV cache and the "
+            f"backend stay vLLM's. {want}.")

@@ -19,7 +19,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from rubin_compile import target as target_mod
 from rubin_compile.kernels import registry
+from rubin_compile.ops import attention as attention_ops
+from rubin_compile.ops import gemm as gemm_ops
 from rubin_compile.kernels.registry import KernelSpec
 from rubin_compile.options import CANONICAL_OPS
 from rubin_compile.passes.base import KernelPlan, PassContext, PassResult, node_val
@@ -118,12 +121,15 @@ def vllm_layer_spec(node: torch.fx.Node) -> KernelSpec:
 # rubin op name -> how its node becomes a spec. A matcher that adds a canonical op adds its builder here.
 SPEC_BUILDERS: dict[str, Callable[[torch.fx.Node], KernelSpec]] = {
     "moe": moe_spec, "vllm_moe_layer": vllm_layer_spec, "vllm_moe_layer_shared": vllm_layer_spec,
+    "gemm": gemm_ops.kernel_spec, "attention": attention_ops.kernel_spec,
 }
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     target = ctx.target if ctx.target is not None else ctx.options.resolved_target()
+    # Compiling for the machine we run on: choose only kernels that can run here (see registry.select).
+    runs_here = target.name == target_mod.detect().name
     forced_kernels = dict(ctx.options.kernels)
     for op, name in forced_kernels.items():
         registry.candidate(op, name)  # an unknown kernel name is an error, listing the valid ones
@@ -139,7 +145,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             continue
         spec = builder(node)
         forced = forced_kernels.get(op)
-        selection = registry.select(spec, target, forced)
+        selection = registry.select(spec, target, forced, runs_here=runs_here)
         if forced is not None and selection.forced_reason is not None:
             if ctx.options.strict:
                 raise KernelSelectionError(

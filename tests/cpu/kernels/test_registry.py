@@ -211,3 +211,22 @@ def test_a_plan_for_another_gpu_names_why_this_gpu_cannot_run_it(monkeypatch):
     # runnable on this GPU, but no adapter from rubin.moe to it yet: still a clear error, not a crash
     with pytest.raises(R.KernelUnavailableError, match=r"no adapter from rubin.moe to flashinfer_cutlass yet"):
         R.implementation("moe", "flashinfer_cutlass@sm90")
+
+
+def test_compiling_for_this_machine_never_chooses_a_kernel_it_cannot_run(monkeypatch):
+    """On the machine itself (target "auto" on an H200), a candidate without an adapter in this version,
+    or whose package / GPU is missing here, is rejected with that reason; plans for other targets are not
+    filtered (they follow the declarations, as docs/kernels/selection.md documents)."""
+    sm90 = T.resolve("sm90")
+    monkeypatch.setattr(T, "detect", lambda device_index=0: sm90)
+    attention = R.example_spec("attention", "none")
+    here = R.select(attention, sm90, runs_here=True)
+    plan = R.select(attention, sm90)
+    assert here.chosen.name == "torch"
+    assert dict(here.rejected)["flashinfer_fa3"].startswith("this version of rubin_compile has no adapter")
+    if importlib.util.find_spec("flashinfer"):
+        assert plan.chosen.name == "flashinfer_fa3"
+    moe = R.example_spec("moe", "none")
+    moe_here = R.select(moe, sm90, runs_here=True)
+    if not torch.cuda.is_available():  # the Triton provider refuses to import without a GPU
+        assert moe_here.chosen.name == "reference" and "triton" in dict(moe_here.rejected)

@@ -1,0 +1,205 @@
+"""The canonical attention op, ``torch.ops.rubin.attention``.
+
+Every scaled-dot-product attention the matchers recognise (the ATen SDPA ops of every device, with or
+without a mask, with native or repeated GQA heads) is rewritten into this one functional op; kernel
+selection then binds it to a kernel. Its reference implementation below *is* the semantics.
+
+Schema::
+
+    rubin::attention(Tensor query,          # [B, Hq,  S,   D ]   bf16 / fp16 / fp32 / fp64
+                     Tensor key,            # [B, Hkv, Skv, D ]   same dtype; Hq a multiple of Hkv (GQA / MQA)
+                     Tensor value,          # [B, Hkv, Skv, Dv]   same dtype (Dv may differ from D, as in MLA)
+                     Tensor? attn_mask=None,  # broadcastable to [B, Hq, S, Skv]: bool (True = attend) or
+                                              # additive float in the query's dtype
+                     bool is_causal=False,  # query i attends key j <= i (upper-left aligned, as SDPA)
+                     float? scale=None,     # None: 1 / sqrt(D)
+                     str impl="reference")  # which kernel runs it; chosen by select_kernels
+      -> Tensor                             # [B, Hq, S, Dv] in the query's dtype
+
+Semantics (``torch.nn.functional.scaled_dot_product_attention`` without dropout)::
+
+    n = Hq // Hkv;  K = key.repeat_interleave(n, dim=1);  V = value.repeat_interleave(n, dim=1)
+    out = softmax(query @ K.transpose(-2, -1) * scale + M, dim=-1) @ V
+
+where ``M`` is ``attn_mask`` (a bool mask contributes 0 / -inf) or, with ``is_causal``, the upper-left
+aligned causal mask ``tril(ones(S, Skv))``. Query head ``h`` reads key/value head ``h // n`` -- the grouping
+of SDPA's ``enable_gqa``, of Hugging Face's ``repeat_kv`` and of vLLM / FlashInfer (``num_qo_heads`` a multiple
+of ``num_kv_heads``). ``attn_mask`` and ``is_causal`` are exclusive, as in SDPA. A kernel whose causal mask is
+aligned bottom-right (FlashInfer, FlashAttention with ``S < Skv``) must shift it or decline ``S != Skv``.
+
+The result's memory layout is ``[B, S, Hq, Dv]`` seen as ``[B, Hq, S, Dv]`` (``out.transpose(1, 2)`` is
+contiguous): the layout every fused attention kernel writes (torch's flash kernels, FlashInfer's
+``[tokens, heads, dim]``), so the usual ``out.transpose(1, 2).reshape(B, S, Hq * Dv)`` after attention is
+free. The fake implementation promises that layout and the reference keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class AttentionArgumentError(ValueError):
+    """Raised when the arguments of ``rubin.attention`` do not describe a valid attention call."""
+
+
+def _known(*sizes) -> bool:
+    """All sizes are plain ints (symbolic sizes are not checked: a check would add a guard)."""
+    return all(isinstance(s, int) for s in sizes)
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+) -> tuple:
+    """Validate the op's arguments; return (B, Hq, Hkv, S, Skv, D, Dv). Errors name the argument and the fix."""
+
+    def fail(msg: str) -> None:
+        raise AttentionArgumentError(f"rubin.attention: {msg}")
+
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            fail(f"{name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}; add a batch dimension")
+    if query.dtype not in FLOAT_DTYPES:
+        fail(f"query dtype {query.dtype} is not one of bf16 / fp16 / fp32 / fp64")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        fail(f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+    B, Hq, S, D = query.shape
+    Bk, Hkv, Skv, Dk = key.shape
+    Bv, Hv, Sv, Dv = value.shape
+    if _known(B, Bk, Bv) and not B == Bk == Bv:
+        fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
+    if _known(Hkv, Hv) and Hkv != Hv:
+        fail(f"key has {Hkv} heads but value has {Hv}")
+    if _known(Skv, Sv) and Skv != Sv:
+        fail(f"key has {Skv} positions but value has {Sv}")
+    if _known(D, Dk) and D != Dk:
+        fail(f"query head dim {D} differs from key head dim {Dk}")
+    if _known(Hq, Hkv) and (Hkv == 0 or Hq % Hkv):
+        fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if attn_mask is not None:
+        if is_causal:
+            fail("attn_mask and is_causal=True are exclusive (as in SDPA); fold the causal mask into attn_mask")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            fail(f"attn_mask must be bool or the query's dtype {query.dtype}, got {attn_mask.dtype}")
+        if attn_mask.dim() > 4:
+            fail(f"attn_mask must broadcast to [B, Hq, S, Skv]; got shape {tuple(attn_mask.shape)}")
+        full = (B, Hq, S, Skv)[4 - attn_mask.dim():]
+        for have, want in zip(attn_mask.shape, full):
+            if _known(have, want) and have not in (1, want):
+                fail(f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
+                     f"{(B, Hq, S, Skv)}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        fail(f"scale must be a finite float or None, got {scale!r}")
+    return B, Hq, Hkv, S, Skv, D, Dv
+
+
+def _output_like(query: torch.Tensor, dv) -> torch.Tensor:
+    """An empty [B, Hq, S, Dv] tensor laid out as [B, S, Hq, Dv] (see the module docstring)."""
+    B, Hq, S, _ = query.shape
+    return query.new_empty((B, S, Hq, dv)).transpose(1, 2)
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Plain PyTorch semantics of ``rubin.attention`` (see the module docstring); any device.
+
+    Key and value heads are repeated explicitly (``repeat_interleave``), which every SDPA backend accepts;
+    on the CPU SDPA then runs the same flash kernel eager PyTorch runs for the source graph, so a rewrite
+    keeps eager numerics.
+    """
+    _, Hq, Hkv, _, _, _, dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)
+    if Hq != Hkv:
+        key = key.repeat_interleave(Hq // Hkv, dim=1)
+        value = value.repeat_interleave(Hq // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
+                                         is_causal=is_causal, scale=scale)
+    result = _output_like(query, dv)
+    result.copy_(out)
+    return result
+
+
+@torch.library.custom_op("rubin::attention", mutates_args=())
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    impl: str = "reference",
+) -> torch.Tensor:
+    """Canonical attention; see the module docstring. ``impl`` names the kernel (see kernels/registry.py)."""
+    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
+
+    return registry.implementation("attention", impl)(query, key, value, attn_mask, is_causal, scale)
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, impl="reference"):
+    dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)[-1]
+    return _output_like(query, dv)
+
+
+# ------------------------------------------------------------------------------------------------
+# what kernel selection knows of a rubin.attention node
+# ------------------------------------------------------------------------------------------------
+
+
+def masking(node: torch.fx.Node) -> str:
+    """``"causal"``, ``"mask"`` (an explicit bool or additive mask) or ``"none"`` for a ``rubin.attention`` node."""
+    args = _bound(node)
+    if args.get("attn_mask") is not None:
+        return "mask"
+    return "causal" if args.get("is_causal") else "none"
+
+
+def _bound(node: torch.fx.Node) -> dict:
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in schema.arguments), node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def kernel_spec(node: torch.fx.Node):
+    """The ``KernelSpec`` of a ``rubin.attention`` node, for select_kernels (``SPEC_BUILDERS["attention"]``).
+
+    ``quant`` is ``"none"`` (rubin.attention reads activations, not a quantised KV cache); ``act_dtype`` is the
+    query's dtype and ``weight_dtype`` the key/value dtype (the "KV cache" of the registry's attention rows);
+    ``shape`` holds ``D`` (the head dim the registry checks) and, when static, ``Dv``, ``Hq``, ``Hkv``, ``S``,
+    ``Skv`` and ``B``; ``activation`` carries the masking (``"causal"``, ``"mask"``, or ``None`` for none), so a
+    candidate without arbitrary masks (trtllm-gen) can decline ``"mask"``.
+    """
+    from rubin_compile.kernels.registry import KernelSpec  # lazy: the registry imports provider tables
+
+    args = _bound(node)
+    q, k, v = (args[n].meta.get("val") if isinstance(args[n], torch.fx.Node) else None
+               for n in ("query", "key", "value"))
+    sizes = {}
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        sizes = {"D": q.shape[3], "Dv": v.shape[3], "Hq": q.shape[1], "Hkv": k.shape[1], "S": q.shape[2],
+                 "Skv": k.shape[2], "B": q.shape[0]}
+    kind = masking(node)
+    return KernelSpec(
+        op="attention", quant="none",
+        act_dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "unknown",
+        weight_dtype=str(k.dtype).replace("torch.", "") if isinstance(k, torch.Tensor) else "unknown",
+        shape=tuple((n, s) for n, s in sizes.items() if isinstance(s, int)),
+        activation=None if kind == "none" else kind, node=node.name,
+    )

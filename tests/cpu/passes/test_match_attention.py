@@ -1,0 +1,247 @@
+"""match_attention: SDPA in every ATen form becomes rubin.attention, GQA kept as GQA, near misses left with a
+reason. vLLM's attention (kept, recorded) is tested on a real engine in tests/vllm/test_vllm_attention_gemm.py.
+
+Numerics: compiled against eager on fresh random inputs (fp32 1e-4 and bf16 2e-2 of the output's scale; the
+reference runs the same CPU flash kernel eager does). The CUDA forms are built as graphs with fake tensors
+(no GPU needed to trace them), rewritten, and the rewritten graph is run on the CPU against SDPA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rubin_compile.options import RubinOptions
+from rubin_compile.passes import match_attention
+from rubin_compile.passes.base import PassContext
+from tests.conftest import assert_close_to_eager, count_ops
+from tests.cpu.passes import hf_models
+
+aten = torch.ops.aten
+CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
+FP32, BF16 = pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")
+
+
+def attention_rewrites(rubin_run) -> list[dict]:
+    return rubin_run.rewrites("match_attention")
+
+
+# --- a Hugging Face model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_hf_model_attention_rewritten_and_logits_match(dtype):
+    pytest.importorskip("transformers")
+    run = hf_models.run("qwen3_moe", dtype)
+    for got, want in run.outputs:
+        hf_models.assert_logits_close(got, want, dtype)
+    result = run.result("match_attention")
+    assert result["unchanged"] == [] and len(result["rewrites"]) == hf_models.LAYERS
+    for r in result["rewrites"]:
+        d = r["details"]
+        assert r["canonical_op"] == "rubin.attention" and d["form"] == CPU_SDPA
+        assert (d["Hq"], d["Hkv"], d["D"], d["S"], d["Skv"]) == (4, 2, 16, 8, 8)
+        # Under torch.compile transformers always builds a mask, and with a mask it repeats the KV heads
+        # (repeat_kv): the rewrite folds the repeat back into GQA.
+        assert d["masking"] == "mask" and d["gqa"].startswith("repeat_kv folded")
+        assert d["scale"] == 0.25  # transformers passes head_dim ** -0.5
+    before, after = run.stage_code("match_moe"), run.stage_code("match_attention")
+    assert count_ops(before, CPU_SDPA) == hf_models.LAYERS and count_ops(after, CPU_SDPA) == 0
+    assert count_ops(after, "rubin.attention") == hf_models.LAYERS
+    # the repeated key / value copies (expand + clone + reshape, twice per layer) are gone
+    assert count_ops(before, "aten.clone") - count_ops(after, "aten.clone") == 2 * hf_models.LAYERS
+
+
+# --- plain PyTorch: every CPU form in one graph ----------------------------------------------------------------
+
+
+def sdpa_forms(q, k, v, m):
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),  # native GQA
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True),
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m,
+                                       scale=0.3),  # float mask, non-default scale
+        F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=m > 0),  # tiled heads
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat(1, 2, 1, 1)),  # not alike: no fold
+    ]
+    # (A value head dim other than the query's, as MLA has, is not SDPA on the CPU: Inductor decomposes it.)
+    return torch.cat([o.flatten() for o in outs])
+
+
+EXPECTED_FORMS = [  # (gqa, masking, scale, Hkv, Dv) per SDPA call above, in graph order
+    ("native (enable_gqa)", "causal", "1/sqrt(D)", 2, 16),
+    ("repeat_kv folded", "causal", "1/sqrt(D)", 2, 16),
+    ("repeat_kv folded", "mask", 0.3, 2, 16),
+    ("none (Hq == Hkv)", "mask", "1/sqrt(D)", 4, 16),
+    ("repeated in the graph, not folded", "none", "1/sqrt(D)", 4, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_plain_sdpa_forms(rubin_run, dtype):
+    compiled = rubin_run.compile(sdpa_forms)
+    for _ in range(2):
+        args = (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16),
+                torch.randn(2, 1, 8, 8))
+        args = tuple(a.to(dtype) for a in args)
+        assert_close_to_eager(compiled(*args), sdpa_forms(*args), dtype)
+    rewrites = attention_rewrites(rubin_run)
+    assert rubin_run.unchanged("match_attention") == []
+    assert len(rewrites) == len(EXPECTED_FORMS)
+    for r, (gqa, masking, scale, hkv, dv) in zip(rewrites, EXPECTED_FORMS):
+        d = r["details"]
+        assert d["gqa"].startswith(gqa) and d["masking"] == masking and d["scale"] == scale, d
+        assert (d["Hkv"], d["Dv"], d["dtype"]) == (hkv, dv, str(dtype).replace("torch.", "")), d
+    code = rubin_run.final_code()
+    assert count_ops(code, "rubin.attention") == len(EXPECTED_FORMS) and count_ops(code, CPU_SDPA) == 0
+
+
+def test_dynamic_sequence_length(rubin_run):
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="rubin", dynamic=True, options={"dump_dir": str(rubin_run.dump_dir)})
+    for s in (6, 11):
+        q, k, v = torch.randn(1, 4, s, 16), torch.randn(1, 2, s, 16), torch.randn(1, 2, s, 16)
+        assert_close_to_eager(compiled(q, k, v), fn(q, k, v))
+    (r,) = attention_rewrites(rubin_run)
+    assert isinstance(r["details"]["S"], str) and r["details"]["gqa"] == "native (enable_gqa)"  # symbolic S
+
+
+# --- near misses through torch.compile -------------------------------------------------------------------------
+
+
+def test_training_graph_keeps_sdpa_for_its_logsumexp(rubin_run):
+    """With requires_grad the forward graph saves SDPA's logsumexp for the backward pass: left unchanged, and
+    forward and backward still compute what eager does."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(-1)  # noqa: E731
+    compiled = rubin_run.compile(fn)
+    leaves = [torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3)]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    got, want = compiled(*leaves), fn(*twins)
+    assert_close_to_eager(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    for a, b in zip(leaves, twins):
+        assert_close_to_eager(a.grad, b.grad)
+    assert attention_rewrites(rubin_run) == []
+    (left,) = rubin_run.unchanged("match_attention")
+    assert "logsumexp output is used" in left["reason"] and "backward" in left["reason"]
+    assert count_ops(rubin_run.final_code(), "rubin.attention") == 0
+
+
+def test_strict_mode_raises_on_a_near_miss(rubin_run):
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sum()  # noqa: E731
+    compiled = rubin_run.compile(fn, strict=True)
+    with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*logsumexp"):
+        compiled(*(torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3)))
+
+
+# --- the CUDA (and other device) forms, as graphs --------------------------------------------------------------
+
+
+def _run_pass(gm: torch.fx.GraphModule):
+    ctx = PassContext(options=RubinOptions.resolve({}), target=RubinOptions.resolve({}).resolved_target())
+    result = match_attention.run(gm.graph, ctx)
+    gm.recompile()
+    return result
+
+
+def _trace(fn, *args) -> torch.fx.GraphModule:
+    """``fn``'s ops as one graph, each node with the fake value Inductor would have recorded (CUDA-only SDPA ops
+    propagate through their meta functions, so no GPU is needed; the composite op is kept, not decomposed)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = torch.fx.symbolic_trace(fn)
+    with torch._subclasses.FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(*(mode.from_tensor(a) for a in args))
+    return gm
+
+
+Q, KV = (2, 4, 8, 16), (2, 2, 8, 16)  # GQA shapes; MHA forms read key / value with 4 heads
+def _both(result):
+    return result[0], result[1]
+
+
+CUDA_FORMS = {  # name -> (ATen form in the report, graph, SDPA semantics it must keep, key/value shape)
+    "flash": ("aten._scaled_dot_product_flash_attention",
+              lambda q, k, v, b: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, scale=0.2)[0],
+              lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2), Q),
+    "efficient": ("aten._scaled_dot_product_efficient_attention",
+                  lambda q, k, v, b: aten._scaled_dot_product_efficient_attention.default(q, k, v, b, True)[0],
+                  lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), Q),
+    "cudnn": ("aten._scaled_dot_product_cudnn_attention",
+              lambda q, k, v, b: aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, False, 0.0, True)[0],
+              lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True), Q),
+    "overrideable": ("aten._scaled_dot_product_fused_attention_overrideable",
+                     lambda q, k, v, b: aten._scaled_dot_product_fused_attention_overrideable.default(q, k, v, b)[0],
+                     lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), Q),
+    "composite_gqa": ("aten.scaled_dot_product_attention",
+                      lambda q, k, v, b: aten.scaled_dot_product_attention.default(q, k, v, b, enable_gqa=True),
+                      lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True), KV),
+}
+
+
+@pytest.mark.parametrize("form", list(CUDA_FORMS))
+def test_device_forms_rewritten(form):
+    op, build, semantics, kv = CUDA_FORMS[form]
+    args = (torch.randn(Q), torch.randn(kv), torch.randn(kv), torch.randn(2, 4, 8, 8))
+    gm = _trace(build, *args)
+    result = _run_pass(gm)
+    assert result.unchanged == [] and len(result.rewrites) == 1
+    assert result.rewrites[0].details["form"] == op
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.rubin.attention.default]  # the op and its getitems are gone
+    fresh = tuple(torch.randn_like(a) for a in args)
+    assert_close_to_eager(gm(*fresh), semantics(*fresh))
+
+
+@pytest.mark.parametrize("build, reason", [
+    (lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.1, True)[0], "dropout_p=0.1"),
+    (lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, False, True)[0],
+     "return_debug_mask"),
+    (lambda q, k, v: _both(aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True)),
+     "log_sumexp output is used"),
+    (lambda q, k, v: aten.scaled_dot_product_attention.default(q[0], k[0], v[0]), "query is 3-D"),
+], ids=["dropout", "debug_mask", "logsumexp_used", "three_d"])
+def test_device_form_near_misses(build, reason):
+    """Dropout, a debug mask, a used logsumexp, a 3-D batch: left as they are, each with its reason."""
+    gm = _trace(build, *(torch.randn(2, 4, 8, 16) for _ in range(3)))
+    result = _run_pass(gm)
+    assert result.rewrites == [] and not result.changed
+    (left,) = result.unchanged
+    assert reason in left.reason, left.reason
+
+
+# --- what the report says of vLLM's attention, per target (the engine test sees one target) ------------------------
+
+
+@pytest.mark.parametrize("target, query, kv_cache, expect", [
+    ("sm107", "bfloat16", "auto", ["would prefer flashinfer_trtllm", "trtllm-gen", "(vLLM runs FLASH_ATTN now)",
+                                    "with an FP8 KV cache it would run flashinfer_trtllm FP8 attention: "
+                                    "--kv-cache-dtype fp8 --attention-backend FLASHINFER"]),
+    ("sm107", "bfloat16", "fp8", ["would prefer flashinfer_trtllm"]),
+    ("sm107", "float32", "auto", ["no attention kernel for this layer's float32", "activations in float32",
+                                   "a bfloat16 model would run flashinfer_trtllm"]),
+    ("sm90", "bfloat16", "auto", ["would prefer flashinfer_fa3",
+                                   "with an FP8 KV cache it would run flashinfer_fa2 FP8 attention"]),
+    ("cpu", "bfloat16", "auto", ["target cpu has no GPU attention kernel; vLLM's CPU backend is the one to run"]),
+])
+def test_kept_vllm_attention_note_per_target(target, query, kv_cache, expect):
+    """A recorded vLLM attention layer (as read_vllm_attention builds it from the layer object) and what the
+    kernel registry says the target would run: on Blackwell / Rubin trtllm-gen, whose FP8 attention needs an
+    FP8 KV cache and the FlashInfer backend; FA3 on Hopper (FP8 KV on FA2: FA3 wants an FP8 query)."""
+    record = {"node": "auto_functionalized_1", "op": "vllm::unified_attention_with_output",
+              "layer": "model.layers.0.self_attn.attn", "backend": "FLASH_ATTN",
+              "kernel": match_attention.VLLM_BACKEND_KERNELS["FLASH_ATTN"], "query_dtype": query,
+              "kv_cache_dtype": kv_cache, "kv_cache_torch_dtype": "float8_e4m3fn" if kv_cache == "fp8" else query,
+              "num_heads": 32, "num_kv_heads": 8, "head_size": 128}
+    options = RubinOptions.resolve({"target": target})
+    record["target_preference"] = match_attention._target_preference(
+        record, PassContext(options=options, target=options.resolved_target()))
+    note = match_attention.describe_kept(record)
+    assert note.startswith("kept vLLM's attention at auto_functionalized_1") and "stay vLLM's" in note
+    for text in expect:
+        assert text in note, note
+    if kv_cache == "fp8":
+        assert "with an FP8 KV cache" not in note  # it has one
