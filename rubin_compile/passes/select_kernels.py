@@ -125,11 +125,28 @@ SPEC_BUILDERS: dict[str, Callable[[torch.fx.Node], KernelSpec]] = {
 }
 
 
+def _on_cuda(graph: torch.fx.Graph) -> bool:
+    """Whether the canonical nodes of ``graph`` compute on a CUDA device (by their first tensor input)."""
+    for node in graph.nodes:
+        if canonical_op(node) is None:
+            continue
+        for arg in node.args:
+            val = node_val(arg) if isinstance(arg, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                return val.device.type == "cuda"
+    return False
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     target = ctx.target if ctx.target is not None else ctx.options.resolved_target()
+    if ctx.options.target in ("auto", "") and target.is_cuda and not _on_cuda(graph):
+        # "auto" detected a GPU, but this graph's tensors live on the CPU: plan for where it will run.
+        result.notes.append(f"target auto: the graph's tensors are on the CPU, not the {target.name} GPU; "
+                            "planning for the CPU")
+        target = target_mod.resolve("cpu")
     # Compiling for the machine we run on: choose only kernels that can run here (see registry.select).
-    runs_here = target.name == target_mod.detect().name
+    runs_here = target.name == target_mod.detect().name or not target.is_cuda
     forced_kernels = dict(ctx.options.kernels)
     for op, name in forced_kernels.items():
         registry.candidate(op, name)  # an unknown kernel name is an error, listing the valid ones

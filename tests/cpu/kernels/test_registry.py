@@ -223,8 +223,8 @@ def test_compiling_for_this_machine_never_chooses_a_kernel_it_cannot_run(monkeyp
     here = R.select(attention, sm90, runs_here=True)
     plan = R.select(attention, sm90)
     assert here.chosen.name == "torch"
-    assert dict(here.rejected)["flashinfer_fa3"].startswith("this version of rubin_compile has no adapter")
-    if importlib.util.find_spec("flashinfer"):
+    if importlib.util.find_spec("flashinfer"):  # without it, fa3 is rejected for the missing package first
+        assert dict(here.rejected)["flashinfer_fa3"].startswith("this version of rubin_compile has no adapter")
         assert plan.chosen.name == "flashinfer_fa3"
     moe = R.example_spec("moe", "none")
     moe_here = R.select(moe, sm90, runs_here=True)

@@ -181,3 +181,21 @@ def test_impl_given_positionally_is_replaced_in_place():
     node.kwargs = {}
     _select(graph, target="sm90")
     assert node.args[11] == "triton@sm90" and "impl" not in node.kwargs
+
+
+def test_auto_target_on_a_gpu_machine_plans_cpu_graphs_for_the_cpu(rubin_run, monkeypatch):
+    """target "auto" on a machine with a GPU, model on the CPU: the plan is for the CPU (the reference
+    kernel), not for the GPU the tensors never reach (seen on the H200 before this was fixed)."""
+    from rubin_compile import target as target_mod
+
+    monkeypatch.setattr(target_mod, "detect", lambda device_index=0: target_mod.resolve("sm90"))
+    model = LoopMoE().to(torch.bfloat16).eval()
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = rubin_run.compile(model)(x)
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    (report,) = rubin_run.reports()
+    sel = next(p for p in report["passes"] if p["name"] == "select_kernels")
+    assert [pl["impl"] for pl in sel["plans"]] == ["reference"] and sel["plans"][0]["target"] == "cpu"
+    assert any("planning for the CPU" in n for n in sel["notes"])
