@@ -6,8 +6,8 @@ from typing import Any
 
 
 def _cell(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    if isinstance(value, dict):  # False / None entries say nothing in a table; report.json keeps them
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items() if v is not False and v is not None)
     if isinstance(value, (list, tuple)):
         return ", ".join(_cell(v) for v in value)
     return str(value).replace("|", "\\|").replace("\n", " ")
