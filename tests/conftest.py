@@ -58,3 +58,33 @@ def assert_close_to_eager(actual: torch.Tensor, expected: torch.Tensor, dtype: O
     err = (actual.float() - expected.float()).abs().max().item()
     assert torch.isfinite(actual).all(), "compiled output has NaN / inf"
     assert err <= tol * scale, f"max |compiled - eager| = {err:.3g}, allowed {tol * scale:.3g} ({dtype})"
+
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    """torch 2.13's CPU _scaled_mm takes row-wise scales; torch 2.11's asserts per-tensor only."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+ROWWISE_SKIP = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
+                                  reason=f"torch {torch.__version__}'s CPU _scaled_mm has no row-wise scales")
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Whole-model logits. fp32: ``assert_close_to_eager``. bf16: per token. Router logits in bf16 have
+    near-ties that Inductor's fused RMSNorm / attention round differently from eager (with or without
+    rubin), so a token may pick another expert compiled than eager: at least 75% of the tokens must be
+    within 3e-2 of the logits' scale and the median token within 1.5e-2; a wrong rewrite moves every token."""
+    if dtype == torch.float32:
+        assert_close_to_eager(got, want, dtype)
+        return
+    assert torch.isfinite(got).all()
+    scale = want.float().abs().max().item()
+    per_token = ((got.float() - want.float()).abs().amax(-1) / scale).flatten()
+    ok = (per_token <= 3e-2).float().mean().item()
+    assert ok >= 0.75 and per_token.median().item() <= 1.5e-2, (
+        f"{ok:.0%} of tokens within 3e-2 of scale {scale:.3g}; per-token errors {per_token.tolist()}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cpu.passes.match_moe.test_hf_grouped_mm import assert_logits_close, qwen3_moe
+from tests.conftest import assert_logits_close
+from tests.cpu.passes.match_moe.test_hf_grouped_mm import qwen3_moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -7,21 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.ops.gemm import GemmArgumentError, gemm_reference
+from tests.conftest import ROWWISE_SKIP
 
 E4M3 = torch.float8_e4m3fn
-
-def _cpu_rowwise_scaled_mm() -> bool:
-    """torch 2.13's CPU _scaled_mm takes row-wise scales; torch 2.11's asserts per-tensor only."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
-
-
-ROWWISE_SKIP = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
-                                  reason=f"torch {torch.__version__}'s CPU _scaled_mm has no row-wise scales")
 
 
 

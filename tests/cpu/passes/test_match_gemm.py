@@ -14,24 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.conftest import assert_close_to_eager, count_ops
+from tests.conftest import ROWWISE_SKIP, assert_close_to_eager, count_ops
 from tests.cpu.passes import hf_models
 
 FP32, BF16 = pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")
 E4M3 = torch.float8_e4m3fn
-
-def _cpu_rowwise_scaled_mm() -> bool:
-    """torch 2.13's CPU _scaled_mm takes row-wise scales; torch 2.11's asserts per-tensor only."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
-
-
-ROWWISE_SKIP = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
-                                  reason=f"torch {torch.__version__}'s CPU _scaled_mm has no row-wise scales")
 
 
 
