@@ -39,6 +39,8 @@ import math
 from typing import Optional
 
 import torch
+
+from rubin_compile.passes.base import bound_arguments
 import torch.nn.functional as F
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -163,18 +165,10 @@ def _attention_fake(query, key, value, attn_mask=None, is_causal=False, scale=No
 
 def masking(node: torch.fx.Node) -> str:
     """``"causal"``, ``"mask"`` (an explicit bool or additive mask) or ``"none"`` for a ``rubin.attention`` node."""
-    args = _bound(node)
+    args = bound_arguments(node)
     if args.get("attn_mask") is not None:
         return "mask"
     return "causal" if args.get("is_causal") else "none"
-
-
-def _bound(node: torch.fx.Node) -> dict:
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in schema.arguments), node.args))
-    out.update(node.kwargs)
-    return out
 
 
 def kernel_spec(node: torch.fx.Node):
@@ -188,7 +182,7 @@ def kernel_spec(node: torch.fx.Node):
     """
     from rubin_compile.kernels.registry import KernelSpec  # lazy: the registry imports provider tables
 
-    args = _bound(node)
+    args = bound_arguments(node)
     q, k, v = (args[n].meta.get("val") if isinstance(args[n], torch.fx.Node) else None
                for n in ("query", "key", "value"))
     sizes = {}

@@ -46,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 
+from rubin_compile.passes.base import bound_arguments
 from rubin_compile.ops.moe import apply_activation
 
 EPILOGUES = ("none", "silu_and_mul", "gelu_tanh_and_mul", "residual_add")
@@ -207,14 +208,6 @@ def _gemm_fake(a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_
 # ------------------------------------------------------------------------------------------------
 
 
-def _bound(node: torch.fx.Node) -> dict[str, Any]:
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in schema.arguments), node.args))
-    out.update(node.kwargs)
-    return out
-
-
 def _val(x: Any) -> Optional[torch.Tensor]:
     v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
@@ -227,7 +220,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def quantization(node: torch.fx.Node) -> str:
     """``"none"``, ``"fp8_tensor"`` (one scale each for a and b) or ``"fp8_rowwise"`` (per-token a scales
     and / or per-channel b scales) for a ``rubin.gemm`` node."""
-    args = _bound(node)
+    args = bound_arguments(node)
     a, sa, sb = _val(args["a"]), _val(args["a_scale"]), _val(args["b_scale"])
     if a is None or a.dtype not in FP8_DTYPES:
         return "none"
@@ -245,7 +238,7 @@ def kernel_spec(node: torch.fx.Node):
     """
     from rubin_compile.kernels.registry import KernelSpec  # lazy: the registry imports provider tables
 
-    args = _bound(node)
+    args = bound_arguments(node)
     a, b = _val(args["a"]), _val(args["b"])
     sizes = {"M": a.shape[0] if a is not None else None, "N": b.shape[1] if b is not None else None,
              "K": b.shape[0] if b is not None else None}

@@ -89,3 +89,12 @@ def node_val(node: torch.fx.Node) -> Optional[Any]:
 def not_implemented(name: str, meanwhile: str) -> PassResult:
     """The result of a pipeline stage whose issue has not landed yet: it says so, and what happens instead."""
     return PassResult(name, implemented=False, notes=[f"not implemented yet: {meanwhile}"])
+
+
+def bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """A call of an ``OpOverload``: its arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in schema.arguments), node.args))
+    out.update(node.kwargs)
+    return out

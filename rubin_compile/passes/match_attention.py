@@ -60,6 +60,8 @@ from typing import Any, Optional
 
 import torch
 
+from rubin_compile.passes.base import bound_arguments
+
 import rubin_compile.ops  # noqa: F401  (registers torch.ops.rubin.*)
 from rubin_compile.ops.attention import AttentionArgumentError, check_attention_args
 from rubin_compile.passes.base import PassContext, PassResult, Rewrite, Unchanged
@@ -139,14 +141,6 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def _bound(node: torch.fx.Node) -> dict[str, Any]:
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in schema.arguments), node.args))
-    out.update(node.kwargs)
-    return out
-
-
 def _output_users(node: torch.fx.Node) -> tuple[Optional[list[torch.fx.Node]], str]:
     """The getitem(0) nodes of a tuple-returning SDPA op, or (None, why another output is needed)."""
     returns = node.target._schema.returns
@@ -202,7 +196,7 @@ def _unrepeat(node: Any) -> Optional[tuple[torch.fx.Node, int, list[torch.fx.Nod
 def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
     """Rewrite one SDPA node into ``rubin.attention``; return the Rewrite, or the reason it was left alone."""
     form = SDPA_FORMS[node.target]
-    args = _bound(node)
+    args = bound_arguments(node)
     outs, why = _output_users(node)
     if outs is None:
         return why
@@ -294,7 +288,7 @@ def read_vllm_attention(node: torch.fx.Node, ctx: PassContext) -> Optional[dict[
     if mc is not None:
         op, args, form = mc.op, mc.args, f"auto_functionalized{'_v2' if mc.version == 2 else ''}"
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        op, args, form = node.target, _bound(node), "direct call"
+        op, args, form = node.target, bound_arguments(node), "direct call"
     else:
         return None
     name = op_name(op)

@@ -25,7 +25,7 @@ from rubin_compile.ops import attention as attention_ops
 from rubin_compile.ops import gemm as gemm_ops
 from rubin_compile.kernels.registry import KernelSpec
 from rubin_compile.options import CANONICAL_OPS
-from rubin_compile.passes.base import KernelPlan, PassContext, PassResult, node_val
+from rubin_compile.passes.base import KernelPlan, PassContext, PassResult, bound_arguments, node_val
 from rubin_compile.passes.manager import RubinStrictError
 
 NAME = "select_kernels"
@@ -53,15 +53,6 @@ def canonical_op(node: torch.fx.Node) -> Optional[str]:
 def op_name(node: torch.fx.Node) -> str:
     """``"moe"`` for ``torch.ops.rubin.moe.default``."""
     return node.target._schema.name.split("::")[-1]
-
-
-def bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in schema.arguments), node.args))
-    out.update(node.kwargs)
-    return out
 
 
 def set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
