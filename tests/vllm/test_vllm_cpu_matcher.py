@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vllm.harness import assert_close, compile_layer, run_eager, set_call_kwarg
+from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager, set_call_kwarg
 from rubin_compile.ops.vllm_moe import cpu_pack_unsupported_reason, pack_cpu_moe_weight, unpack_cpu_moe_weight
 
 CPU_MOE = "_C::cpu_fused_moe"
@@ -25,9 +25,8 @@ def check_rewritten_and_close(layer, vllm_config, dtype, af_v2=False):
     run, rec = compile_layer(layer, vllm_config, x, logits, af_v2=af_v2)
     assert rec.before[CPU_MOE] == 1 and rec.before[RUBIN_MOE] == 0
     assert rec.after[CPU_MOE] == 0 and rec.after[RUBIN_MOE] == 1
-    for _ in range(2):  # fresh inputs, not the ones it was compiled with
-        x, logits = fresh_inputs(layer, dtype)
-        assert_close(run(x, logits), run_eager(layer, vllm_config, x, logits))
+    # fresh inputs, not the ones it was compiled with
+    assert_close_to_reference(layer, vllm_config, run, dtype, lambda: fresh_inputs(layer, dtype))
     (rewrite,) = rec.match_moe()["rewrites"]
     assert rewrite["source_idiom"] == "vllm _C.cpu_fused_moe"
     assert rec.match_moe()["unchanged"] == []

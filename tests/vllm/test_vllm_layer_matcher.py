@@ -12,7 +12,7 @@ import torch
 
 from rubin_compile.ops.moe import moe_reference
 from rubin_compile.ops.vllm_moe import layer_expert_weights
-from tests.vllm.harness import assert_close, compile_layer, run_eager
+from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager
 
 VLLM_MOE = "vllm::moe_forward"
 VLLM_MOE_SHARED = "vllm::moe_forward_shared"
@@ -49,9 +49,7 @@ def check(layer, vllm_config, dtype, shared=False, af_v2=False):
     assert rec.before[before] == 1 and rec.before[after] == 0
     assert rec.after[before] == 0 and rec.after[after] == 1, dict(rec.after)
     assert rec.match_moe()["unchanged"] == []
-    for _ in range(2):
-        x, logits = fresh_inputs(layer, dtype)
-        assert_close(run(x, logits), run_eager(layer, vllm_config, x, logits))
+    assert_close_to_reference(layer, vllm_config, run, dtype, lambda: fresh_inputs(layer, dtype))
     (rewrite,) = rec.match_moe()["rewrites"]
     return rewrite["details"], run
 
