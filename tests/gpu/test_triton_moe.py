@@ -98,14 +98,15 @@ def _check(got, ref, tol):
     return err
 
 
-def _cfg(tmoe, mode, bm=16, bn1=32, bn2=64, bk=128, cap=0, fused=True, a_fp8=False, prefetch=0, swap=False):
+def _cfg(tmoe, mode, bm=16, bn1=32, bn2=64, bk=128, cap=0, fused=True, a_fp8=False, prefetch=0, swap=False,
+         split=1, **knobs):
     G = tmoe.GemmConfig
     if mode == "prefill":
-        return tmoe.MoEConfig(mode="prefill", cap=cap or 64, fused_sum=fused, a_fp8=a_fp8,
-                              fc1=G(BM=64, BN=64, BK=64, num_warps=4, num_stages=3),
+        return tmoe.MoEConfig(mode="prefill", cap=cap or 64, fused_sum=fused, a_fp8=a_fp8, **knobs,
+                              fc1=G(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, split_k=split),
                               fc2=G(BM=64, BN=128, BK=64, num_warps=4, num_stages=3))
-    return tmoe.MoEConfig(mode=mode, fused_sum=fused, a_fp8=a_fp8, cap=cap,
-                          fc1=G(BM=bm, BN=bn1, BK=bk, prefetch=prefetch, swap=swap),
+    return tmoe.MoEConfig(mode=mode, fused_sum=fused, a_fp8=a_fp8, cap=cap, **knobs,
+                          fc1=G(BM=bm, BN=bn1, BK=bk, prefetch=prefetch, swap=swap, split_k=split),
                           fc2=G(BM=bm, BN=bn2, BK=bk, prefetch=prefetch, swap=swap))
 
 
@@ -171,6 +172,36 @@ def test_prefetch_and_unfused_sum(tmoe, mode):
     ref = _reference(x, tw, ids, kw)
     _check(_run(tmoe, x, tw, ids, kw, config=_cfg(tmoe, mode, prefetch=16384)), ref, TOL[torch.bfloat16])
     _check(_run(tmoe, x, tw, ids, kw, config=_cfg(tmoe, mode, fused=False)), ref, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("wfmt", ["16", "fp8_block"])
+@pytest.mark.parametrize("mode,T", [("slot", 1), ("slot", 7), ("grouped", 60), ("prefill", 300)])
+@pytest.mark.parametrize("split", [2, 3])
+def test_fc1_split_over_k(tmoe, wfmt, mode, T, split):
+    """FC1 split over K = H (FC2 sums the float32 partials and activates): H = 320 with BK = 64 gives
+    ranges of 3 + 2 tiles (split 2) or 2 + 2 + 1 (split 3), the last one ragged; bias added once."""
+    x, tw, ids, kw = _inputs(T, 9, 320, 200, 2, torch.bfloat16, wfmt=wfmt, act="gelu_tanh", bias=True)
+    cfg = _cfg(tmoe, mode, bk=64, split=split, a_fp8=False)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8"])
+
+
+@pytest.mark.parametrize("mode,T", [("slot", 1), ("slot", 9), ("grouped", 40)])
+@pytest.mark.parametrize("wfmt", ["16", "fp8_block"])
+def test_kernel_boundary_options_bitwise_identical(tmoe, mode, T, wfmt):
+    """w2 pulled into L2 by FC1, FC2 started early with a whole-slice prefetch, and PDL between our kernels
+    on or off only move bytes and launches: the output is bitwise the same, and right."""
+    x, tw, ids, kw = _inputs(T, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt)
+    base = _cfg(tmoe, mode, swap=True, bn1=64, a_fp8=wfmt != "16")
+    ref = _run(tmoe, x, tw, ids, kw, config=base, pdl=False)
+    _check(ref, _reference(x, tw, ids, kw), TOL["fp8_a8"] if wfmt != "16" else TOL[torch.bfloat16])
+    from dataclasses import replace
+
+    variants = [replace(base, w2_l2=True), replace(base, chain=True),
+                replace(base, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17)),
+                replace(base, w2_l2=True, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17))]
+    for cfg in variants:
+        for pdl in (False, True):
+            assert torch.equal(_run(tmoe, x, tw, ids, kw, config=cfg, pdl=pdl), ref), (cfg, pdl)
 
 
 def test_non_contiguous_hidden_states_and_int32_ids(tmoe):

@@ -31,6 +31,11 @@ routing data that was complete before FC1 passed its own wait (FC1 triggers only
 starts pulling its first weight bytes into L2 (``cp.async.bulk.prefetch.L2``); FC1 cannot prefetch
 before its wait because which experts it needs is written by the router kernel before it.
 
+Options at the FC1 -> FC2 boundary and for small I (config fields; see docs/kernels/triton_moe.md):
+``fc1.split_k`` splits FC1 over K (FC2 reduces the float32 partials in order as it loads them),
+``w2_l2`` has FC1 pull its expert's w2 into L2, ``early_launch`` lets FC2's programs start (and
+prefetch) right after FC1's wait, ``chain`` uses PDL between our kernels for calls with ``pdl=False``.
+
 Tiles come in two orientations: plain (acc [tokens, BN], mma.sync for 16-row token tiles, wgmma from 64)
 and swapped (``swap``: acc [BN, tokens] = W[BN, BK] . X^T, so the weight tile is the wgmma's M side even
 when a group has a handful of tokens).
@@ -88,6 +93,7 @@ class GemmConfig:
     num_stages: int = 4
     prefetch: int = 0  # bytes of this program's weight slice to pull into L2 up front (0 = off)
     swap: bool = False  # weight tile as the MMA's M side (acc [BN, BM]): wgmma / FP8 wgmma for few tokens
+    split_k: int = 1  # FC1 only: split K = H over this many programs (when I / BN alone cannot fill the SMs)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,9 @@ class MoEConfig:
     cap: int = 0  # rows per group in "prefill" mode (0 = one group per expert)
     fused_sum: bool = True  # last-arriving FC2 program sums the k slots (else a separate sum kernel)
     a_fp8: bool = False  # FP8 weights only: quantise activations in-kernel and use FP8 tensor cores
+    chain: bool = False  # PDL between our own kernels even when the call has pdl=False (sm_90+; always safe)
+    early_launch: bool = False  # FC1 lets FC2's programs start right after its gdc_wait (FC2 then prefetches)
+    w2_l2: bool = False  # FC1's programs pull their expert's w2 into L2 while they stream w13 (decode)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -373,26 +382,40 @@ def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: t
     return out
 
 
-@triton.jit(do_not_specialize=["S", "K_TOP", "cnt_numel", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk"])
+@triton.jit(do_not_specialize=["S", "K_TOP", "cnt_numel", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk",
+                                "KCH", "stride_is", "stride_w2e"])
 def _moe_fc1_kernel(
-    x_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, inter_ptr, cnt_ptr,
-    S, K_TOP, H, I, cnt_numel,
+    x_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, inter_ptr, cnt_ptr, w2_ptr,
+    S, K_TOP, H, I, cnt_numel, KCH,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_se, stride_sn, stride_sk, stride_it, SCALE_BN, SCALE_BK,
+    stride_se, stride_sn, stride_sk, stride_it, stride_is, stride_w2e, SCALE_BN, SCALE_BK,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
     ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT: tl.constexpr, EARLY: tl.constexpr, W2_L2: tl.constexpr, W2_CHUNK: tl.constexpr,
 ):
-    """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n])."""
+    """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]).
+
+    With ``SPLIT`` > 1, program (g, n, s) covers K range [s * KCH, (s + 1) * KCH) and writes its float32
+    partial gate and up products to inter[s, slot, n] and inter[s, slot, I + n]; FC2 sums the SPLIT
+    partials in order and applies the activation as it loads them (deterministic, no atomics).
+    ``W2_L2`` > 0: each program also asks L2 for its share (W2_L2 bytes) of its expert's w2, so FC2
+    finds its weights in L2 instead of waiting on HBM after the kernel boundary.
+    """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BK)
     if GDC:
         gdc_wait()  # hidden states, ids and route tables are written by earlier kernels
+        if EARLY:
+            # Let FC2's programs take free SM slots now: before their own gdc_wait they only read routing
+            # data (complete: we are past our wait) and prefetch their weights into L2.
+            gdc_launch_dependents()
     # Zero FC2's arrival counters (FC2 touches them only after its own gdc_wait, i.e. after this grid).
-    if pid_g == 0:
+    if (pid_g == 0) & (pid_k == 0):
         per = tl.cdiv(cnt_numel, tl.num_programs(1))
         for c0 in range(0, per, 1024):
             zo = c0 + tl.arange(0, 1024)
@@ -412,27 +435,34 @@ def _moe_fc1_kernel(
         rank = tl.zeros([SLOT_P2], tl.int32)
     e64 = e.to(tl.int64)
     w_base = w_ptr + e64 * stride_we
+    if W2_L2 > 0:  # w2[e] is one contiguous block; program (n, s) of the group takes share n * SPLIT + s
+        w2_bytes = H * I * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
+        share = (pid_n * SPLIT + pid_k) * W2_L2
+        w2_base = (w2_ptr + e64 * stride_w2e).to(tl.pointer_type(tl.int8))
+        _prefetch_l2(w2_base + share, tl.minimum(tl.maximum(w2_bytes - share, 0), W2_L2), W2_CHUNK, W2_L2 // W2_CHUNK)
     if PREFETCH > 0:
         nbytes = tl.minimum(I - pid_n * BN, BN) * H * w_ptr.dtype.element_ty.primitive_bitwidth // 8
         nbytes = tl.minimum(nbytes, PREFETCH)
         _prefetch_l2(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
         _prefetch_l2(w_base + (I + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
     s_base = ws_ptr + e64 * stride_se
+    k_lo = pid_k * KCH  # KCH: a multiple of BK, so no K tile straddles two programs' ranges
+    k_hi = tl.minimum(H, k_lo + KCH)
     for m0 in range(0, count, BM):
         slot, valid = _group_rows(match, rank, sorted_ptr, start, count, m0, ROUTE, BM, SLOT_P2)
         tok = slot // K_TOP
         if SWAP:
-            x_ptrs = x_ptr + tok[None, :] * stride_xt + offs_k[:, None] * stride_xh
-            wg_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_lo + offs_k[:, None]) * stride_xh
+            wg_ptrs = w_base + offs_n[:, None] * stride_wn + (k_lo + offs_k[None, :]) * stride_wk
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
         else:
-            x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-            wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + offs_k[None, :]) * stride_xh
+            wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_k[:, None]) * stride_wk
             acc_g = tl.zeros([BM, BN], tl.float32)
             acc_u = tl.zeros([BM, BN], tl.float32)
         wu_ptrs = wg_ptrs + I * stride_wn
-        for k0 in range(0, H, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k_mask = (offs_k < H - k0) | EVEN_K
             if SWAP:
                 x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
@@ -462,32 +492,44 @@ def _moe_fc1_kernel(
             s = tl.load(s_base).to(tl.float32)
             acc_g = acc_g * s
             acc_u = acc_u * s
-        if HAS_BIAS:
-            bg = tl.load(b_ptr + e64 * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
-            bu = tl.load(b_ptr + e64 * stride_be + (offs_n + I) * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # added once: by the first K range when split
+            b_mask = n_mask & ((tl.zeros([BN], tl.int32) + pid_k) == 0)
+            bg = tl.load(b_ptr + e64 * stride_be + offs_n * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+            bu = tl.load(b_ptr + e64 * stride_be + (offs_n + I) * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
             acc_g += bg[None, :]
             acc_u += bu[None, :]
-        if ACT == 0:
-            h = _silu(acc_g) * acc_u
+        i_ptrs = inter_ptr + pid_k * stride_is + slot[:, None] * stride_it + offs_n[None, :]
+        i_mask = valid[:, None] & n_mask[None, :]
+        if SPLIT == 1:
+            if ACT == 0:
+                h = _silu(acc_g) * acc_u
+            else:
+                h = _gelu_tanh(acc_g) * acc_u
+            tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
         else:
-            h = _gelu_tanh(acc_g) * acc_u
-        i_ptrs = inter_ptr + slot[:, None] * stride_it + offs_n[None, :]
-        tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+            tl.store(i_ptrs, acc_g, mask=i_mask)
+            tl.store(i_ptrs + I, acc_u, mask=i_mask)
 
 
-@triton.jit(do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk"])
+@triton.jit(do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk",
+                                "stride_as"])
 def _moe_fc2_kernel(
     a_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, tw_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr,
     part_ptr, out_ptr, cnt_ptr,
     S, K_TOP, H, I,
-    stride_at, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_at, stride_as, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_se, stride_sn, stride_sk, stride_pt, stride_ot, SCALE_BN, SCALE_BK,
     HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
     ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
-    FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
+    FUSED_SUM: tl.constexpr, SWAP: tl.constexpr, SPLIT1: tl.constexpr, ACT: tl.constexpr,
 ):
-    """FC2 + top-k weighted sum: out[t, n] = sum_j w[t, j] * (inter[t*k + j] . w2[e_j, n])."""
+    """FC2 + top-k weighted sum: out[t, n] = sum_j w[t, j] * (inter[t*k + j] . w2[e_j, n]).
+
+    ``SPLIT1`` > 1: FC1 split its K range and left float32 partial gate / up products (see FC1); each A
+    tile is then sum_s gate_s, sum_s up_s (in s order), activated and rounded to the activations' dtype,
+    the same rounding the unsplit FC1 applies before it stores the intermediate.
+    """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -530,11 +572,23 @@ def _moe_fc2_kernel(
         for k0 in range(0, I, BK):
             k_mask = (offs_k < I - k0) | EVEN_K
             if SWAP:
-                a = tl.load(a_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
+                a_mask = valid[None, :] & k_mask[:, None]
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+                a_mask = valid[:, None] & k_mask[None, :]
                 w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            if SPLIT1 == 1:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            else:
+                ag = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                au = tl.load(a_ptrs + I, mask=a_mask, other=0.0)
+                for sp in tl.static_range(1, SPLIT1):
+                    ag += tl.load(a_ptrs + sp * stride_as, mask=a_mask, other=0.0)
+                    au += tl.load(a_ptrs + sp * stride_as + I, mask=a_mask, other=0.0)
+                if ACT == 0:
+                    a = (_silu(ag) * au).to(out_ptr.dtype.element_ty)
+                else:
+                    a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
             sw = 1.0
             if W_SCALE == 2:
                 sw = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask, other=0.0)
@@ -735,7 +789,11 @@ def fused_moe(
         config, _ = lookup_config(T, E, H, I, k, w13.dtype, block_shape, name, num_sms)
     config = _fit_mode(config, T, k)
     gdc = has_pdl and not _INTERPRET and gdc_wait is not None
-    launch = {"launch_pdl": True} if (pdl and gdc) else {}
+    # ``pdl``: every kernel, the first included (it may then start while the previous kernel in the stream
+    # finishes). ``config.chain``: the edges between our own kernels use PDL even when ``pdl`` is off; every
+    # read of a predecessor's output sits behind a gdc_wait, so this is always safe.
+    first = {"launch_pdl": True} if (pdl and gdc) else {}
+    chained = {"launch_pdl": True} if ((pdl or config.chain) and gdc) else {}
     S = T * k
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
@@ -771,16 +829,23 @@ def fused_moe(
             _moe_route_kernel[(1,)](
                 ids, S, G, cap, sorted_slots, gexp, gstart, gcount, scratch,
                 S_P2=s_p2, G_P2=triton.next_power_of_2(G), GDC=gdc,
-                num_warps=4 if s_p2 <= 1024 else 8, **launch,
+                num_warps=4 if s_p2 <= 1024 else 8, **first,
             )
+            first = chained  # FC1 follows our own routing kernel
         else:
             cap = min(cap, S)
             sorted_slots, gexp, gstart, gcount = route_groups_torch(ids, E, cap)
             G = gexp.numel()
 
-    inter = torch.empty((S, I), dtype=dtype, device=dev)
-    part = torch.empty((S, H), dtype=dtype, device=dev)
     nt1 = triton.cdiv(I, fc1.BN)
+    # split K: chunks of whole BK tiles; no empty chunk
+    kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
+    split = triton.cdiv(H, kch)
+    if split > 1:  # float32 partial (gate, up) products per K range; FC2 reduces them
+        inter = torch.empty((split, S, 2 * I), dtype=torch.float32, device=dev)
+    else:
+        inter = torch.empty((1, S, I), dtype=dtype, device=dev)
+    part = torch.empty((S, H), dtype=dtype, device=dev)
     nt2 = triton.cdiv(H, fc2.BN)
     cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
     cnt_numel = T * nt2 if config.fused_sum else 0
@@ -792,33 +857,44 @@ def fused_moe(
     elt = w13.element_size()
     pf1 = fc1.prefetch if (w13.stride(2) == 1 and w13.stride(1) == H and (H * elt) % 16 == 0) else 0
     pf2 = fc2.prefetch if (w2.stride(2) == 1 and w2.stride(1) == I and (I * elt) % 16 == 0) else 0
+    if split > 1:
+        pf1 = 0  # a program's K range of a weight row is not one contiguous run
+    # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
+    w2_l2 = w2_chunk = 0
+    if config.w2_l2 and config.mode != "prefill" and not _INTERPRET and (
+            w2.stride(2) == 1 and w2.stride(1) == I and (H * I * elt) % 16 == 0 and w2.data_ptr() % 16 == 0):
+        threads = 32 * fc1.num_warps
+        w2_chunk = triton.cdiv(triton.cdiv(H * I * elt, nt1 * split * threads), 16) * 16
+        w2_l2 = w2_chunk * threads
 
-    _moe_fc1_kernel[(G, nt1)](
+    _moe_fc1_kernel[(G, nt1, split)](
         hidden_states, w13, b13, s13 if s13 is not None else out, ids, sorted_slots, gexp, gstart, gcount,
-        inter, cnt,
-        S, k, H, I, cnt_numel,
+        inter, cnt, w2,
+        S, k, H, I, cnt_numel, kch,
         hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
-        s13e, s13n, s13k, inter.stride(0), sbn, sbk,
+        s13e, s13n, s13k, inter.stride(1), inter.stride(0), w2.stride(0), sbn, sbk,
         ACT=act, HAS_BIAS=w13_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
         ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0, GDC=gdc,
-        PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, num_warps=fc1.num_warps, num_stages=fc1.num_stages, **launch,
+        PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=split,
+        EARLY=bool(config.early_launch and chained), W2_L2=w2_l2, W2_CHUNK=max(16, w2_chunk),
+        num_warps=fc1.num_warps, num_stages=fc1.num_stages, **first,
     )
     _moe_fc2_kernel[(G, nt2)](
         inter, w2, b2, s2 if s2 is not None else out, ids, tw, sorted_slots, gexp, gstart, gcount,
         part, out, cnt,
         S, k, H, I,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        inter.stride(1), inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
         s2e, s2n, s2k, part.stride(0), out.stride(0), sbn, sbk,
         HAS_BIAS=w2_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
         ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0, GDC=gdc,
         PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=config.fused_sum, SWAP=fc2.swap,
-        num_warps=fc2.num_warps, num_stages=fc2.num_stages, **launch,
+        SPLIT1=split, ACT=act, num_warps=fc2.num_warps, num_stages=fc2.num_stages, **chained,
     )
     if not config.fused_sum:
         block = min(1024, triton.next_power_of_2(H))
         _moe_sum_kernel[(T, triton.cdiv(H, block))](
-            part, out, H, k, part.stride(0), out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **launch,
+            part, out, H, k, part.stride(0), out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **chained,
         )
     return out

@@ -189,12 +189,43 @@ def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool 
     return [g for g in out if _fits(g, which, wfmt)]
 
 
-def candidate_configs(moe, T, E, H, I, k, wfmt) -> list:
-    """FC1 tiles paired with the heuristic FC2, FC2 tiles paired with the heuristic FC1, and a few variants."""
+def _split_candidates(moe, base, T, E, H, I, k, num_sms: int = 132) -> list:
+    """FC1 split over K when its (group, N tile) programs cannot fill the SMs (e.g. DeepSeek's I = 256)."""
+    groups = max(1.0, moe.expected_distinct_experts(T, E, k))
+    out = []
+    for bn in (32, 64):
+        fc1 = replace(base.fc1, BN=bn)
+        progs = groups * -(-I // bn)
+        for split in (2, 4, 8):
+            if progs * split / 2 >= 2 * num_sms or split * 2 * fc1.BK > H:
+                continue
+            out.append(replace(base, fc1=replace(fc1, split_k=split)))
+    return out
+
+
+def _overlap_variants(moe, cfg, H: int, I: int, wfmt: str) -> list:
+    """The FC1 -> FC2 boundary options of a decode config: FC1 pulls w2 into L2; FC1 lets FC2 start early
+    and FC2 prefetches its whole weight slice before its wait; both. (The tuner times every call with
+    pdl=True, so PDL joins our kernels in all of them; ``chain`` matters only for calls with pdl=False.)"""
+    if cfg.mode == "prefill":
+        return []
+    elt = 2 if wfmt == "bf16" else 1
+    slice2 = min(cfg.fc2.BN, H) * I * elt
+    pf = 1 << max(14, (slice2 - 1).bit_length())  # the whole slice, as a power of two (>= 16 KB)
+    early = replace(cfg, early_launch=True, fc2=replace(cfg.fc2, prefetch=pf))
+    return [replace(cfg, w2_l2=True), early, replace(early, w2_l2=True)]
+
+
+def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
+    """Round 1: FC1 tiles paired with the heuristic FC2, FC2 tiles paired with the heuristic FC1, FC1 split
+    over K, the kernel-boundary options of the heuristic, and the current table's entry for this T (so
+    a re-tune never loses a config that won before)."""
     wdt = torch.bfloat16 if wfmt == "bf16" else torch.float8_e4m3fn
     block = BLOCK if wfmt == "fp8_block" else None
     base = moe.heuristic_config(T, E, H, I, k, wdt, block)
     cands = [base]
+    if table_entry is not None:
+        cands.append(moe._fit_mode(moe.MoEConfig.from_json(table_entry), T, k))
     for a8 in ((False, True) if wfmt != "bf16" else (False,)):
         b = replace(base, a_fp8=a8)
         for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8):
@@ -205,6 +236,8 @@ def candidate_configs(moe, T, E, H, I, k, wfmt) -> list:
         # FC2 pulls its first weight bytes into L2 before its gdc_wait; and the unfused sum
         cands.append(replace(base, fc2=replace(base.fc2, prefetch=32768)))
         cands.append(replace(base, fused_sum=False))
+        cands += _split_candidates(moe, base, T, E, H, I, k)
+        cands += _overlap_variants(moe, base, H, I, wfmt)
     if base.mode == "grouped" and T >= 64:  # also try splitting experts into 64-row blocks
         p = replace(base, mode="prefill", cap=64, fc1=replace(base.fc1, BM=64, num_stages=3),
                     fc2=replace(base.fc2, BM=64, num_stages=3))
@@ -213,13 +246,38 @@ def candidate_configs(moe, T, E, H, I, k, wfmt) -> list:
     return list(dict.fromkeys(cands))
 
 
+def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
+    """Round 2: the best FC1 (of the configs that kept the heuristic FC2) with the best FC2 (of those that
+    kept the heuristic FC1), and the round-1 winner, each with every kernel-boundary option."""
+    def best_with(pred):
+        rs = [c for t, c in sorted(results, key=lambda r: r[0]) if pred(c)]
+        return rs[0] if rs else None
+
+    plain = dict(w2_l2=False, early_launch=False, chain=False)
+    same_knobs = lambda c: all(getattr(c, n) == v for n, v in plain.items())  # noqa: E731
+    b1 = best_with(lambda c: c.fc2 == base.fc2 and same_knobs(c))
+    b2 = best_with(lambda c: c.fc1 == base.fc1 and same_knobs(c))
+    winner = min(results, key=lambda r: r[0])[1]
+    seeds = [winner]
+    if b1 is not None and b2 is not None:
+        seeds.append(replace(b1, fc2=b2.fc2))
+    out = []
+    for c in seeds:
+        c = replace(c, **plain)
+        out += [c] + _overlap_variants(moe, c, H, I, wfmt)
+    tried = {c for _, c in results}
+    return [c for c in dict.fromkeys(out) if c not in tried]
+
+
 def describe(cfg) -> str:
     """Short text of a config for logs."""
     def g(c):
         return (f"{c.BM}x{c.BN}x{c.BK}/s{c.num_stages}w{c.num_warps}" + (f"/pf{c.prefetch // 1024}k" if c.prefetch else "")
-                + ("/swap" if c.swap else ""))
+                + ("/swap" if c.swap else "") + (f"/splitk{c.split_k}" if c.split_k > 1 else ""))
     return (f"{cfg.mode}{'' if not cfg.cap else f'(cap {cfg.cap})'} fc1={g(cfg.fc1)} fc2={g(cfg.fc2)}"
-            + ("" if cfg.fused_sum else " unfused-sum") + (" a_fp8" if cfg.a_fp8 else ""))
+            + ("" if cfg.fused_sum else " unfused-sum") + (" a_fp8" if cfg.a_fp8 else "")
+            + (" w2->L2" if cfg.w2_l2 else "") + (" early" if cfg.early_launch else "")
+            + (" chain" if cfg.chain else ""))
 
 
 def _warm_one(job):
@@ -252,7 +310,7 @@ def warm_compile(jobs: list, workers: int) -> dict:
 
 
 def _warm_key(H, I, k, T, wfmt, cfg, pdl):
-    # kernels specialise on tiles, routing mode and format, not on sizes: one compile serves all shapes
+    # kernels specialise on tiles, routing mode and format, and (w2 -> L2 shares, K split) on H and I
     mode_T = 2 if cfg.mode == "slot" else 64
     return (H, I, k, mode_T, wfmt, json.dumps(cfg.to_json(), sort_keys=True), pdl)
 
@@ -265,28 +323,41 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth_gbs()
     log(f"{name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
-    cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
-    cand = {c: candidate_configs(moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1]) for c in cases}
-    jobs = {}
-    for (s, wf, T), cs in cand.items():
+    path = out_dir / moe.device_file_name(name)
+    old = json.loads(path.read_text()).get("configs", {}) if path.is_file() else {}
+
+    def old_entry(s, wf, T):
         sh = shapes[s]
-        for cfg in cs:
+        key = moe.shape_key(sh["E"], sh["H"], sh["I"], sh["k"], torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
+                            BLOCK if wf == "fp8_block" else None)
+        return old.get(key, {}).get(str(T))
+
+    cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
+    cand = {c: candidate_configs(moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1],
+                                 table_entry=old_entry(*c)) for c in cases}
+    bad = set()
+
+    def compile_all(pairs) -> None:  # pairs: (case, config); failures are logged and the config dropped
+        jobs = {}
+        for (s, wf, T), cfg in pairs:
+            sh = shapes[s]
             key = _warm_key(sh["H"], sh["I"], sh["k"], T, wf, cfg, True)
-            jobs.setdefault((key[4], key[5], key[3]), key)
-    t0 = time.time()
-    errs = warm_compile(list(jobs.values()), workers)
-    log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({len(errs)} failed)")
-    for j, e in errs.items():
-        log(f"  compile failed: {j[4]} {j[5]} -> {e}")
-    bad = {(j[4], j[5]) for j in errs}
+            jobs.setdefault((key[0], key[1], key[4], key[5], key[3]), key)
+        t0 = time.time()
+        errs = warm_compile(list(jobs.values()), workers)
+        log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({len(errs)} failed)")
+        for j, e in errs.items():
+            log(f"  compile failed: {j[4]} {j[5]} -> {e}")
+        bad.update((j[4], j[5]) for j in errs)
+
+    compile_all([(c, cfg) for c, cs in cand.items() for cfg in cs])
 
     table = {"device": name, "triton": __import__("triton").__version__, "torch": torch.__version__,
              "copy_gbs": round(copy_gbs),
              "method": f"CUDA-graph replays of 4 back-to-back calls on 2 rotating weight copies, median of {reps}",
              "configs": {}}
-    path = out_dir / moe.device_file_name(name)
-    if merge and path.is_file():  # keep entries of shapes / token counts not tuned in this run
-        table["configs"] = json.loads(path.read_text()).get("configs", {})
+    if merge:  # keep entries of shapes / token counts not tuned in this run
+        table["configs"] = old
     gen = torch.Generator(device="cuda").manual_seed(1234)
     for s, sh in shapes.items():
         E, k, H, I = sh["E"], sh["k"], sh["H"], sh["I"]
@@ -299,18 +370,27 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
                 xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
                 routes = [make_routing(T, E, k, generator=gen) for _ in range(4)]
                 results = []
-                for cfg in cand[(s, wf, T)]:
-                    if (wf, json.dumps(cfg.to_json(), sort_keys=True)) in bad:
-                        continue
-                    calls = [
-                        (lambda i=i, cfg=cfg: moe.fused_moe(
-                            xs[i], weights[i % 2]["w13"], weights[i % 2]["w2"], routes[i][0], routes[i][1], "silu",
-                            None, None, weights[i % 2].get("w13_scale"), weights[i % 2].get("w2_scale"),
-                            weights[i % 2].get("block_shape"), pdl=True, config=cfg))
-                        for i in range(4)
-                    ]
-                    t = statistics.median(time_graph(calls, reps=reps, warmup=3))
-                    results.append((t, cfg))
+
+                def time_configs(cfgs):
+                    for cfg in cfgs:
+                        if (wf, json.dumps(cfg.to_json(), sort_keys=True)) in bad:
+                            continue
+                        calls = [
+                            (lambda i=i, cfg=cfg: moe.fused_moe(
+                                xs[i], weights[i % 2]["w13"], weights[i % 2]["w2"], routes[i][0], routes[i][1],
+                                "silu", None, None, weights[i % 2].get("w13_scale"), weights[i % 2].get("w2_scale"),
+                                weights[i % 2].get("block_shape"), pdl=True, config=cfg))
+                            for i in range(4)
+                        ]
+                        t = statistics.median(time_graph(calls, reps=reps, warmup=3))
+                        results.append((t, cfg))
+
+                time_configs(cand[(s, wf, T)])
+                if results:
+                    base = cand[(s, wf, T)][0]
+                    r2 = round_two(moe, results, base, H, I, wf)
+                    compile_all([((s, wf, T), c) for c in r2])
+                    time_configs(r2)
                 for t, c in results:
                     log(f"    {t:9.1f} us  {describe(c)}", detail=True)
                 if not results:

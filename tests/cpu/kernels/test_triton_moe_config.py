@@ -163,6 +163,35 @@ def test_shipped_tables_are_valid(tmoe):
                 assert cfg.mode != "slot" or int(t) * int(key.split("k=")[1].split(",")[0]) <= tmoe.SLOT_MAX
 
 
+def test_tuner_tries_k_split_only_where_n_tiles_cannot_fill_the_gpu(tmoe):
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    def splits(shape, T):
+        return {c.fc1.split_k for c in tm.candidate_configs(tmoe, T, **tm.SHAPES[shape], wfmt="bf16")}
+
+    assert max(splits("deepseek-v3-tp8", 1)) > 1  # I = 256: 8 experts x 16 N tiles of 16 < 132 SMs
+    assert splits("mixtral-8x7b", 1) == {1} and splits("deepseek-v3-tp8", 64) == {1}
+    for c in tm.candidate_configs(tmoe, 1, **tm.SHAPES["deepseek-v3-tp8"], wfmt="bf16"):
+        assert c.fc1.split_k * 2 * c.fc1.BK <= 7168  # every K range keeps at least two K tiles
+
+
+def test_tuner_second_round_joins_best_fc1_and_fc2_with_boundary_options(tmoe):
+    from dataclasses import replace
+
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    base = tmoe.heuristic_config(4, 128, 2048, 768, 8, torch.bfloat16)
+    fast1 = replace(base, fc1=replace(base.fc1, BN=16, num_stages=5))
+    fast2 = replace(base, fc2=replace(base.fc2, BN=128, swap=True))
+    results = [(30.0, base), (20.0, fast1), (25.0, fast2)]
+    r2 = tm.round_two(tmoe, results, base, 2048, 768, "bf16")
+    joined = replace(base, fc1=fast1.fc1, fc2=fast2.fc2)
+    assert joined in r2 and replace(joined, w2_l2=True) in r2 and replace(fast1, w2_l2=True) in r2
+    early = [c for c in r2 if c.early_launch]
+    assert early and all(c.fc2.prefetch >= c.fc2.BN * 768 * 2 for c in early)  # FC2's whole slice
+    assert not {c for _, c in results} & set(r2)  # nothing timed twice
+
+
 def test_route_groups_torch(tmoe):
     ids = torch.tensor([3, 1, 3, 3, 0, 3, 1, 3], dtype=torch.int64)
     sorted_slots, gexp, gstart, gcount = tmoe.route_groups_torch(ids, E=5, cap=2)
@@ -192,11 +221,16 @@ INTERP_CASES = [
     (3, 5, 40, 24, 2, "slot", {"swap": True, "bias": True}),  # weight tile as the MMA's M side
     (40, 6, 48, 32, 2, "grouped", {"swap": True, "act": "gelu_tanh"}),
     (20, 4, 32, 16, 1, "slot", {"swap": True}),
+    # FC1 split over K (partials reduced and activated in FC2): 3 ranges of 16 over H = 40 (last one short),
+    # with bias (added once) and GELU; in each routing mode; with swapped tiles
+    (3, 5, 40, 24, 2, "slot", {"split": 3, "bias": True, "act": "gelu_tanh"}),
+    (40, 6, 48, 32, 2, "grouped", {"split": 2, "swap": True}),
+    (40, 6, 48, 32, 2, "prefill", {"split": 4, "cap": 16, "fused": False}),
 ]
 
 
 def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused=True, route="random",
-                 noncontig=False, swap=False):
+                 noncontig=False, swap=False, split=1):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
     x = torch.randn((T, 2 * H) if noncontig else (T, H), generator=g)
@@ -212,7 +246,7 @@ def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused
     b13 = torch.randn((E, 2 * I), generator=g) if bias else None
     b2 = torch.randn((E, H), generator=g) if bias else None
     G = tmoe.GemmConfig
-    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=16, BK=16, swap=swap),
+    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=16, BK=16, swap=swap, split_k=split),
                          fc2=G(BM=16, BN=16, BK=16, swap=swap))
     out = torch.full((T, H), float("nan"))
     tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out)
