@@ -120,7 +120,7 @@ _BLACKWELL = dict(_HOPPER, nvfp4=True, mxfp4=True, tcgen05=True, two_cta_cluster
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("cpu", "no GPU (reference kernels)", None, 0),
+        Target("cpu", "no GPU (reference kernels; vLLM's own CPU MoE kernel for vLLM's CPU MoE layers)", None, 0),
         # 132 SMs: H100 SXM and H200 (seen on the H200 here, CONTEXT.md). An H100 PCIe has 114; detect()
         # reports the device's own count.
         Target("sm90", "Hopper (H100 / H200)", (9, 0), 132, **_HOPPER),

@@ -32,6 +32,8 @@ def _spec(spec: dict[str, Any]) -> str:
     parts += [f"{k}={v}" for k, v in spec.get("shape", {}).items()]
     if spec.get("activation"):
         parts.append(spec["activation"])
+    if spec.get("weight_layout", "plain") != "plain":
+        parts.append(f"weights {spec['weight_layout']}")
     return " ".join(parts)
 
 

@@ -19,6 +19,8 @@ cuDNN are never imported at package import time)::
     reference   plain PyTorch, every op, every device; lowest priority on GPUs, the choice on the CPU
     torch       cuBLAS (torch.mm, torch._scaled_mm) and SDPA where they are the best available (torch_provider.py)
     triton      our fused Triton MoE kernels (rubin_compile.kernels.triton)
+    vllm_cpu    vLLM's own CPU MoE kernel (``_C.cpu_fused_moe``) on the weights vLLM prepacked for it
+                (vllm_cpu.py): the choice for vLLM's CPU MoE layers on a CPU
     flashinfer  FlashInfer 0.7.2 MoE / GEMM / attention entry points, gated by FlashInfer's own
                 capability declarations (flashinfer.py)
 
@@ -52,6 +54,7 @@ PROVIDERS: dict[str, str] = {
     "reference": "rubin_compile.kernels.reference",
     "torch": "rubin_compile.kernels.torch_provider",
     "triton": "rubin_compile.kernels.triton",
+    "vllm_cpu": "rubin_compile.kernels.vllm_cpu",
     "flashinfer_cutlass": "rubin_compile.kernels.flashinfer",
     "flashinfer_trtllm": "rubin_compile.kernels.flashinfer",
     "flashinfer_cutedsl": "rubin_compile.kernels.flashinfer",
@@ -86,6 +89,8 @@ class KernelSpec:
         A, the query) and of the weights (B, the KV cache) as stored.
     shape:
         Named sizes: MoE ``E, H, I, k`` (``T`` when static); GEMM ``M, N, K``; attention ``D`` (head dim).
+    weight_layout:
+        How the weights are stored (``rubin.moe``'s ``weight_layout``: ``"plain"``, ``"vllm_cpu:<isa>"``).
     """
 
     op: str
@@ -96,6 +101,7 @@ class KernelSpec:
     shape: tuple[tuple[str, int], ...] = ()
     activation: Optional[str] = None
     node: str = ""
+    weight_layout: str = "plain"
 
     def dim(self, name: str) -> Optional[int]:
         return dict(self.shape).get(name)
@@ -115,6 +121,8 @@ class KernelSpec:
         parts += [f"{k}={v}" for k, v in self.shape]
         if self.activation:
             parts.append(self.activation)
+        if self.weight_layout != "plain":
+            parts.append(f"weights {self.weight_layout}")
         return " ".join(parts)
 
 
@@ -138,6 +146,7 @@ class Candidate:
     that order) to a number; the supported candidate with the highest wins. ``runnable(target)`` says
     whether this machine (``target.detect()``) can run it at all, for providers whose module imports
     without a GPU; ``None`` leaves that to the provider module's import. ``entry(spec)`` names what runs.
+    ``layouts``: the weight layouts it reads (their part before ":"; ``"*"``: any).
     """
 
     op: str
@@ -147,6 +156,7 @@ class Candidate:
     runnable: Optional[Callable[[Target], Optional[str]]] = None
     entry: Callable[[KernelSpec], str] = lambda spec: ""
     provider: str = ""
+    layouts: tuple[str, ...] = ("plain",)
 
     def __post_init__(self) -> None:
         if not self.provider:
@@ -160,6 +170,10 @@ class Candidate:
 
     def check(self, target: Target, spec: KernelSpec) -> Optional[str]:
         """``supports``, with a declaration that fails turned into a reason (selection never crashes)."""
+        family = spec.weight_layout.split(":", 1)[0]
+        if "*" not in self.layouts and family not in self.layouts:
+            return (f"weights stored in layout {spec.weight_layout!r}; {self.name} reads "
+                    f"{' / '.join(repr(x) for x in self.layouts)}")
         try:
             return self.supports(target, spec)
         except Exception as exc:  # a provider's declaration could not be read: reject, say why
@@ -227,11 +241,11 @@ def _triton_moe_supports(target: Target, spec: KernelSpec) -> Optional[str]:
 
 @functools.lru_cache(maxsize=1)
 def _all_candidates() -> tuple[Candidate, ...]:
-    from rubin_compile.kernels import flashinfer, torch_provider
+    from rubin_compile.kernels import flashinfer, torch_provider, vllm_cpu
 
     out: list[Candidate] = [
         Candidate(op, "reference", _reference_supports, {"*": 0},
-                  entry=lambda spec, op=op: f"rubin_compile.kernels.reference ({op})")
+                  entry=lambda spec, op=op: f"rubin_compile.kernels.reference ({op})", layouts=("*",))
         for op in CANONICAL_OPS
     ]
     # Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on
@@ -239,6 +253,7 @@ def _all_candidates() -> tuple[Candidate, ...]:
     out.append(Candidate("moe", "triton", _triton_moe_supports, {"*": 10, "sm90": 30},
                          entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe"))
     out += torch_provider.candidates()
+    out += vllm_cpu.candidates()
     out += flashinfer.candidates()
     return tuple(out)
 

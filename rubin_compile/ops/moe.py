@@ -17,7 +17,8 @@ Schema::
                Tensor? w13_scale=None,    # FP8 (e4m3) weights only, see below
                Tensor? w2_scale=None,
                int[]? block_shape=None,   # [bn, bk] for block-scaled FP8, e.g. [128, 128]
-               str impl="reference")      # which kernel runs it; chosen by select_kernels
+               str impl="reference",      # which kernel runs it; chosen by select_kernels
+               str weight_layout="plain") # how w13 / w2 are stored, see below
       -> Tensor                           # [T, H] in hidden_states' dtype
 
 Semantics, for every token t::
@@ -31,6 +32,16 @@ scale is per tensor (shape ``[]``) or per expert (``[E]``, ``[E, 1]`` or ``[E, 1
 ``block_shape=[bn, bk]`` ``w13_scale`` is ``[E, ceil(2I/bn), ceil(H/bk)]`` and ``w2_scale`` is
 ``[E, ceil(H/bn), ceil(I/bk)]`` (the DeepSeek / Qwen FP8 checkpoint layout). The reference keeps
 activations in their own dtype; a kernel that quantises activations states its tolerance.
+
+Weight layouts (``weight_layout``; the shapes above hold in every layout, only the order of the elements
+inside each expert's matrix differs). A kernel declares the layouts it reads (kernels/registry.py), so a
+matcher can hand over weights as the model stores them instead of copying them on every call:
+
+* ``"plain"``: row-major ``[E, N, K]`` as written above.
+* ``"vllm_cpu:<isa>"``: what vLLM's CPU build stores after ``_C.prepack_moe_weight(w, isa)``: each
+  ``[N, K]`` matrix as ``[N / 16, K, 16]`` (16 output rows interleaved along K; ``unpack_cpu_weight``
+  undoes it). ``<isa>`` ("vec", "amx", ...) is the one vLLM packed for and its kernel runs with; the
+  matchers check, per shape and dtype, that vLLM's packing for that isa is the 16-row one.
 """
 
 from __future__ import annotations
@@ -41,6 +52,23 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
+
+
+def pack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
+    """Plain ``[E, N, K]`` -> the ``"vllm_cpu:<isa>"`` layout (what ``_C.prepack_moe_weight`` writes)."""
+    E, N, K = w.shape
+    return w.reshape(E, N // CPU_PACK_ROWS, CPU_PACK_ROWS, K).permute(0, 1, 3, 2).reshape(E, N, K)
+
+
+def unpack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
+    """The ``"vllm_cpu:<isa>"`` layout -> plain ``[E, N, K]`` (a copy)."""
+    E, N, K = w.shape
+    return w.reshape(E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS).permute(0, 1, 3, 2).reshape(E, N, K)
+
+
+def is_cpu_packed(weight_layout: str) -> bool:
+    return weight_layout.startswith("vllm_cpu:")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -61,12 +89,21 @@ def check_moe_args(
     w13_scale: Optional[torch.Tensor],
     w2_scale: Optional[torch.Tensor],
     block_shape: Optional[Sequence[int]],
+    weight_layout: str = "plain",
 ) -> tuple[int, int, int, int, int]:
     """Validate the op's arguments; return (T, H, E, I, k). Errors name the argument and the fix."""
 
     def fail(msg: str) -> None:
         raise MoEArgumentError(f"rubin.moe: {msg}")
 
+    if weight_layout != "plain" and not (is_cpu_packed(weight_layout) and len(weight_layout) > len("vllm_cpu:")):
+        fail(f"weight_layout={weight_layout!r} is not 'plain' or 'vllm_cpu:<isa>'")
+    if is_cpu_packed(weight_layout):
+        if w13.dim() == 3 and w2.dim() == 3 and (w13.shape[1] % CPU_PACK_ROWS or w2.shape[1] % CPU_PACK_ROWS):
+            fail(f"weight_layout {weight_layout!r} packs rows in blocks of {CPU_PACK_ROWS}; w13 {tuple(w13.shape)} "
+                 f"and w2 {tuple(w2.shape)} must have N divisible by {CPU_PACK_ROWS}")
+        if w13.dtype in FP8_DTYPES or w2.dtype in FP8_DTYPES:
+            fail(f"weight_layout {weight_layout!r} is for unquantised weights")
     if activation not in ACTIVATIONS:
         fail(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
     if hidden_states.dim() != 2:
@@ -178,16 +215,21 @@ def moe_reference(
     w13_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     block_shape: Optional[Sequence[int]] = None,
+    weight_layout: str = "plain",
 ) -> torch.Tensor:
     """Plain PyTorch semantics of ``rubin.moe`` (see the module docstring); any device.
 
     Matrix products run in the input dtype, as eager PyTorch would (so a bf16 model matches its eager
-    self closely); the top-k weighted sum accumulates in float32 (float64 for float64 inputs).
+    self closely); the top-k weighted sum accumulates in float32 (float64 for float64 inputs). Packed
+    weights (``weight_layout`` other than "plain") are unpacked first, a copy per call: the reference
+    defines the result, the kernels that read a layout as stored are in kernels/.
     """
     T, H, E, inter, k = check_moe_args(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-        w2_scale, block_shape,
+        w2_scale, block_shape, weight_layout,
     )
+    if is_cpu_packed(weight_layout):
+        w13, w2 = unpack_cpu_weight(w13), unpack_cpu_weight(w2)
     dtype = hidden_states.dtype
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out = torch.zeros(T, H, dtype=acc_dtype, device=hidden_states.device)
@@ -228,23 +270,26 @@ def moe(
     w2_scale: Optional[torch.Tensor] = None,
     block_shape: Optional[list[int]] = None,
     impl: str = "reference",
+    weight_layout: str = "plain",
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (see kernels/registry.py)."""
     from rubin_compile.kernels import registry  # lazy: providers may import optional packages
 
-    return registry.implementation("moe", impl)(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-        w13_scale, w2_scale, block_shape,
-    )
+    fn = registry.implementation("moe", impl)
+    args = (hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale, w2_scale,
+            block_shape)
+    if weight_layout == "plain":
+        return fn(*args)
+    return fn(*args, weight_layout=weight_layout)  # only kernels declaring the layout are ever chosen for it
 
 
 @moe.register_fake
 def _moe_fake(
     hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,
-    w13_scale=None, w2_scale=None, block_shape=None, impl="reference",
+    w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain",
 ):
     check_moe_args(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-        w2_scale, block_shape,
+        w2_scale, block_shape, weight_layout,
     )
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)

@@ -24,8 +24,8 @@ in a single-rank run)::
     fused_out  = rubin.moe(hidden_states, W13, W2, topk_weights, topk_ids, act, b13, b2, impl=impl)
     shared_out = layer.shared_experts' module(shared_experts_input)   (``_shared`` only)
 
-where ``W13``/``W2`` are the layer's expert weights in ``rubin.moe``'s layout (vLLM's CPU build stores them
-prepacked in 16-row blocks; ``unpack_cpu_moe_weight`` undoes that). Whatever vLLM applies outside its op
+where ``W13``/``W2`` are the layer's expert weights as stored, with their ``rubin.moe`` weight layout
+(vLLM's CPU build stores them prepacked in 16-row blocks: layout ``"vllm_cpu:<isa>"``). Whatever vLLM applies outside its op
 (the runner-level routed scaling factor, the shared + routed add, all-reduces) stays in the graph.
 
 ``layer_unsupported_reason`` says, at compile time, when a layer is one these ops cannot reproduce
@@ -40,24 +40,16 @@ from typing import Any, Optional
 
 import torch
 
+from rubin_compile.ops.moe import CPU_PACK_ROWS, pack_cpu_weight, unpack_cpu_weight
+
 # vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as
-# [N / 16, K, 16]: 16 output rows interleaved along K. Measured against the kernel for fp32 / bf16 / fp16
-# and isa "vec" (and "amx" on a CPU without AMX); ``cpu_pack_unsupported_reason`` re-checks it per shape.
-CPU_PACK_ROWS = 16
+# [N / 16, K, 16]: 16 output rows interleaved along K (rubin.moe's "vllm_cpu:<isa>" weight layout).
+# Measured against the kernel for fp32 / bf16 / fp16 and isa "vec" (and "amx" on a CPU without AMX);
+# ``cpu_pack_unsupported_reason`` re-checks it per shape.
+pack_cpu_moe_weight = pack_cpu_weight
+unpack_cpu_moe_weight = unpack_cpu_weight
 
 GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActivation value -> rubin.moe's
-
-
-def pack_cpu_moe_weight(w: torch.Tensor) -> torch.Tensor:
-    """``[E, N, K]`` -> vLLM's CPU prepacked layout (what ``_C.prepack_moe_weight`` produces)."""
-    E, N, K = w.shape
-    return w.reshape(E, N // CPU_PACK_ROWS, CPU_PACK_ROWS, K).permute(0, 1, 3, 2).reshape(E, N, K)
-
-
-def unpack_cpu_moe_weight(w: torch.Tensor) -> torch.Tensor:
-    """vLLM's CPU prepacked ``[E, N, K]`` -> the plain ``[E, N, K]`` layout ``rubin.moe`` takes."""
-    E, N, K = w.shape
-    return w.reshape(E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS).permute(0, 1, 3, 2).reshape(E, N, K)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,15 +156,22 @@ def _weights_unsupported_reason(experts: Any) -> Optional[str]:
     return f"vLLM MoE backend {backend.value} re-lays out the expert weights in a way rubin does not undo"
 
 
-def layer_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The layer's (w13, w2, w13_bias, w2_bias) in ``rubin.moe``'s layout (a copy where vLLM repacked)."""
+def layer_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], str]:
+    """The layer's (w13, w2, w13_bias, w2_bias, weight_layout) as stored, no copy: ``"plain"``, or
+    ``"vllm_cpu:<isa>"`` where vLLM's CPU build prepacked them (rubin.moe's layouts)."""
+    experts = layer.routed_experts
+    return (experts.w13_weight, experts.w2_weight, getattr(experts, "w13_bias", None),
+            getattr(experts, "w2_bias", None), layer_weight_layout(layer))
+
+
+def layer_weight_layout(layer: Any) -> str:
+    """``rubin.moe``'s name for how ``layer`` stores its expert weights."""
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-    experts = layer.routed_experts
-    w13, w2 = experts.w13_weight, experts.w2_weight
-    if experts.quant_method.unquantized_backend == UnquantizedMoeBackend.CPU:
-        w13, w2 = unpack_cpu_moe_weight(w13), unpack_cpu_moe_weight(w2)
-    return w13, w2, getattr(experts, "w13_bias", None), getattr(experts, "w2_bias", None)
+    method = layer.routed_experts.quant_method
+    if method.unquantized_backend == UnquantizedMoeBackend.CPU:
+        return f"vllm_cpu:{method.moe_kernel.fused_experts.isa}"
+    return "plain"
 
 
 def layer_details(layer: Any) -> dict[str, Any]:
@@ -188,6 +187,7 @@ def layer_details(layer: Any) -> dict[str, Any]:
         "I_unpadded": cfg.intermediate_size_per_partition_unpadded,
         "k": router.top_k,
         "dtype": str(experts.w13_weight.dtype).replace("torch.", ""),
+        "weight_layout": layer_weight_layout(layer),
         "activation": layer.activation.value,
         "routing": {
             "scoring_func": getattr(router, "scoring_func", None),
@@ -232,11 +232,11 @@ def run_layer(
         topk_indices_dtype=layer._quant_method.topk_indices_dtype,
         input_ids=input_ids,
     )
-    w13, w2, b13, b2 = layer_expert_weights(layer)
-    fused = registry.implementation("moe", impl)(
-        hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value],
-        b13, b2, None, None, None,
-    )
+    w13, w2, b13, b2, layout = layer_expert_weights(layer)
+    args = (hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value],
+            b13, b2, None, None, None)
+    fn = registry.implementation("moe", impl)
+    fused = fn(*args) if layout == "plain" else fn(*args, weight_layout=layout)
     return shared_out, fused
 
 

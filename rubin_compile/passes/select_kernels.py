@@ -93,20 +93,24 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
         op="moe", quant=quant, act_dtype=_dtype(args["hidden_states"]), weight_dtype=weight_dtype,
         block_shape=tuple(block) if block else None,
         shape=tuple((k, v) for k, v in sizes.items() if v is not None),
-        activation=args.get("activation"), node=node.name,
+        activation=args.get("activation"), node=node.name, weight_layout=args.get("weight_layout") or "plain",
     )
 
 
 def vllm_layer_spec(node: torch.fx.Node) -> KernelSpec:
     """A ``rubin.vllm_moe_layer*`` node: its weights live on the vLLM layer, not in the graph, and the
     matcher only rewrites unquantised layers (ops/vllm_moe.py:layer_unsupported_reason), so the weights
-    have the activations' dtype; E, I and k are not known here, so no shape limit is checked."""
+    have the activations' dtype. E, I, k, the activation and the weight layout come from what the matcher
+    read off the layer (``node.meta["rubin_vllm_layer"]``; absent on a graph built by hand)."""
     args = bound_arguments(node)
     hidden = node_val(args["hidden_states"])
     dtype = _dtype(args["hidden_states"])
-    sizes = {"T": _size(hidden, 0), "H": _size(hidden, 1)}
+    layer = node.meta.get("rubin_vllm_layer", {})
+    sizes = {"T": _size(hidden, 0), "E": layer.get("E"), "H": _size(hidden, 1), "I": layer.get("I"),
+             "k": layer.get("k")}
     return KernelSpec(op="moe", quant="none", act_dtype=dtype, weight_dtype=dtype,
-                      shape=tuple((k, v) for k, v in sizes.items() if v is not None), node=node.name)
+                      shape=tuple((k, v) for k, v in sizes.items() if v is not None), node=node.name,
+                      activation=layer.get("activation"), weight_layout=layer.get("weight_layout", "plain"))
 
 
 # rubin op name -> how its node becomes a spec. A matcher that adds a canonical op adds its builder here.

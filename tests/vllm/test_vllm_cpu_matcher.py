@@ -169,6 +169,57 @@ def test_cpu_fused_moe_semantics(dtype):
     assert not torch.equal(out, tanh)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vllm_cpu_kernel_is_rubin_moe_on_packed_weights(dtype):
+    """The ``vllm_cpu`` kernel of rubin.moe, through the op, on weights in vLLM's layout: the reference's
+    result (which unpacks a copy), with and without biases, both activations."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from rubin_compile.ops.moe import moe_reference
+
+    T, H, I, E, k = 7, 64, 96, 6, 3
+    x = torch.randn(T, H).to(dtype)
+    w13, w2 = (torch.randn(E, 2 * I, H) * 0.1).to(dtype), (torch.randn(E, H, I) * 0.1).to(dtype)
+    b13, b2 = (torch.randn(E, 2 * I) * 0.1).to(dtype), (torch.randn(E, H) * 0.1).to(dtype)
+    top, ids = torch.randn(T, E).topk(k)
+    weights = torch.softmax(top, -1)
+    p13, p2 = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
+    for act, biases in (("silu", (None, None)), ("gelu_tanh", (b13, b2))):
+        got = torch.ops.rubin.moe(x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec",
+                                  impl="vllm_cpu@cpu")
+        assert_close(got, moe_reference(x, w13, w2, weights, ids, act, *biases))
+        forced_ref = torch.ops.rubin.moe(x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec")
+        assert_close(forced_ref, moe_reference(x, w13, w2, weights, ids, act, *biases))
+    # a shape the kernel would abort on is refused with the reason (vLLM pads I to 32 when it loads weights)
+    p13, p2 = p13[:, :80], p2[:, :, :40]
+    with pytest.raises(ValueError, match="multiples of 32; got I=40"):
+        torch.ops.rubin.moe(x, p13, p2, weights, ids, weight_layout="vllm_cpu:vec", impl="vllm_cpu@cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_pipeline_binds_vllm_kernel_to_weights_as_stored(make_layer, vllm_config, dtype):
+    """With every pass on (as vLLM runs rubin), the rewritten call reads the prepacked weights as stored
+    (no copy of them in the graph) and select_kernels binds vLLM's own CPU kernel to it: the result equals
+    the same block compiled without rubin (same kernel on the same weights)."""
+    from rubin_compile.options import PIPELINE
+
+    layer = make_layer(dtype=dtype, intermediate_size=48)
+    x, logits = fresh_inputs(layer, dtype)
+    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PIPELINE)})
+    (rewrite,) = rec.match_moe()["rewrites"]
+    assert rewrite["details"]["weight_layout"].startswith("vllm_cpu:vec")
+    (plan,) = [pl for p in rec.report["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
+    assert plan["impl"] == "vllm_cpu@cpu", plan
+    rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
+    assert "layout 'vllm_cpu:vec'" in rejected["triton"]
+    assert rec.after["aten::clone"] == rec.before["aten::clone"]  # no copy of the weights was added
+    inputs = [fresh_inputs(layer, dtype) for _ in range(2)]
+    got = [run(*i) for i in inputs]
+    plain, _ = compile_layer(layer, vllm_config, x, logits, options={"passes": []})
+    for i, g in zip(inputs, got):
+        assert torch.equal(g, plain(*i))
+
+
 # ---- the weight layout the rewrite undoes ---------------------------------------------------------------
 
 

@@ -65,6 +65,27 @@ def test_moe_forward(make_layer, vllm_config, dtype, af_v2):
     assert d["routing"]["scoring_func"] == "softmax" and d["routing"]["renormalize"] is True
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["moe_forward", "moe_forward_shared"])
+def test_whole_pipeline_runs_vllm_cpu_kernel_on_the_layer_weights(make_layer, vllm_config, shared):
+    """Every pass on: select_kernels reads E / H / I / k / activation / weight layout the matcher took off
+    the layer, and binds vLLM's own CPU kernel to its prepacked weights (no copy per call); the result
+    equals the block compiled without rubin."""
+    from rubin_compile.options import PIPELINE
+
+    dtype = torch.bfloat16
+    layer = make_layer(dtype=dtype, op_form=True, intermediate_size=40, shared=shared)
+    x, logits = fresh_inputs(layer, dtype)
+    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PIPELINE)})
+    (plan,) = [pl for p in rec.report["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
+    assert plan["impl"] == "vllm_cpu@cpu", plan
+    assert plan["spec"]["weight_layout"] == "vllm_cpu:vec" and plan["spec"]["shape"]["I"] == 64  # vLLM padded 40
+    inputs = [fresh_inputs(layer, dtype) for _ in range(2)]
+    got = [run(*i) for i in inputs]
+    plain, _ = compile_layer(layer, vllm_config, x, logits, options={"passes": []})
+    for i, g in zip(inputs, got):
+        assert torch.equal(g, plain(*i))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 def test_routing_settings(make_layer, vllm_config, dtype, routing):
@@ -82,8 +103,9 @@ def test_routing_settings(make_layer, vllm_config, dtype, routing):
     x, logits = fresh_inputs(layer, dtype)
     normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6)  # what Block hands the layer
     weights, ids = reference_routing(d, logits, router.e_score_correction_bias)
-    w13, w2, _, _ = layer_expert_weights(layer)
-    assert_close(run(x, logits), moe_reference(normed, w13, w2, weights, ids, d["activation"]))
+    w13, w2, _, _, layout = layer_expert_weights(layer)  # as stored: vLLM's CPU build prepacks them
+    assert layout == d["weight_layout"] and layout.startswith("vllm_cpu:")
+    assert_close(run(x, logits), moe_reference(normed, w13, w2, weights, ids, d["activation"], weight_layout=layout))
 
 
 def reference_routing(details, logits, correction_bias):

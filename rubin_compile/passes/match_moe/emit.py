@@ -48,6 +48,7 @@ def emit_moe(
     w13_scale: Optional[torch.fx.Node] = None,
     w2_scale: Optional[torch.fx.Node] = None,
     block_shape: Optional[Sequence[int]] = None,
+    weight_layout: str = "plain",
 ) -> torch.fx.Node:
     """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one)."""
     kwargs: dict[str, Any] = {"activation": activation}
@@ -57,6 +58,8 @@ def emit_moe(
             kwargs[name] = value
     if block_shape is not None:
         kwargs["block_shape"] = list(block_shape)
+    if weight_layout != "plain":
+        kwargs["weight_layout"] = weight_layout
     return call(graph, torch.ops.rubin.moe.default, (hidden_states, w13, w2, topk_weights, topk_ids), kwargs)
 
 

@@ -17,12 +17,14 @@ or, when Inductor's auto-functionalization v2 is on (vLLM turns it off for its o
     out = auto_functionalized_v2(_C.cpu_fused_moe.default, input=x, ..., act="silu", isa="vec",
                                  _output_base_index=0, _all_bases=[empty([T, H])])[1]
 
-It becomes ``rubin.moe(x, unpack(W13p), unpack(W2p), w, ids, activation="silu")``. Facts it rests on,
-each measured against the kernel (tests/vllm/test_vllm_cpu_matcher.py):
+It becomes ``rubin.moe(x, W13p, W2p, w, ids, activation="silu", weight_layout="vllm_cpu:vec")``. Facts
+it rests on, each measured against the kernel (tests/vllm/test_vllm_cpu_matcher.py):
 
 - ``output`` is overwritten, not accumulated into; ``W13p``/``W2p`` are the layer's weights *prepacked*
-  by ``_C.prepack_moe_weight`` (16-row blocks interleaved along K; ``ops/vllm_moe.py`` unpacks them with a
-  view / permute / copy that Inductor emits as one copy kernel per call);
+  by ``_C.prepack_moe_weight`` for ``isa`` (16-row blocks interleaved along K, checked per shape and
+  dtype): ``rubin.moe``'s ``"vllm_cpu:<isa>"`` weight layout, handed over as stored (no copy). On the CPU
+  select_kernels binds the ``vllm_cpu`` kernel (vLLM's own kernel on those weights); kernels that read
+  plain weights are rejected for the layout with that reason;
 - ``act`` "silu" and "gelu_tanh" are ``rubin.moe``'s; "gelu" (erf) and "swigluoai" are left alone;
 - ``skip_weighted=True`` (router weight already applied to the input, top-1 only) means weights of one;
 - biases are ``rubin.moe``'s ``w13_bias`` / ``w2_bias``.
@@ -182,15 +184,6 @@ def unsupported_reason(mc: MutatingCall) -> Optional[str]:
     return None
 
 
-def _unpack(graph: torch.fx.Graph, w: torch.fx.Node) -> torch.fx.Node:
-    """Nodes turning a CPU-prepacked [E, N, K] weight into the plain layout (see ops/vllm_moe.py)."""
-    E, N, K = tensor_meta(w).shape
-    blocks = call(graph, aten.view.default, (w, [E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS]))
-    rows = call(graph, aten.permute.default, (blocks, [0, 1, 3, 2]))
-    dense = call(graph, aten.clone.default, (rows,), {"memory_format": torch.contiguous_format})
-    return call(graph, aten.view.default, (dense, [E, N, K]))
-
-
 def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
     a = mc.args
     node = mc.node
@@ -199,15 +192,13 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
     _read_cpu_router(routing, a["topk_weights"], strip_converts(ids))
     existing = set(graph.nodes)
     with graph.inserting_before(node):
-        w13 = _unpack(graph, a["w13"])
-        w2 = _unpack(graph, a["w2"])
         weights = a["topk_weights"]
         if a["skip_weighted"]:
             # Weights of one, shaped like the router's; x ** 0 == 1 for every x (full_like has no
             # post-grad lowering).
             weights = call(graph, aten.pow.Tensor_Scalar, (weights, 0))
-        new = emit_moe(graph, x, w13, w2, weights, ids, activation=a["act"],
-                       w13_bias=a["w13_bias"], w2_bias=a["w2_bias"])
+        new = emit_moe(graph, x, a["w13"], a["w2"], weights, ids, activation=a["act"],
+                       w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], weight_layout=f"vllm_cpu:{a['isa']}")
     inherit_source([n for n in graph.nodes if n not in existing], node)
     replaced = [node.name]
     for user in list(node.users):  # getitem nodes: the output's new value, and unused ones
@@ -219,14 +210,14 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
     if not out.users and is_call(out, aten.empty.memory_format, aten.empty_like.default):
         replaced.append(out.name)
         graph.erase_node(out)
-    xv, w13v, w2v = tensor_meta(x), tensor_meta(a["w13"]), tensor_meta(a["w2"])
+    xv, w13v = tensor_meta(x), tensor_meta(a["w13"])
     E, two_i, H = w13v.shape
     details = {
         "E": int(E), "H": int(H), "I": int(two_i) // 2, "k": int(tensor_meta(ids).shape[-1]),
         "dtype": str(xv.dtype).replace("torch.", ""),
         "activation": a["act"],
         "isa": a["isa"],
-        "weight_layout": f"vLLM CPU prepacked ({CPU_PACK_ROWS}-row blocks), unpacked per call",
+        "weight_layout": f"vllm_cpu:{a['isa']} (vLLM CPU prepacked, {CPU_PACK_ROWS}-row blocks), as stored: no copy",
         "biases": a["w13_bias"] is not None,
         "skip_weighted": bool(a["skip_weighted"]),
         "auto_functionalized": f"v{mc.version}",

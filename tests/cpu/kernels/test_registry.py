@@ -118,7 +118,28 @@ def test_cpu_chooses_the_reference_and_says_why_for_the_others():
     sel = R.select(R.example_spec("moe", "none"), T.resolve("cpu"))
     assert sel.chosen.name == "reference" and sel.impl == "reference"
     assert {k for k, _ in sel.rejected} == {c.name for c in R.candidates("moe")} - {"reference"}
-    assert all("no CUDA GPU" in reason for _, reason in sel.rejected)
+    reasons = dict(sel.rejected)
+    assert "layout 'plain'; vllm_cpu reads 'vllm_cpu'" in reasons.pop("vllm_cpu")
+    assert all("no CUDA GPU" in reason for reason in reasons.values())
+
+
+def test_weight_layout_gates_the_candidates():
+    """vLLM's CPU-prepacked weights: only the kernels that read that layout (vLLM's own CPU kernel, and the
+    reference, which unpacks a copy) are candidates; on a GPU target the plan says why the others lost."""
+    packed = dataclasses.replace(R.example_spec("moe", "none"), weight_layout="vllm_cpu:vec")
+    cpu = R.select(packed, T.resolve("cpu"))
+    if importlib.util.find_spec("vllm"):
+        assert cpu.impl == "vllm_cpu@cpu" and "reference" in cpu.outranked
+    else:
+        assert cpu.impl == "reference" and "package vllm is not installed" in dict(cpu.rejected)["vllm_cpu"]
+    gpu = R.select(packed, T.resolve("sm90"))
+    assert gpu.impl == "reference"
+    reasons = dict(gpu.rejected)
+    assert "weights stored in layout 'vllm_cpu:vec'; triton reads 'plain'" in reasons["triton"]
+    assert "runs on the CPU, not on sm90" in reasons["vllm_cpu"]
+    misaligned = dataclasses.replace(packed, shape=(("E", 8), ("H", 64), ("I", 40), ("k", 2)))
+    assert "multiples of 32; got I=40" in dict(R.select(misaligned, T.resolve("cpu")).rejected)["vllm_cpu"]
+    assert "weights vllm_cpu:vec" in packed.describe()
 
 
 def test_shape_dtype_and_cc_reasons():

@@ -96,6 +96,24 @@ def test_bad_arguments_are_clear_errors(mutate, message):
         torch.ops.rubin.moe(**args)
 
 
+def test_vllm_cpu_packed_layout_means_the_same_weights():
+    """weight_layout="vllm_cpu:<isa>": the same op on the weights vLLM's CPU build prepacked (16-row
+    blocks interleaved along K); the reference unpacks them, so the result is the plain one exactly."""
+    from rubin_compile.ops.moe import pack_cpu_weight, unpack_cpu_weight
+
+    x, w13, w2, w, ids, b13, b2 = make(E=5, H=48, I=32, bias=True)
+    p13, p2 = pack_cpu_weight(w13), pack_cpu_weight(w2)
+    assert not torch.equal(p13, w13) and torch.equal(unpack_cpu_weight(p13), w13)
+    got = torch.ops.rubin.moe(x, p13, p2, w, ids, "silu", b13, b2, weight_layout="vllm_cpu:vec")
+    assert torch.equal(got, torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2))
+    torch.library.opcheck(torch.ops.rubin.moe.default, (x, p13, p2, w, ids), {"weight_layout": "vllm_cpu:vec"})
+    with pytest.raises(MoEArgumentError, match="weight_layout='blocked' is not 'plain' or 'vllm_cpu:<isa>'"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, weight_layout="blocked")
+    x, w13, w2, w, ids, _, _ = make(E=5, H=48, I=20)  # 2I = 40 rows: not whole 16-row blocks
+    with pytest.raises(MoEArgumentError, match="N divisible by 16"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, weight_layout="vllm_cpu:vec")
+
+
 def test_out_of_range_expert_id():
     x, w13, w2, w, ids, _, _ = make()
     ids[0, 0] = 99
