@@ -32,6 +32,17 @@ class RubinRun:
     def unchanged(self, pass_name: str = "match_moe") -> list[dict]:
         return [u for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for u in p["unchanged"]]
 
+    def stage_code(self, pass_name: str) -> str:
+        """Every dumped graph as it was after ``pass_name`` (the latest stage up to it that changed it)."""
+        from rubin_compile.options import PIPELINE
+
+        last = PIPELINE.index(pass_name) + 1
+        out = []
+        for d in sorted(self.dump_dir.iterdir()):
+            stages = [p for p in sorted(d.glob("[0-9][0-9]-*.py")) if int(p.name[:2]) <= last]
+            out.append(stages[-1].read_text())
+        return "\n".join(out)
+
     def final_code(self) -> str:
         """The code of every dumped graph after the last stage that changed it, concatenated."""
         out = []

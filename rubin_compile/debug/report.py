@@ -41,7 +41,7 @@ def _plan_tables(plans: list[dict[str, Any]]) -> list[str]:
     """select_kernels: the kernel per node, then every rejected candidate with its reason."""
     lines = _table(
         ["node", "canonical op", "spec", "kernel", "runs", "also supported", "forced"],
-        [[p["node"], p["canonical_op"], _spec(p["spec"]), f"{p['kernel']} ({p['target']})", p["entry"] or "-",
+        [[p["node"], p["canonical_op"], _spec(p["spec"]), f"{p['kernel']} ({p['target']})", (p["entry"] or "-") + ("; lowered to ATen" if p.get("lowered") else ""),
           ", ".join(p.get("outranked", [])) or "-",
           "-" if p.get("forced") is None else p["forced"] + (" (rejected)" if p.get("forced_reason") else "")]
          for p in plans],

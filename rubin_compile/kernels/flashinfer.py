@@ -378,7 +378,8 @@ def _supports(op: str, kernel: str) -> Callable[[Target, KernelSpec], Optional[s
         entry = entry_point(op, kernel, spec.quant)
         if entry is None:
             have = [QUANT_LABELS[q] for q in TABLES[op][kernel]]
-            return f"FlashInfer has no {kernel} {op} kernel for {QUANT_LABELS[spec.quant]} (only {', '.join(have)})"
+            what = QUANT_LABELS[spec.quant] if spec.quant != "none" else f"unquantised {spec.act_dtype}"
+            return f"FlashInfer has no {kernel} {op} kernel for {what} (only {', '.join(have)})"
         return check_entry(entry, target, spec)
     return supports
 

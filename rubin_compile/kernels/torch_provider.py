@@ -7,8 +7,10 @@
 * Attention, BF16 / FP16: ``torch.nn.functional.scaled_dot_product_attention`` (flash / efficient /
   cuDNN backends); SDPA has no FP8 KV cache.
 
-The adapters are the ops' reference implementations: they *are* ``torch.mm`` / ``torch.addmm`` /
-``torch._scaled_mm`` and ``scaled_dot_product_attention``, which on a GPU run the kernels named above.
+The adapters: for GEMM ``ops/gemm.py:gemm_aten`` (``torch.mm`` / ``torch.addmm`` / ``torch._scaled_mm``
+and the epilogue), for attention the op's reference (``scaled_dot_product_attention``); on a GPU they run
+the kernels named above. select_kernels lowers a ``rubin.gemm`` bound to ``torch`` back into those ATen
+ops (so Inductor fuses the epilogue and picks its own GEMM templates, as it would without rubin).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from rubin_compile.target import Target
 
 def _implementations() -> dict:
     from rubin_compile.ops.attention import attention_reference
-    from rubin_compile.ops.gemm import gemm_reference
+    from rubin_compile.ops.gemm import gemm_aten
 
-    return {"gemm": gemm_reference, "attention": attention_reference}
+    return {"gemm": gemm_aten, "attention": attention_reference}
 
 
 IMPLEMENTATIONS: dict = _implementations()

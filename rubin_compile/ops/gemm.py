@@ -178,6 +178,32 @@ def gemm_reference(
     return y
 
 
+def gemm_aten(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    epilogue: str = "none",
+    residual: Optional[torch.Tensor] = None,
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """``rubin.gemm`` as the ATen ops the source graph had: ``mm`` / ``addmm``, FP8 ``_scaled_mm`` (cuBLASLt
+    FP8 on a GPU), then the epilogue. The ``torch`` kernel runs this; select_kernels lowers a node bound to
+    ``torch`` or ``reference`` back into these ops, so Inductor compiles and fuses them as it would have
+    without rubin (the FP8 result is ``_scaled_mm``'s: within FP8 tolerance of the float32 reference)."""
+    _, _, _, _, result_dtype = check_gemm_args(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
+    if a.dtype in FP8_DTYPES:
+        y = torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=result_dtype)
+    else:
+        y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
+    if epilogue in GATED:
+        return apply_activation(y, GATED[epilogue]).contiguous()
+    if epilogue == "residual_add":
+        return y + residual
+    return y
+
+
 @torch.library.custom_op("rubin::gemm", mutates_args=())
 def gemm(
     a: torch.Tensor,

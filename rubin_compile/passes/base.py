@@ -51,6 +51,7 @@ class KernelPlan:
     outranked: list[str] = field(default_factory=list)  # supported, but of lower priority
     forced: Optional[str] = None  # options.kernels asked for this kernel
     forced_reason: Optional[str] = None  # why the forced kernel was not used
+    lowered: Optional[str] = None  # "aten": the node was replaced by the ATen ops its kernel runs
 
 
 @dataclass

@@ -125,9 +125,16 @@ def test_block_epilogues_and_policy(rubin_run, dtype):
     notes = next(p for p in report["passes"] if p["name"] == "match_gemm")["notes"]
     assert any("1 MoE router product" in n for n in notes), notes
     assert any("1 product(s) whose b is not a weight" in n for n in notes), notes  # the dequantised weight
-    code = rubin_run.final_code()
+    code = rubin_run.stage_code("match_gemm")
     assert count_ops(code, "rubin.gemm") == 4 and count_ops(code, "aten.bmm") == 2  # bmm is never touched
     assert count_ops(code, "aten.addmm") == 0 and count_ops(code, "aten.tanh") == 0 and count_ops(code, "aten.neg") == 0
+    # bound to the reference on the CPU: lowered back to ATen for Inductor (three products with a bias)
+    final = rubin_run.final_code()
+    assert count_ops(final, "rubin.gemm") == 0 and count_ops(final, "aten.addmm") == 3
+    assert count_ops(final, "aten.mm") == count_ops(code, "aten.mm") + 1  # router and the dequantised product stay
+    plans = [pl for pl in next(p for p in report["passes"] if p["name"] == "select_kernels")["plans"]
+             if pl["canonical_op"] == "rubin.gemm"]
+    assert len(plans) == 4 and all(pl["lowered"] == "aten" for pl in plans)
 
 
 def test_dynamic_token_count(rubin_run):
@@ -171,8 +178,10 @@ def test_fp8_scaled_mm(rubin_run, rowwise):
     assert r["source_idiom"] == "fp8 linear (aten._scaled_mm)"
     assert (d["dtype"], d["out_dtype"], d["bias"]) == ("float8_e4m3fn", "bfloat16", True)
     assert d["scales"] == ("a row, b column" if rowwise else "a tensor, b tensor")
-    code = rubin_run.final_code()
+    code = rubin_run.stage_code("match_gemm")
     assert count_ops(code, "rubin.gemm") == 1 and count_ops(code, "aten._scaled_mm") == 0
+    final = rubin_run.final_code()  # lowered back: the same _scaled_mm the source called
+    assert count_ops(final, "rubin.gemm") == 0 and count_ops(final, "aten._scaled_mm") == 1
 
 
 # --- near misses ----------------------------------------------------------------------------------------------------
@@ -212,7 +221,7 @@ def test_near_misses_keep_the_product_and_say_why(rubin_run):
     assert "silu_and_mul epilogue" in reasons[3] and "also read by" in reasons[3]
     # a, b, c are still rubin.gemm (without their epilogue); the addmm with beta stays ATen
     assert epilogues(rubin_run.rewrites("match_gemm")) == ["none", "none", "none"]
-    code = rubin_run.final_code()
+    code = rubin_run.stage_code("match_gemm")
     assert count_ops(code, "rubin.gemm") == 3 and count_ops(code, "aten.addmm") == 1
 
 

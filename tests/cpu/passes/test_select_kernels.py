@@ -199,3 +199,53 @@ def test_auto_target_on_a_gpu_machine_plans_cpu_graphs_for_the_cpu(rubin_run, mo
     sel = next(p for p in report["passes"] if p["name"] == "select_kernels")
     assert [pl["impl"] for pl in sel["plans"]] == ["reference"] and sel["plans"][0]["target"] == "cpu"
     assert any("planning for the CPU" in n for n in sel["notes"])
+
+
+class _Mlp(torch.nn.Module):
+    """A gated MLP: one product with a SiLU-and-mul epilogue, one with a bias and a residual add."""
+
+    def __init__(self, hidden=32, inter=48):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=True)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(g) * u)
+
+
+@pytest.mark.parametrize("target,kernel,dtype", [("cpu", "reference", torch.float32), ("cpu", "reference", torch.bfloat16),
+                                                ("sm90", "torch", torch.bfloat16), ("sm107", "torch", torch.bfloat16)])
+def test_gemm_bound_to_aten_kernels_is_lowered_back_to_aten(rubin_run, target, kernel, dtype):
+    """A rubin.gemm whose kernel is torch.mm / addmm (the torch kernel on a GPU, the reference on the CPU)
+    goes back to those ATen ops, so Inductor fuses the epilogue as it would without rubin; the plan keeps
+    the decision and says it was lowered; results equal eager."""
+    model = _Mlp().to(dtype).eval()
+    x = torch.randn(2, 5, 32, dtype=dtype)
+    with torch.no_grad():
+        got = rubin_run.compile(model, target=target)(x)
+    assert_close_to_eager(got, model(x), dtype)
+    (report,) = rubin_run.reports()
+    sel = next(p for p in report["passes"] if p["name"] == "select_kernels")
+    plans = [pl for pl in sel["plans"] if pl["canonical_op"] == "rubin.gemm"]
+    assert [pl["kernel"] for pl in plans] == [kernel, kernel] and all(pl["lowered"] == "aten" for pl in plans)
+    assert any("lowered back to ATen" in n for n in sel["notes"])
+    assert "rubin.gemm" in rubin_run.stage_code("match_gemm")
+    final = rubin_run.final_code()
+    assert "rubin.gemm" not in final and "aten.addmm" in final and "aten.mm" in final
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python for its FP8 GEMM")
+def test_gemm_bound_to_another_kernel_stays_a_canonical_op(rubin_run):
+    """FP8 per-tensor on sm_100 binds a FlashInfer GEMM: the node stays rubin.gemm (not lowered), and running
+    the plan here is the clear error of a kernel this machine cannot run."""
+    from tests.cpu.passes.test_match_gemm import Fp8Linear
+
+    block = Fp8Linear(bias=False)
+    compiled = rubin_run.compile(block, target="sm100")
+    with pytest.raises(KernelUnavailableError, match="sm100"):
+        compiled(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    (report,) = rubin_run.reports()
+    (plan,) = next(p for p in report["passes"] if p["name"] == "select_kernels")["plans"]
+    assert plan["kernel"].startswith("flashinfer") and plan["lowered"] is None
+    assert "rubin.gemm" in rubin_run.final_code()
