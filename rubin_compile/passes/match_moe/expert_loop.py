@@ -251,12 +251,13 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     num_inter = tensor_meta(ordered[0].w_gate).shape[0]
     hidden = x_val.shape[1]
     with graph.inserting_before(root):
-        # One cat per stacked weight ([g0, u0, g1, u1, ...] rows, then a view): Inductor lowers cat and
-        # view in post-grad graphs, while aten.stack would need a decomposition that has already run.
+        # One concatenation per stacked weight ([g0, u0, g1, u1, ...] rows, then a view), made once and
+        # reused while the expert weights stay the same tensors (ops/weights.py: a cat on every call would
+        # copy all experts per call, more bytes than the loop it replaces).
         rows13 = [w for ex in ordered for w in (ex.w_gate, ex.w_up)]
-        w13 = call(graph, aten.view.default, (call(graph, aten.cat.default, (rows13,)),
-                                              [num_experts, 2 * num_inter, hidden]))
-        w2 = call(graph, aten.view.default, (call(graph, aten.cat.default, ([ex.w_down for ex in ordered],)),
+        stack = torch.ops.rubin.stacked_weights.default
+        w13 = call(graph, aten.view.default, (call(graph, stack, (rows13,)), [num_experts, 2 * num_inter, hidden]))
+        w2 = call(graph, aten.view.default, (call(graph, stack, ([ex.w_down for ex in ordered],)),
                                              [num_experts, hidden, num_inter]))
         moe = emit_moe(graph, x_common, w13, w2, topk_weights, ids, activation=acts.pop())
     inherit_source([w13.args[0], w13, w2.args[0], w2, moe], root)
@@ -275,5 +276,11 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
         details={"T": x_shape[0], "H": x_shape[1], "E": num_experts, "I": num_inter,
                  "k": tensor_meta(ids).shape[-1], "dtype": str(x_val.dtype).replace("torch.", ""),
                  "activation": moe.kwargs["activation"], "routing": routing,
-                 "note": "expert weights are stacked into w13 / w2 on every call"},
+                 "weights": (f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
+                             f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)")},
     )
+
+
+def _mb(ordered, num_inter: int, hidden: int) -> str:
+    elt = tensor_meta(ordered[0].w_gate).element_size()
+    return f"{len(ordered) * 3 * num_inter * hidden * elt / 1e6:.3g}"

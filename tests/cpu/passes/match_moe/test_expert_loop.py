@@ -126,3 +126,26 @@ def test_strict_mode_turns_a_near_miss_into_an_error(rubin_run):
     with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*activation relu"):
         with torch.no_grad():
             compiled(torch.randn(4, 32))
+
+
+def test_expert_weights_stacked_once_and_restacked_after_an_update(rubin_run):
+    """The rewrite concatenates the experts' weights once (rubin.stacked_weights), not on every call; an
+    in-place change of a weight is seen on the next call."""
+    from rubin_compile.ops import weights
+
+    model = LoopMoE().eval()
+    compiled = rubin_run.compile(model)
+    x = torch.randn(7, 32)
+    weights.clear_cache()
+    with torch.no_grad():
+        compiled(x)
+        misses = weights.cache_info()["misses"]
+        for _ in range(2):
+            assert_close_to_eager(compiled(x), model(x), torch.float32)
+        assert weights.cache_info()["misses"] == misses and weights.cache_info()["hits"] >= 4
+        model.experts[2].down.weight.mul_(-1.0)
+        assert_close_to_eager(compiled(x), model(x), torch.float32)
+    (r,) = rubin_run.rewrites()
+    assert "stacked into w13 / w2 once" in r["details"]["weights"]
+    code = rubin_run.final_code()
+    assert count_ops(code, "rubin.stacked_weights") == 2 and count_ops(code, "aten.cat") == 0

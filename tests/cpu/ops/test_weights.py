@@ -1,0 +1,33 @@
+"""rubin.stacked_weights: torch.cat once, reused while every part is the same unchanged tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from rubin_compile.ops import weights
+
+
+def test_concatenates_and_reuses_while_the_parts_are_unchanged():
+    weights.clear_cache()
+    parts = [torch.randn(3, 4) for _ in range(3)]
+    first = torch.ops.rubin.stacked_weights(parts)
+    assert torch.equal(first, torch.cat(parts))
+    again = torch.ops.rubin.stacked_weights(parts)
+    assert again is first and weights.cache_info()["hits"] >= 1
+    parts[1].add_(1.0)  # an in-place update (load_state_dict does the same) bumps the version: recomputed
+    updated = torch.ops.rubin.stacked_weights(parts)
+    assert updated is not first and torch.equal(updated, torch.cat(parts))
+
+
+def test_other_tensors_at_a_reused_address_are_not_served_from_the_cache():
+    weights.clear_cache()
+    parts = [torch.randn(2, 2), torch.randn(2, 2)]
+    torch.ops.rubin.stacked_weights(parts)
+    del parts
+    fresh = [torch.ones(2, 2), torch.zeros(2, 2)]  # may reuse the ids and the memory of the freed ones
+    assert torch.equal(torch.ops.rubin.stacked_weights(fresh), torch.cat(fresh))
+
+
+def test_fake_impl_and_opcheck():
+    parts = [torch.randn(2, 5), torch.randn(3, 5)]
+    torch.library.opcheck(torch.ops.rubin.stacked_weights.default, (parts,))
