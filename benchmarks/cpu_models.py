@@ -75,12 +75,15 @@ def main():
     ap.add_argument("--tokens", default="1,32")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--models", default=None, help="comma-separated subset of the model names")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import rubin_compile  # noqa: F401  (registers the backend when run from a checkout)
 
     rows = []
     for name, (cls, cfg) in models().items():
+        if args.models and name not in args.models.split(","):
+            continue
         torch.manual_seed(0)
         model = cls(cfg).to(torch.bfloat16).eval()
         for T in [int(t) for t in args.tokens.split(",")]:
