@@ -213,6 +213,9 @@ def test_whole_pipeline_binds_vllm_kernel_to_weights_as_stored(make_layer, vllm_
     rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
     assert "layout 'vllm_cpu:vec'" in rejected["triton"]
     assert rec.after["aten::clone"] == rec.before["aten::clone"]  # no copy of the weights was added
+    from rubin_compile.debug.report import render_markdown
+
+    assert "weights vllm_cpu:vec | vllm_cpu (cpu)" in render_markdown(rec.report)
     inputs = [fresh_inputs(layer, dtype) for _ in range(2)]
     got = [run(*i) for i in inputs]
     plain, _ = compile_layer(layer, vllm_config, x, logits, options={"passes": []})

@@ -233,6 +233,8 @@ def test_gemm_bound_to_aten_kernels_is_lowered_back_to_aten(rubin_run, target, k
     assert "rubin.gemm" in rubin_run.stage_code("match_gemm")
     final = rubin_run.final_code()
     assert "rubin.gemm" not in final and "aten.addmm" in final and "aten.mm" in final
+    (md,) = [p.read_text() for p in rubin_run.dump_dir.glob("*/report.md")]
+    assert md.count("; lowered to ATen") == 2  # what `python -m rubin_compile explain` prints
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python for its FP8 GEMM")
