@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from cpu_timing import median_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 class LoopMoE(torch.nn.Module):
@@ -57,17 +58,6 @@ def models():
     return {"phi3-4l-h1024": (transformers.Phi3ForCausalLM, phi3),
             "qwen3moe-2l-e64": (transformers.Qwen3MoeForCausalLM, qwen),
             "loop-moe-e32": (lambda cfg: LoopMoE(), None)}
-
-
-def median_ms(fn, reps):
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main():

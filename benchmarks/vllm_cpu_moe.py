@@ -21,14 +21,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
+
+from cpu_timing import median_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def setup_vllm():
@@ -64,17 +64,6 @@ class Block(torch.nn.Module):
 
     def forward(self, x, router_logits):
         return self.layer(torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6), router_logits)
-
-
-def median_ms(fn, reps):
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main():

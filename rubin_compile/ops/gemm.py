@@ -171,6 +171,11 @@ def gemm_reference(
         y = acc.to(result_dtype)
     else:
         y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
+    return apply_epilogue(y, epilogue, residual)
+
+
+def apply_epilogue(y: torch.Tensor, epilogue: str, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The epilogue of ``rubin.gemm`` on the product ``y`` (in the output dtype, as eager code does)."""
     if epilogue in GATED:
         return apply_activation(y, GATED[epilogue]).contiguous()
     if epilogue == "residual_add":
@@ -197,11 +202,7 @@ def gemm_aten(
         y = torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=result_dtype)
     else:
         y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
-    if epilogue in GATED:
-        return apply_activation(y, GATED[epilogue]).contiguous()
-    if epilogue == "residual_add":
-        return y + residual
-    return y
+    return apply_epilogue(y, epilogue, residual)
 
 
 @torch.library.custom_op("rubin::gemm", mutates_args=())
