@@ -212,19 +212,24 @@ def heuristic_config(
 SMEM_LIMIT = 225 * 1024  # of the H100 / H200's 227 KB per block, with room for Triton's scratch
 
 
-def smem_estimate(g: GemmConfig, which: str, x_elt: int, w_elt: int) -> int:
+def smem_estimate(g: GemmConfig, which: str, x_elt: int, w_elt: int, split1: int = 1) -> int:
     """Shared memory of one GEMM config: an (x tile + weight tile(s)) per pipeline buffer.
 
     Triton keeps num_stages buffers on the wgmma path (BM >= 64 or swapped), num_stages - 1 on mma.sync
-    (checked against the compiled kernels' reports).
+    (checked against the compiled kernels' reports). FC2 after a K-split FC1 (``split1`` > 1) pipelines the
+    float32 partial gate / up tiles instead: (num_stages - 1) x 2 x split1 x BM x BK x 4 bytes plus one
+    weight tile (fitted to the sizes ptxas reported for sm_90 AOT compiles with Triton 3.9: exact for
+    swapped tiles, up to 4 KB over for mma.sync ones).
     """
+    if which == "fc2" and split1 > 1:
+        return (g.num_stages - 1) * 2 * split1 * g.BM * g.BK * 4 + g.BN * g.BK * w_elt + 4096
     stage = g.BM * g.BK * x_elt + (2 if which == "fc1" else 1) * g.BN * g.BK * w_elt
     return stage * (g.num_stages if (g.swap or g.BM >= 64) else g.num_stages - 1)
 
 
-def fit_smem(g: GemmConfig, which: str, x_elt: int = 2, w_elt: int = 2) -> GemmConfig:
+def fit_smem(g: GemmConfig, which: str, x_elt: int = 2, w_elt: int = 2, split1: int = 1) -> GemmConfig:
     """Shrink a config until it fits shared memory: fewer stages (down to 2), then a narrower BN."""
-    while smem_estimate(g, which, x_elt, w_elt) > SMEM_LIMIT:
+    while smem_estimate(g, which, x_elt, w_elt, split1) > SMEM_LIMIT:
         if g.num_stages > 2:
             g = replace(g, num_stages=g.num_stages - 1)
         elif g.BN > 16:
@@ -843,6 +848,8 @@ def fused_moe(
     split = triton.cdiv(H, kch)
     if split > 1:  # float32 partial (gate, up) products per K range; FC2 reduces them
         inter = torch.empty((split, S, 2 * I), dtype=torch.float32, device=dev)
+        # FC2 then pipelines 2 x split float32 tiles per K step: fewer stages where they would not fit
+        fc2 = fit_smem(fc2, "fc2", hidden_states.element_size(), w13.element_size(), split1=split)
     else:
         inter = torch.empty((1, S, I), dtype=dtype, device=dev)
     part = torch.empty((S, H), dtype=dtype, device=dev)

@@ -113,6 +113,13 @@ def test_smem_estimate_matches_compiled_kernels(tmoe):
     assert tmoe.smem_estimate(G(BM=16, BN=32, BK=128, num_stages=4), "fc1", 2, 2) == 61440
     assert tmoe.smem_estimate(G(BM=16, BN=64, BK=128, num_stages=4, swap=True), "fc1", 2, 2) == 147456
     assert tmoe.smem_estimate(G(BM=128, BN=64, BK=64, num_warps=8, num_stages=3), "fc1", 2, 2) == 98304
+    # FC2 after a K-split FC1, as ptxas reported them for sm_90 (Triton 3.9 AOT compile on the CPU)
+    for split, stages, swap, bn, reported in ((2, 2, False, 64, 49152), (4, 4, False, 64, 212992), (8, 2, False, 64, 147456),
+                                              (2, 3, True, 128, 102400), (4, 4, True, 128, 233472), (8, 2, True, 128, 167936)):
+        est = tmoe.smem_estimate(G(BM=16, BN=bn, BK=128, num_stages=stages, swap=swap), "fc2", 2, 2, split1=split)
+        assert reported <= est <= reported + 4096
+    fitted = tmoe.fit_smem(G(BM=16, BN=128, BK=128, num_stages=4, swap=True), "fc2", 2, 2, split1=8)
+    assert fitted.num_stages == 2 and tmoe.smem_estimate(fitted, "fc2", 2, 2, split1=8) <= tmoe.SMEM_LIMIT
 
 
 def test_expected_distinct_experts(tmoe):
