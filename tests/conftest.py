@@ -33,15 +33,7 @@ class RubinRun:
         return [u for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for u in p["unchanged"]]
 
     def stage_code(self, pass_name: str) -> str:
-        """Every dumped graph as it was after ``pass_name`` (the latest stage up to it that changed it)."""
-        from rubin_compile.options import PIPELINE
-
-        last = PIPELINE.index(pass_name) + 1
-        out = []
-        for d in sorted(self.dump_dir.iterdir()):
-            stages = [p for p in sorted(d.glob("[0-9][0-9]-*.py")) if int(p.name[:2]) <= last]
-            out.append(stages[-1].read_text())
-        return "\n".join(out)
+        return stage_code(self.dump_dir, pass_name)
 
     def final_code(self) -> str:
         """The code of every dumped graph after the last stage that changed it, concatenated."""
@@ -50,6 +42,19 @@ class RubinRun:
             stages = sorted(d.glob("[0-9][0-9]-*.py"))
             out.append(stages[-1].read_text())
         return "\n".join(out)
+
+
+def stage_code(dump_dir: Path, pass_name: str) -> str:
+    """Every graph dumped under ``dump_dir`` as it was after ``pass_name`` (the latest stage up to it that
+    changed the graph), concatenated."""
+    from rubin_compile.options import PIPELINE
+
+    last = PIPELINE.index(pass_name) + 1
+    out = []
+    for d in sorted(p for p in dump_dir.iterdir() if p.is_dir()):
+        stages = [p for p in sorted(d.glob("[0-9][0-9]-*.py")) if int(p.name[:2]) <= last]
+        out.append(stages[-1].read_text())
+    return "\n".join(out)
 
 
 @pytest.fixture(autouse=True)

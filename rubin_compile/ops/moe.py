@@ -256,6 +256,16 @@ def moe_reference(
     return out.to(dtype)
 
 
+def run_kernel(impl: str, args: tuple, weight_layout: str = "plain") -> torch.Tensor:
+    """Run rubin.moe's kernel ``impl`` on the op's positional ``args`` (hidden_states ... block_shape).
+    ``weight_layout`` is passed only when it is not "plain": only kernels that declare a layout are ever
+    chosen for it, and the others take no such argument."""
+    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
+
+    fn = registry.implementation("moe", impl)
+    return fn(*args) if weight_layout == "plain" else fn(*args, weight_layout=weight_layout)
+
+
 @torch.library.custom_op("rubin::moe", mutates_args=())
 def moe(
     hidden_states: torch.Tensor,
@@ -273,14 +283,8 @@ def moe(
     weight_layout: str = "plain",
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (see kernels/registry.py)."""
-    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
-
-    fn = registry.implementation("moe", impl)
-    args = (hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale, w2_scale,
-            block_shape)
-    if weight_layout == "plain":
-        return fn(*args)
-    return fn(*args, weight_layout=weight_layout)  # only kernels declaring the layout are ever chosen for it
+    return run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                             w13_scale, w2_scale, block_shape), weight_layout)
 
 
 @moe.register_fake

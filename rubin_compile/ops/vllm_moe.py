@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops.moe import CPU_PACK_ROWS, pack_cpu_weight, unpack_cpu_weight
+from rubin_compile.ops.moe import CPU_PACK_ROWS, pack_cpu_weight, run_kernel, unpack_cpu_weight
 
 # vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as
 # [N / 16, K, 16]: 16 output rows interleaved along K (rubin.moe's "vllm_cpu:<isa>" weight layout).
@@ -218,8 +218,6 @@ def run_layer(
     impl: str,
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """(shared_out or None, fused_out) of ``layer``, as the module docstring defines them."""
-    from rubin_compile.kernels import registry
-
     if layer.gate is not None:
         router_logits, _ = layer.gate(hidden_states)
     shared_out = None
@@ -233,10 +231,8 @@ def run_layer(
         input_ids=input_ids,
     )
     w13, w2, b13, b2, layout = layer_expert_weights(layer)
-    args = (hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value],
-            b13, b2, None, None, None)
-    fn = registry.implementation("moe", impl)
-    fused = fn(*args) if layout == "plain" else fn(*args, weight_layout=layout)
+    fused = run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids,
+                              GATED_ACTIVATIONS[layer.activation.value], b13, b2, None, None, None), layout)
     return shared_out, fused
 
 

@@ -38,8 +38,8 @@ from rubin_compile.passes.manager import RubinStrictError
 
 NAME = "select_kernels"
 
-# kernels whose code for an op is what Inductor would compile itself from ATen: such nodes are lowered back
-LOWERED_TO_ATEN: dict[str, tuple[str, ...]] = {"gemm": ("torch", "reference")}
+# rubin.gemm kernels whose code is what Inductor would compile itself from ATen: such nodes are lowered back
+GEMM_KERNELS_LOWERED_TO_ATEN: tuple[str, ...] = ("torch", "reference")
 
 
 class KernelSelectionError(RubinStrictError):
@@ -201,16 +201,16 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 
 
 def _lower_to_aten(graph: torch.fx.Graph, plans: list[KernelPlan]) -> int:
-    """Replace the canonical nodes whose kernel is plain ATen (``LOWERED_TO_ATEN``) by those ATen ops."""
+    """Replace the rubin.gemm nodes whose kernel is plain ATen (``GEMM_KERNELS_LOWERED_TO_ATEN``) by those ATen ops."""
     from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 
     by_name = {pl.node: pl for pl in plans}
     count = 0
     for node in list(graph.nodes):
         plan = by_name.get(node.name)
-        if plan is None or plan.kernel not in LOWERED_TO_ATEN.get(canonical_op(node) or "", ()):
+        if node.target is not torch.ops.rubin.gemm.default or plan is None:
             continue
-        if node.target is not torch.ops.rubin.gemm.default:
+        if plan.kernel not in GEMM_KERNELS_LOWERED_TO_ATEN:
             continue
         args = bound_arguments(node)
         tensors = [n for n, v in args.items() if isinstance(v, torch.fx.Node)]

@@ -334,6 +334,24 @@ def _slot_group(ids_ptr, S, pid, SLOT_P2: tl.constexpr):
 
 
 @triton.jit
+def _program_group(ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g, ROUTE: tl.constexpr, SLOT_P2: tl.constexpr):
+    """The group of slots that program ``pid_g`` of axis 0 serves: (expert, skip, start, row count, match,
+    rank). Slot mode (``ROUTE`` 0): slot ``pid_g`` leads its expert's group unless an earlier slot routes to
+    the same expert (then skip). Route tables (``ROUTE`` 1): group ``pid_g`` of the table; skip when empty."""
+    if ROUTE == 0:
+        e, skip, count, match, rank = _slot_group(ids_ptr, S, pid_g, SLOT_P2)
+        start = 0
+    else:
+        count = tl.load(gcount_ptr + pid_g)
+        skip = count == 0
+        e = tl.load(gexp_ptr + pid_g)
+        start = tl.load(gstart_ptr + pid_g)
+        match = tl.zeros([SLOT_P2], tl.int1)
+        rank = tl.zeros([SLOT_P2], tl.int32)
+    return e, skip, start, count, match, rank
+
+
+@triton.jit
 def _group_rows(
     match, rank, sorted_ptr, start, count, m0, ROUTE: tl.constexpr, BM: tl.constexpr, SLOT_P2: tl.constexpr
 ):
@@ -425,19 +443,10 @@ def _moe_fc1_kernel(
         for c0 in range(0, per, 1024):
             zo = c0 + tl.arange(0, 1024)
             tl.store(cnt_ptr + pid_n * per + zo, tl.zeros([1024], tl.int32), mask=(zo < per) & (pid_n * per + zo < cnt_numel))
-    if ROUTE == 0:
-        e, dup, count, match, rank = _slot_group(ids_ptr, S, pid_g, SLOT_P2)
-        start = 0
-        if dup:
-            return
-    else:
-        count = tl.load(gcount_ptr + pid_g)
-        if count == 0:
-            return
-        e = tl.load(gexp_ptr + pid_g)
-        start = tl.load(gstart_ptr + pid_g)
-        match = tl.zeros([SLOT_P2], tl.int1)
-        rank = tl.zeros([SLOT_P2], tl.int32)
+    e, skip, start, count, match, rank = _program_group(ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g,
+                                                        ROUTE, SLOT_P2)
+    if skip:
+        return
     e64 = e.to(tl.int64)
     w_base = w_ptr + e64 * stride_we
     if W2_L2 > 0:  # w2[e] is one contiguous block; program (n, s) of the group takes share n * SPLIT + s
@@ -542,19 +551,10 @@ def _moe_fc2_kernel(
     offs_k = tl.arange(0, BK)
     # Routing data (ids, route tables) was complete before FC1 passed its gdc_wait, and FC1 lets this grid
     # start only after that, so reading it here, before our own wait, is safe.
-    if ROUTE == 0:
-        e, dup, count, match, rank = _slot_group(ids_ptr, S, pid_g, SLOT_P2)
-        start = 0
-        if dup:
-            return
-    else:
-        count = tl.load(gcount_ptr + pid_g)
-        if count == 0:
-            return
-        e = tl.load(gexp_ptr + pid_g)
-        start = tl.load(gstart_ptr + pid_g)
-        match = tl.zeros([SLOT_P2], tl.int1)
-        rank = tl.zeros([SLOT_P2], tl.int32)
+    e, skip, start, count, match, rank = _program_group(ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g,
+                                                        ROUTE, SLOT_P2)
+    if skip:
+        return
     e64 = e.to(tl.int64)
     w_base = w_ptr + e64 * stride_we
     if PREFETCH > 0:  # weights: nothing before us writes them

@@ -326,11 +326,12 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
     path = out_dir / moe.device_file_name(name)
     old = json.loads(path.read_text()).get("configs", {}) if path.is_file() else {}
 
+    def table_key(sh, wf):
+        return moe.shape_key(sh["E"], sh["H"], sh["I"], sh["k"], torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
+                             BLOCK if wf == "fp8_block" else None)
+
     def old_entry(s, wf, T):
-        sh = shapes[s]
-        key = moe.shape_key(sh["E"], sh["H"], sh["I"], sh["k"], torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
-                            BLOCK if wf == "fp8_block" else None)
-        return old.get(key, {}).get(str(T))
+        return old.get(table_key(shapes[s], wf), {}).get(str(T))
 
     cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
     cand = {c: candidate_configs(moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1],
@@ -363,9 +364,7 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
         E, k, H, I = sh["E"], sh["k"], sh["H"], sh["I"]
         for wf in formats:
             weights = [make_weights(E, H, I, wf, seed=i) for i in range(2)]
-            key = moe.shape_key(E, H, I, k, torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
-                                BLOCK if wf == "fp8_block" else None)
-            entry = table["configs"].setdefault(key, {})
+            entry = table["configs"].setdefault(table_key(sh, wf), {})
             for T in tokens:
                 xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
                 routes = [make_routing(T, E, k, generator=gen) for _ in range(4)]

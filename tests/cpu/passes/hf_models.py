@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import assert_close_to_eager, assert_logits_close  # noqa: F401  (used through this module)
+from tests.conftest import assert_close_to_eager, assert_logits_close, stage_code  # noqa: F401  (the first two: used through this module)
 
 HIDDEN, VOCAB, LAYERS = 64, 128, 2
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -63,15 +63,8 @@ class HFRun:
 
     def stage_code(self, pass_name: str) -> str:
         """The graph after ``pass_name`` (or the latest stage before it that changed the graph)."""
-        (d,) = [d for d in self.dump_dir.iterdir() if d.is_dir()]
-        stages = [p for p in sorted(d.glob("[0-9][0-9]-*.py")) if int(p.name[:2]) <= _stage_index(pass_name)]
-        return stages[-1].read_text()
-
-
-def _stage_index(pass_name: str) -> int:
-    from rubin_compile.options import PIPELINE
-
-    return PIPELINE.index(pass_name) + 1
+        (d,) = [d for d in self.dump_dir.iterdir() if d.is_dir()]  # the whole model is one graph
+        return stage_code(self.dump_dir, pass_name)
 
 
 @functools.lru_cache(maxsize=None)
