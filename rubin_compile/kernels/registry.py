@@ -172,8 +172,8 @@ class Candidate:
         """``supports``, with a declaration that fails turned into a reason (selection never crashes)."""
         family = spec.weight_layout.split(":", 1)[0]
         if "*" not in self.layouts and family not in self.layouts:
-            return (f"weights stored in layout {spec.weight_layout!r}; {self.name} reads "
-                    f"{' / '.join(repr(x) for x in self.layouts)}")
+            readable = " / ".join(repr(x if x == "plain" else f"{x}:<isa>") for x in self.layouts)
+            return f"weights stored in layout {spec.weight_layout!r}; {self.name} reads only {readable}"
         try:
             return self.supports(target, spec)
         except Exception as exc:  # a provider's declaration could not be read: reject, say why

@@ -119,7 +119,7 @@ def test_cpu_chooses_the_reference_and_says_why_for_the_others():
     assert sel.chosen.name == "reference" and sel.impl == "reference"
     assert {k for k, _ in sel.rejected} == {c.name for c in R.candidates("moe")} - {"reference"}
     reasons = dict(sel.rejected)
-    assert "layout 'plain'; vllm_cpu reads 'vllm_cpu'" in reasons.pop("vllm_cpu")
+    assert "layout 'plain'; vllm_cpu reads only 'vllm_cpu:<isa>'" in reasons.pop("vllm_cpu")
     assert all("no CUDA GPU" in reason for reason in reasons.values())
 
 
@@ -135,7 +135,7 @@ def test_weight_layout_gates_the_candidates():
     gpu = R.select(packed, T.resolve("sm90"))
     assert gpu.impl == "reference"
     reasons = dict(gpu.rejected)
-    assert "weights stored in layout 'vllm_cpu:vec'; triton reads 'plain'" in reasons["triton"]
+    assert "weights stored in layout 'vllm_cpu:vec'; triton reads only 'plain'" in reasons["triton"]
     assert "runs on the CPU, not on sm90" in reasons["vllm_cpu"]
     misaligned = dataclasses.replace(packed, shape=(("E", 8), ("H", 64), ("I", 40), ("k", 2)))
     assert "multiples of 32; got I=40" in dict(R.select(misaligned, T.resolve("cpu")).rejected)["vllm_cpu"]
