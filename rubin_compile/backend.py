@@ -7,6 +7,7 @@ always does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -21,6 +22,10 @@ def inductor_config_patches(options: RubinOptions, mode: Optional[str]) -> dict[
     from torch._inductor import list_mode_options
 
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+    if options.cudagraphs:
+        # Inductor's own CUDA graphs (cudagraph trees), as mode="reduce-overhead" turns on: our kernels, their
+        # PDL edges and the locality domains' streams are captured inside the graph with everything else.
+        patches["triton.cudagraphs"] = True
     patches.update(options.inductor)
     ours = PassManager(options, source="backend")
     theirs = patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
@@ -41,8 +46,17 @@ def rubin_backend(
     """Compile ``gm`` with Inductor plus the rubin pipeline; ``options`` as in ``RubinOptions``."""
     from torch._inductor.compile_fx import compile_fx
 
-    opts = RubinOptions.resolve(options)
+    opts = with_mode(RubinOptions.resolve(options), mode)
     return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(opts, mode))
+
+
+def with_mode(options: RubinOptions, mode: Optional[str]) -> RubinOptions:
+    """``options`` with what ``mode`` implies: "reduce-overhead" and "max-autotune" run under CUDA graphs."""
+    from torch._inductor import list_mode_options
+
+    if mode not in (None, "default") and list_mode_options(mode).get("triton.cudagraphs") and not options.cudagraphs:
+        return dataclasses.replace(options, cudagraphs=True)
+    return options
 
 
 class _Chain(torch._inductor.custom_graph_pass.CustomGraphPass):

@@ -28,6 +28,13 @@ PIPELINE: tuple[str, ...] = (
 CANONICAL_OPS: tuple[str, ...] = ("moe", "gemm", "attention")
 
 
+# Options that take one of a few words (``locality``: "strict" is read as "default").
+CHOICES: dict[str, tuple[str, ...]] = {
+    "pdl": ("auto", "on", "off"),
+    "locality": ("auto", "off", "default", "backfill"),
+}
+
+
 class RubinOptionsError(ValueError):
     """Raised for an option that does not exist or has a value it cannot take."""
 
@@ -57,6 +64,24 @@ class RubinOptions:
         A forced kernel per canonical op, as vLLM's ``--moe-backend`` / ``--linear-backend`` switches
         (env ``RUBIN_KERNELS="moe=triton,gemm=torch"``), e.g. ``{"moe": "flashinfer_cutedsl"}``. A forced
         kernel that cannot run on the target is rejected with its reason (an error with ``strict``).
+    pdl:
+        Programmatic Dependent Launch for the kernels that are safe with it (env ``RUBIN_PDL``): ``"auto"``
+        (on where the target has PDL and the graph runs under CUDA graphs, where it pays), ``"on"`` (also
+        without CUDA graphs), ``"off"``. passes/chain_pdl.py; its decision per node is in the report.
+    cudagraphs:
+        The compiled graph runs under CUDA graphs (env ``RUBIN_CUDAGRAPHS=1``), as with
+        ``mode="reduce-overhead"`` (which sets it; torch.compile takes ``mode`` or ``options``, not both).
+        Inside vLLM, vLLM's own ``cudagraph_mode`` decides instead.
+    locality:
+        Place decode-sized MoE on locality domains, split-N (env ``RUBIN_LOCALITY``): ``"auto"`` (on where
+        the target has HBM locality domains: sm_107, backfill mode; off elsewhere, where memory is uniform and
+        a split only costs), ``"off"``, ``"default"`` (alias ``"strict"``: equal domains, odd SMs idle) or
+        ``"backfill"`` (every SM used). passes/place_locality.py.
+    domains:
+        How many domains (env ``RUBIN_DOMAINS``); ``None``: the target's locality-domain count, else 2.
+    locality_max_tokens:
+        MoE calls of at most this many tokens run split-N (env ``RUBIN_LOCALITY_MAX_TOKENS``); larger ones
+        (prefill) run whole, decided per call when the token count is dynamic.
     """
 
     dump_dir: Optional[str] = None
@@ -65,6 +90,11 @@ class RubinOptions:
     inductor: Mapping[str, Any] = field(default_factory=dict)
     target: str = "auto"
     kernels: Mapping[str, str] = field(default_factory=dict)
+    pdl: str = "auto"
+    cudagraphs: bool = False
+    locality: str = "auto"
+    domains: Optional[int] = None
+    locality_max_tokens: int = 16
 
     # Options that change what the passes produce: they go into the pass's uuid (dump_dir too, so that a
     # new dump folder forces the compile that writes it instead of a cache hit).
@@ -75,6 +105,11 @@ class RubinOptions:
             "passes": list(self.enabled_passes()),
             "target": self.resolved_target().name,  # "auto" resolves per machine: the uuid follows it
             "kernels": dict(sorted(self.kernels.items())),
+            "pdl": self.pdl,
+            "cudagraphs": self.cudagraphs,
+            "locality": self.locality,
+            "domains": self.domains,
+            "locality_max_tokens": self.locality_max_tokens,
         }
 
     def resolved_target(self):
@@ -129,12 +164,33 @@ class RubinOptions:
 def _convert(name: str, value: Any) -> Any:
     if name == "dump_dir":
         return None if value in (None, "") else os.fspath(value)
-    if name == "strict":
+    if name in ("strict", "cudagraphs"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
             return value.strip().lower() in ("1", "true", "yes", "on")
-        raise RubinOptionsError(f"option strict must be a bool (or 0/1 in RUBIN_STRICT), got {value!r}")
+        raise RubinOptionsError(f"option {name} must be a bool (or 0/1 in RUBIN_{name.upper()}), got {value!r}")
+    if name in CHOICES:
+        text = str(value).strip().lower() if value is not None else ""
+        if isinstance(value, bool):  # pdl=True / False reads as on / off
+            text = "on" if value else "off"
+        text = {"strict": "default"}.get(text, text) if name == "locality" else text
+        if text not in CHOICES[name]:
+            raise RubinOptionsError(f"option {name} must be one of {list(CHOICES[name])}, got {value!r}")
+        return text
+    if name in ("domains", "locality_max_tokens"):
+        if value is None or value == "":
+            if name == "domains":
+                return None
+            raise RubinOptionsError("option locality_max_tokens must be a positive integer, got nothing")
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = 0
+        if number < (2 if name == "domains" else 1) or isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            least = 2 if name == "domains" else 1
+            raise RubinOptionsError(f"option {name} must be an integer >= {least}, got {value!r}")
+        return number
     if name == "passes":
         if value is None:
             return None

@@ -21,8 +21,9 @@ def find_reports(root: Path) -> list[Path]:
 
 
 def shown_when_changed(p: dict) -> bool:
-    """``--changed`` keeps a pass that rewrote, left something unchanged, or chose kernels."""
-    return bool(p["rewrites"] or p["unchanged"] or p.get("plans"))
+    """``--changed`` keeps a pass that rewrote, left something unchanged, chose kernels or decided a
+    launch / placement."""
+    return bool(p["rewrites"] or p["unchanged"] or p.get("plans") or p.get("decisions"))
 
 
 def explain(root: str, out: TextIO, only_changed: bool = False, graph: Optional[str] = None) -> int:

@@ -69,6 +69,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         status.append(f"{len(p['rewrites'])} rewritten")
         if p.get("plans"):
             status.append(f"{len(p['plans'])} kernel(s) chosen")
+        if p.get("decisions"):
+            status.append(f"{len(p['decisions'])} decision(s)")
         if p["unchanged"]:
             status.append(f"{len(p['unchanged'])} left unchanged")
         status.append("graph changed" if p["changed"] else "graph unchanged")
@@ -84,6 +86,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append("")
         if p.get("plans"):
             lines += _plan_tables(p["plans"])
+        if p.get("decisions"):
+            lines += _table(
+                ["node", "canonical op", "decision", "why", "details"],
+                [[d["node"], d["canonical_op"], d["decision"], d["reason"], d.get("details") or "-"]
+                 for d in p["decisions"]],
+            )
+            lines.append("")
         if p["unchanged"]:
             lines += _table(
                 ["node", "idiom", "left unchanged because"],

@@ -25,6 +25,7 @@ that reason instead of calling FlashInfer with the wrong layout.
 from __future__ import annotations
 
 import functools
+import inspect
 import importlib
 import importlib.util
 import warnings
@@ -400,9 +401,27 @@ def _entry(op: str, kernel: str) -> Callable[[KernelSpec], str]:
     return entry
 
 
+def _pdl(op: str, kernel: str) -> Callable[[KernelSpec], Optional[str]]:
+    """FlashInfer's own declaration: the entry function takes ``enable_pdl`` (read from its signature)."""
+    def pdl(spec: KernelSpec) -> Optional[str]:
+        entry = entry_point(op, kernel, spec.quant)
+        if entry is None:
+            return f"no {kernel} entry point for this spec"
+        missing = _missing(entry)
+        if missing:
+            return f"cannot read whether {entry.describe()} takes enable_pdl: {missing}"
+        for name in entry.functions:
+            params = inspect.signature(resolve(name)).parameters
+            if "enable_pdl" not in params:
+                return f"{name} takes no enable_pdl argument"
+        return None
+    return pdl
+
+
 def candidates() -> list[Candidate]:
     """The FlashInfer candidates of every canonical op (registry.py collects them)."""
     return [
-        Candidate(op, kernel, _supports(op, kernel), PRIORITIES[(op, kernel)], _runnable(op, kernel), _entry(op, kernel))
+        Candidate(op, kernel, _supports(op, kernel), PRIORITIES[(op, kernel)], _runnable(op, kernel), _entry(op, kernel),
+                  pdl=_pdl(op, kernel))
         for op, table in TABLES.items() for kernel in table
     ]

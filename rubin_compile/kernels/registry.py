@@ -147,6 +147,10 @@ class Candidate:
     whether this machine (``target.detect()``) can run it at all, for providers whose module imports
     without a GPU; ``None`` leaves that to the provider module's import. ``entry(spec)`` names what runs.
     ``layouts``: the weight layouts it reads (their part before ":"; ``"*"``: any).
+    ``pdl(spec)``: ``None`` when the kernel may be launched with Programmatic Dependent Launch for ``spec``
+    (it waits, ``griddepcontrol.wait``, before touching anything its predecessor writes or reads, and its
+    adapter takes ``pdl=``), else why not; a candidate without ``pdl`` is never launched with it.
+    ``placements``: the locality placements its adapter runs (``"split_n"``; passes/place_locality.py).
     """
 
     op: str
@@ -157,6 +161,17 @@ class Candidate:
     entry: Callable[[KernelSpec], str] = lambda spec: ""
     provider: str = ""
     layouts: tuple[str, ...] = ("plain",)
+    pdl: Optional[Callable[[KernelSpec], Optional[str]]] = None
+    placements: tuple[str, ...] = ()
+
+    def pdl_unsupported(self, spec: KernelSpec) -> Optional[str]:
+        """Why ``spec`` on this kernel cannot be launched with PDL; ``None`` when it can."""
+        if self.pdl is None:
+            return f"{self.name} takes no PDL launch (its kernels do not wait on griddepcontrol)"
+        try:
+            return self.pdl(spec)
+        except Exception as exc:  # a provider's declaration could not be read: no PDL, say why
+            return f"could not check PDL support: {type(exc).__name__}: {exc}"
 
     def __post_init__(self) -> None:
         if not self.provider:
@@ -251,7 +266,8 @@ def _all_candidates() -> tuple[Candidate, ...]:
     # Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on
     # Blackwell FlashInfer first and Triton after it; on Hopper Triton first (see docs/kernels/selection.md).
     out.append(Candidate("moe", "triton", _triton_moe_supports, {"*": 10, "sm90": 30},
-                         entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe"))
+                         entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe",
+                         pdl=lambda spec: None, placements=("split_n",)))
     out += torch_provider.candidates()
     out += vllm_cpu.candidates()
     out += flashinfer.candidates()

@@ -18,7 +18,9 @@ Schema::
                Tensor? w2_scale=None,
                int[]? block_shape=None,   # [bn, bk] for block-scaled FP8, e.g. [128, 128]
                str impl="reference",      # which kernel runs it; chosen by select_kernels
-               str weight_layout="plain") # how w13 / w2 are stored, see below
+               str weight_layout="plain", # how w13 / w2 are stored, see below
+               bool pdl=False,            # launch with Programmatic Dependent Launch; set by chain_pdl
+               str placement="")          # "" or "split_n:<mode>:<domains>:<max_tokens>"; set by place_locality
       -> Tensor                           # [T, H] in hidden_states' dtype
 
 Semantics, for every token t::
@@ -32,6 +34,10 @@ scale is per tensor (shape ``[]``) or per expert (``[E]``, ``[E, 1]`` or ``[E, 1
 ``block_shape=[bn, bk]`` ``w13_scale`` is ``[E, ceil(2I/bn), ceil(H/bk)]`` and ``w2_scale`` is
 ``[E, ceil(H/bn), ceil(I/bk)]`` (the DeepSeek / Qwen FP8 checkpoint layout). The reference keeps
 activations in their own dtype; a kernel that quantises activations states its tolerance.
+
+``pdl`` and ``placement`` say how the kernel is launched, never what it computes: PDL results are
+bitwise identical, and a split-N placement (passes/place_locality.py: FC1 split over I, FC2 over H, one
+locality domain each) changes no reduction order. Kernels that do not take them run without.
 
 Weight layouts (``weight_layout``; the shapes above hold in every layout, only the order of the elements
 inside each expert's matrix differs). A kernel declares the layouts it reads (kernels/registry.py), so a
@@ -256,14 +262,23 @@ def moe_reference(
     return out.to(dtype)
 
 
-def run_kernel(impl: str, args: tuple, weight_layout: str = "plain") -> torch.Tensor:
+def run_kernel(impl: str, args: tuple, weight_layout: str = "plain", pdl: bool = False,
+               placement: str = "") -> torch.Tensor:
     """Run rubin.moe's kernel ``impl`` on the op's positional ``args`` (hidden_states ... block_shape).
-    ``weight_layout`` is passed only when it is not "plain": only kernels that declare a layout are ever
-    chosen for it, and the others take no such argument."""
+    ``weight_layout``, ``pdl`` and ``placement`` are passed only when they are not their defaults: only
+    kernels that declare a layout, PDL or a placement (kernels/registry.py) are ever given one by the
+    passes, and the others take no such argument."""
     from rubin_compile.kernels import registry  # lazy: providers may import optional packages
 
     fn = registry.implementation("moe", impl)
-    return fn(*args) if weight_layout == "plain" else fn(*args, weight_layout=weight_layout)
+    extra: dict = {}
+    if weight_layout != "plain":
+        extra["weight_layout"] = weight_layout
+    if pdl:
+        extra["pdl"] = True
+    if placement:
+        extra["placement"] = placement
+    return fn(*args, **extra)
 
 
 @torch.library.custom_op("rubin::moe", mutates_args=())
@@ -281,16 +296,19 @@ def moe(
     block_shape: Optional[list[int]] = None,
     impl: str = "reference",
     weight_layout: str = "plain",
+    pdl: bool = False,
+    placement: str = "",
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (see kernels/registry.py)."""
     return run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                             w13_scale, w2_scale, block_shape), weight_layout)
+                             w13_scale, w2_scale, block_shape), weight_layout, pdl, placement)
 
 
 @moe.register_fake
 def _moe_fake(
     hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,
-    w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain",
+    w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain", pdl=False,
+    placement="",
 ):
     check_moe_args(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,

@@ -10,7 +10,8 @@ layer by name and never captures its weights (they would otherwise be pickled in
 Schema (``LayerName`` is vLLM's hoisted opaque layer-name type on torch >= 2.11, else ``str``)::
 
     rubin::vllm_moe_layer(Tensor hidden_states, Tensor router_logits, Tensor? shared_experts_input,
-                          Tensor? input_ids, LayerName layer_name, str impl="reference") -> Tensor
+                          Tensor? input_ids, LayerName layer_name, str impl="reference",
+                          bool pdl=False, str placement="") -> Tensor
     rubin::vllm_moe_layer_shared(...same...) -> (Tensor shared_out, Tensor fused_out)
 
 Semantics, for the ``MoERunner`` ``layer`` named ``layer_name`` (exactly what its ``_forward_impl`` computes
@@ -21,7 +22,8 @@ in a single-rank run)::
                                                            # vLLM's own routing: top-k, renormalise,
                                                            # softmax / sigmoid, grouped top-k,
                                                            # correction bias, routed scaling
-    fused_out  = rubin.moe(hidden_states, W13, W2, topk_weights, topk_ids, act, b13, b2, impl=impl)
+    fused_out  = rubin.moe(hidden_states, W13, W2, topk_weights, topk_ids, act, b13, b2, impl=impl,
+                           pdl=pdl, placement=placement)
     shared_out = layer.shared_experts' module(shared_experts_input)   (``_shared`` only)
 
 where ``W13``/``W2`` are the layer's expert weights as stored, with their ``rubin.moe`` weight layout
@@ -216,6 +218,8 @@ def run_layer(
     shared_experts_input: Optional[torch.Tensor],
     input_ids: Optional[torch.Tensor],
     impl: str,
+    pdl: bool = False,
+    placement: str = "",
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """(shared_out or None, fused_out) of ``layer``, as the module docstring defines them."""
     if layer.gate is not None:
@@ -232,7 +236,8 @@ def run_layer(
     )
     w13, w2, b13, b2, layout = layer_expert_weights(layer)
     fused = run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids,
-                              GATED_ACTIVATIONS[layer.activation.value], b13, b2, None, None, None), layout)
+                              GATED_ACTIVATIONS[layer.activation.value], b13, b2, None, None, None), layout,
+                       pdl, placement)
     return shared_out, fused
 
 
@@ -272,12 +277,15 @@ def define_ops() -> None:
         input_ids: Optional[torch.Tensor],
         layer_name: Any,
         impl: str = "reference",
+        pdl: bool = False,
+        placement: str = "",
     ) -> torch.Tensor:
         layer = find_layer(layer_name_value(layer_name))
-        return run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl)[1]
+        return run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl, pdl,
+                         placement)[1]
 
     def vllm_moe_layer_fake(hidden_states, router_logits, shared_experts_input, input_ids, layer_name,
-                            impl="reference"):
+                            impl="reference", pdl=False, placement=""):
         return torch.empty_like(hidden_states)
 
     def vllm_moe_layer_shared(
@@ -287,13 +295,16 @@ def define_ops() -> None:
         input_ids: Optional[torch.Tensor],
         layer_name: Any,
         impl: str = "reference",
+        pdl: bool = False,
+        placement: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = find_layer(layer_name_value(layer_name))
-        shared, fused = run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl)
+        shared, fused = run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl,
+                                  pdl, placement)
         return shared, fused
 
     def vllm_moe_layer_shared_fake(hidden_states, router_logits, shared_experts_input, input_ids,
-                                   layer_name, impl="reference"):
+                                   layer_name, impl="reference", pdl=False, placement=""):
         shared_like = shared_experts_input if shared_experts_input is not None else hidden_states
         return torch.empty_like(shared_like), torch.empty_like(hidden_states)
 
@@ -305,6 +316,8 @@ def define_ops() -> None:
         "input_ids": Optional[torch.Tensor],
         "layer_name": LayerNameT,
         "impl": str,
+        "pdl": bool,
+        "placement": str,
     }
     vllm_moe_layer.__annotations__ = {**args, "return": torch.Tensor}
     vllm_moe_layer_shared.__annotations__ = {**args, "return": tuple[torch.Tensor, torch.Tensor]}

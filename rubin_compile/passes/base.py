@@ -55,6 +55,18 @@ class KernelPlan:
 
 
 @dataclass
+class Decision:
+    """How one canonical node is launched or placed (chain_pdl: PDL on / off; place_locality: a placement
+    or none), and why."""
+
+    node: str
+    canonical_op: str
+    decision: str  # e.g. "pdl on", "pdl off", "split_n backfill x2", "whole"
+    reason: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class PassResult:
     """What one pass did to one graph."""
 
@@ -66,6 +78,7 @@ class PassResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     plans: list[KernelPlan] = field(default_factory=list)  # select_kernels: one per canonical node
+    decisions: list[Decision] = field(default_factory=list)  # place_locality, chain_pdl: one per canonical node
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -131,6 +131,37 @@ SPEC_BUILDERS: dict[str, Callable[[torch.fx.Node], KernelSpec]] = {
 }
 
 
+def bound_kernel(node: torch.fx.Node, ctx: PassContext) -> Optional[tuple[str, registry.Candidate, Any, KernelSpec]]:
+    """For a canonical node after select_kernels: (canonical op, the kernel's candidate, the target it was
+    planned for, the node's spec); ``None`` for any other node (later passes read the plan from the graph,
+    so they work on graphs that went through selection in another process too)."""
+    op = canonical_op(node)
+    builder = SPEC_BUILDERS.get(op_name(node)) if op is not None else None
+    if builder is None:
+        return None
+    kernel, planned = registry.parse_impl(bound_arguments(node).get("impl") or "reference")
+    try:
+        cand = registry.candidate(op, kernel)
+    except registry.UnknownKernelError:
+        return None
+    if planned is not None:
+        target = target_mod.resolve(planned)
+        here = target_mod.detect()
+        if here.name == target.name:
+            target = here  # this machine's own SM count and name
+    else:  # the reference kernel carries no target: it runs wherever it is
+        target = ctx.target if ctx.target is not None and not _on_cpu(node) else target_mod.resolve("cpu")
+    return op, cand, target, builder(node)
+
+
+def _on_cpu(node: torch.fx.Node) -> bool:
+    for arg in node.args:
+        val = node_val(arg) if isinstance(arg, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            return val.device.type == "cpu"
+    return True
+
+
 def _on_cuda(graph: torch.fx.Graph) -> bool:
     """Whether the canonical nodes of ``graph`` compute on a CUDA device (by their first tensor input)."""
     for node in graph.nodes:

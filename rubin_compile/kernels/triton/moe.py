@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.ops.moe import FP8_DTYPES, check_moe_args
+from rubin_compile.runtime.locality import parse_placement, split_bounds, split_n_unsupported
 
 try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -409,7 +410,7 @@ def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: t
                                 "KCH", "stride_is", "stride_w2e"])
 def _moe_fc1_kernel(
     x_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, inter_ptr, cnt_ptr, w2_ptr,
-    S, K_TOP, H, I, cnt_numel, KCH,
+    S, K_TOP, H, I, N_UP, cnt_numel, KCH,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_se, stride_sn, stride_sk, stride_it, stride_is, stride_w2e, SCALE_BN, SCALE_BK,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -417,7 +418,11 @@ def _moe_fc1_kernel(
     EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT: tl.constexpr, EARLY: tl.constexpr, W2_L2: tl.constexpr, W2_CHUNK: tl.constexpr,
 ):
-    """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]).
+    """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, N_UP + n]), n < I.
+
+    ``I`` is the number of output columns (gate rows) this launch covers and ``N_UP`` the distance from a
+    gate row to its up row: both the full intermediate size for a whole call; for one locality domain's
+    shard (split-N) ``w_ptr`` / ``inter_ptr`` start at the shard's first row and ``I`` is its width.
 
     With ``SPLIT`` > 1, program (g, n, s) covers K range [s * KCH, (s + 1) * KCH) and writes its float32
     partial gate and up products to inter[s, slot, n] and inter[s, slot, I + n]; FC2 sums the SPLIT
@@ -450,7 +455,7 @@ def _moe_fc1_kernel(
     e64 = e.to(tl.int64)
     w_base = w_ptr + e64 * stride_we
     if W2_L2 > 0:  # w2[e] is one contiguous block; program (n, s) of the group takes share n * SPLIT + s
-        w2_bytes = H * I * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
+        w2_bytes = H * N_UP * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
         share = (pid_n * SPLIT + pid_k) * W2_L2
         w2_base = (w2_ptr + e64 * stride_w2e).to(tl.pointer_type(tl.int8))
         _prefetch_l2(w2_base + share, tl.minimum(tl.maximum(w2_bytes - share, 0), W2_L2), W2_CHUNK, W2_L2 // W2_CHUNK)
@@ -458,7 +463,7 @@ def _moe_fc1_kernel(
         nbytes = tl.minimum(I - pid_n * BN, BN) * H * w_ptr.dtype.element_ty.primitive_bitwidth // 8
         nbytes = tl.minimum(nbytes, PREFETCH)
         _prefetch_l2(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
-        _prefetch_l2(w_base + (I + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
+        _prefetch_l2(w_base + (N_UP + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
     s_base = ws_ptr + e64 * stride_se
     k_lo = pid_k * KCH  # KCH: a multiple of BK, so no K tile straddles two programs' ranges
     k_hi = tl.minimum(H, k_lo + KCH)
@@ -475,7 +480,7 @@ def _moe_fc1_kernel(
             wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_k[:, None]) * stride_wk
             acc_g = tl.zeros([BM, BN], tl.float32)
             acc_u = tl.zeros([BM, BN], tl.float32)
-        wu_ptrs = wg_ptrs + I * stride_wn
+        wu_ptrs = wg_ptrs + N_UP * stride_wn
         for k0 in range(k_lo, k_hi, BK):
             k_mask = (offs_k < H - k0) | EVEN_K
             if SWAP:
@@ -491,7 +496,7 @@ def _moe_fc1_kernel(
             if W_SCALE == 2:
                 kb = k0 // SCALE_BK
                 sg = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-                su = tl.load(s_base + ((offs_n + I) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+                su = tl.load(s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
             acc_g = _mma_step(x, wg, acc_g, sg, W_SCALE, A_FP8, SWAP, DOT_PREC)
             acc_u = _mma_step(x, wu, acc_u, su, W_SCALE, A_FP8, SWAP, DOT_PREC)
             x_ptrs += BK * stride_xh
@@ -509,7 +514,7 @@ def _moe_fc1_kernel(
         if HAS_BIAS:  # added once: by the first K range when split
             b_mask = n_mask & ((tl.zeros([BN], tl.int32) + pid_k) == 0)
             bg = tl.load(b_ptr + e64 * stride_be + offs_n * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
-            bu = tl.load(b_ptr + e64 * stride_be + (offs_n + I) * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+            bu = tl.load(b_ptr + e64 * stride_be + (offs_n + N_UP) * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
             acc_g += bg[None, :]
             acc_u += bu[None, :]
         i_ptrs = inter_ptr + pid_k * stride_is + slot[:, None] * stride_it + offs_n[None, :]
@@ -522,7 +527,7 @@ def _moe_fc1_kernel(
             tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
         else:
             tl.store(i_ptrs, acc_g, mask=i_mask)
-            tl.store(i_ptrs + I, acc_u, mask=i_mask)
+            tl.store(i_ptrs + N_UP, acc_u, mask=i_mask)
 
 
 @triton.jit(do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk",
@@ -764,13 +769,18 @@ def fused_moe(
     block_shape: Optional[Sequence[int]] = None,
     *,
     pdl: bool = False,
+    placement: str = "",
     config: Optional[MoEConfig] = None,
     out: Optional[torch.Tensor] = None,
+    domains: Any = None,
 ) -> torch.Tensor:
     """``rubin.moe`` on the GPU with the fused Triton kernels (same arguments and result as the reference).
 
     Parameters beyond the op's: ``pdl`` launches every kernel with programmatic dependent launch
-    (sm_90+; results are bitwise identical either way); ``config`` overrides the tuned/heuristic choice;
+    (sm_90+; results are bitwise identical either way); ``placement`` (``"split_n:<mode>:<domains>:<max
+    tokens>"``, written by passes/place_locality.py) runs calls of at most that many tokens split over
+    locality domains (see ``_launch_split_n``; ``domains`` overrides the live ones, for tests); ``config``
+    overrides the tuned/heuristic choice;
     ``out`` ([T, H], hidden_states' dtype, contiguous rows) receives the result (the tests poison it).
     No host synchronisation: safe to capture in a CUDA graph. ``topk_ids`` outside [0, E) are not
     checked on the device (that would need a sync); the reference op reports them.
@@ -842,7 +852,9 @@ def fused_moe(
             sorted_slots, gexp, gstart, gcount = route_groups_torch(ids, E, cap)
             G = gexp.numel()
 
-    nt1 = triton.cdiv(I, fc1.BN)
+    domains = _placement_domains(placement, dev, T, I, H, block_shape, domains)
+    if domains is not None:
+        fc1 = replace(fc1, split_k=1)  # split-K's partial layout is per whole call (see _launch_split_n)
     # split K: chunks of whole BK tiles; no empty chunk
     kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
     split = triton.cdiv(H, kch)
@@ -853,55 +865,152 @@ def fused_moe(
     else:
         inter = torch.empty((1, S, I), dtype=dtype, device=dev)
     part = torch.empty((S, H), dtype=dtype, device=dev)
-    nt2 = triton.cdiv(H, fc2.BN)
-    cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
-    cnt_numel = T * nt2 if config.fused_sum else 0
     s13, s13e, s13n, s13k, wsc = _scale_args(w13_scale, block_shape, E)
     s2, s2e, s2n, s2k, _ = _scale_args(w2_scale, block_shape, E)
     sbn, sbk = (int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1)
-    b13 = w13_bias if w13_bias is not None else out
-    b2 = w2_bias if w2_bias is not None else out
     elt = w13.element_size()
-    pf1 = fc1.prefetch if (w13.stride(2) == 1 and w13.stride(1) == H and (H * elt) % 16 == 0) else 0
-    pf2 = fc2.prefetch if (w2.stride(2) == 1 and w2.stride(1) == I and (I * elt) % 16 == 0) else 0
-    if split > 1:
-        pf1 = 0  # a program's K range of a weight row is not one contiguous run
-    # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
-    w2_l2 = w2_chunk = 0
-    if config.w2_l2 and config.mode != "prefill" and not _INTERPRET and (
-            w2.stride(2) == 1 and w2.stride(1) == I and (H * I * elt) % 16 == 0 and w2.data_ptr() % 16 == 0):
-        threads = 32 * fc1.num_warps
-        w2_chunk = triton.cdiv(triton.cdiv(H * I * elt, nt1 * split * threads), 16) * 16
-        w2_l2 = w2_chunk * threads
+    common = dict(W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec, ROUTE=route, SLOT_P2=SLOT_MAX, GDC=gdc)
 
-    _moe_fc1_kernel[(G, nt1, split)](
-        hidden_states, w13, b13, s13 if s13 is not None else out, ids, sorted_slots, gexp, gstart, gcount,
-        inter, cnt, w2,
-        S, k, H, I, cnt_numel, kch,
-        hidden_states.stride(0), hidden_states.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0,
-        s13e, s13n, s13k, inter.stride(1), inter.stride(0), w2.stride(0), sbn, sbk,
-        ACT=act, HAS_BIAS=w13_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
-        ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0, GDC=gdc,
-        PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=split,
-        EARLY=bool(config.early_launch and chained), W2_L2=w2_l2, W2_CHUNK=max(16, w2_chunk),
-        num_warps=fc1.num_warps, num_stages=fc1.num_stages, **first,
-    )
-    _moe_fc2_kernel[(G, nt2)](
-        inter, w2, b2, s2 if s2 is not None else out, ids, tw, sorted_slots, gexp, gstart, gcount,
-        part, out, cnt,
-        S, k, H, I,
-        inter.stride(1), inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
-        s2e, s2n, s2k, part.stride(0), out.stride(0), sbn, sbk,
-        HAS_BIAS=w2_bias is not None, W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec,
-        ROUTE=route, SLOT_P2=SLOT_MAX, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0, GDC=gdc,
-        PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=config.fused_sum, SWAP=fc2.swap,
-        SPLIT1=split, ACT=act, num_warps=fc2.num_warps, num_stages=fc2.num_stages, **chained,
-    )
+    def launch_fc1(w, n_up, i_len, b, sc, inter_v, cnt, cnt_numel, w2_l2, launch):
+        """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v``."""
+        pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
+        if split > 1:
+            pf1 = 0  # a program's K range of a weight row is not one contiguous run
+        # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
+        nt1 = triton.cdiv(i_len, fc1.BN)
+        w2_l2_bytes = w2_chunk = 0
+        if w2_l2:
+            threads = 32 * fc1.num_warps
+            w2_chunk = triton.cdiv(triton.cdiv(H * I * elt, nt1 * split * threads), 16) * 16
+            w2_l2_bytes = w2_chunk * threads
+        bb = b if b is not None else out
+        _moe_fc1_kernel[(G, nt1, split)](
+            hidden_states, w, bb, sc if sc is not None else out, ids, sorted_slots, gexp, gstart, gcount,
+            inter_v, cnt, w2,
+            S, k, H, i_len, n_up, cnt_numel, kch,
+            hidden_states.stride(0), hidden_states.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
+            s13e, s13n, s13k, inter_v.stride(1), inter_v.stride(0), w2.stride(0), sbn, sbk,
+            ACT=act, HAS_BIAS=b is not None, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0,
+            PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=split,
+            EARLY=bool(config.early_launch and launch), W2_L2=w2_l2_bytes, W2_CHUNK=max(16, w2_chunk),
+            num_warps=fc1.num_warps, num_stages=fc1.num_stages, **common, **launch,
+        )
+
+    def launch_fc2(w, h_len, b, sc, part_v, out_v, cnt, launch):
+        """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first."""
+        pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
+        bb = b if b is not None else out
+        _moe_fc2_kernel[(G, triton.cdiv(h_len, fc2.BN))](
+            inter, w, bb, sc if sc is not None else out, ids, tw, sorted_slots, gexp, gstart, gcount,
+            part_v, out_v, cnt,
+            S, k, h_len, I,
+            inter.stride(1), inter.stride(0), w.stride(0), w.stride(1), w.stride(2),
+            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
+            s2e, s2n, s2k, part_v.stride(0), out_v.stride(0), sbn, sbk,
+            HAS_BIAS=b is not None, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0,
+            PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=config.fused_sum, SWAP=fc2.swap,
+            SPLIT1=split, ACT=act, num_warps=fc2.num_warps, num_stages=fc2.num_stages, **common, **launch,
+        )
+
+    if domains is not None:
+        _launch_split_n(domains, launch_fc1, launch_fc2, T, H, I, k, inter, part, out, w13, w2, w13_bias, w2_bias,
+                        s13 if wsc == 2 else None, s2 if wsc == 2 else None, s13, s2, sbn, fc2, config, dev)
+        return out
+    nt2 = triton.cdiv(H, fc2.BN)
+    cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
+    w2_l2 = bool(config.w2_l2 and config.mode != "prefill" and not _INTERPRET and (
+        w2.stride(2) == 1 and w2.stride(1) == I and (H * I * elt) % 16 == 0 and w2.data_ptr() % 16 == 0))
+    launch_fc1(w13, I, I, w13_bias, s13, inter, cnt, T * nt2 if config.fused_sum else 0, w2_l2, first)
+    launch_fc2(w2, H, w2_bias, s2, part, out, cnt, chained)
     if not config.fused_sum:
         block = min(1024, triton.next_power_of_2(H))
         _moe_sum_kernel[(T, triton.cdiv(H, block))](
             part, out, H, k, part.stride(0), out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **chained,
         )
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# split-N over locality domains
+# ------------------------------------------------------------------------------------------------
+
+def _placement_domains(placement: str, dev: torch.device, T: int, I: int, H: int, block_shape, domains=None):
+    """The ``Domains`` to split this call over, or None to run it whole (no placement, or more tokens than
+    the placement's threshold). ``domains`` (tests): use these instead of the placement's live ones."""
+    parsed = parse_placement(placement)
+    if parsed is None:
+        return None
+    mode, parts, max_tokens = parsed
+    if T > max_tokens:
+        return None
+    why = split_n_unsupported(T, I, H, parts, block_shape)
+    if why is not None:  # place_locality checks this at compile time; a hand-written placement lands here
+        raise ValueError(f"rubin.moe: placement {placement!r}: {why}")
+    from rubin_compile.runtime import locality
+
+    if domains is not None:
+        return domains
+    if _INTERPRET or dev.type != "cuda":  # no streams to split over: the same kernels, one after another
+        return locality.sequential(parts, dev)
+    return locality.get(dev, mode, parts)
+
+
+def _launch_split_n(dom, launch_fc1, launch_fc2, T, H, I, k, inter, part, out, w13, w2, b13, b2, bs13, bs2,
+                    s13_any, s2_any, sbn, fc2, config, dev):
+    """The split-N form: domain d runs FC1 on its share of I (gate rows with their up rows) and FC2 on its
+    share of H, each on its own stream over its own weight shard; a cross-domain join sits between them,
+    since each FC2 reads every domain's part of the intermediate.
+
+    Streams: fork from the current stream, FC1_d on stream d, every stream waits for every FC1, FC2_d on
+    stream d, the current stream waits for every FC2. All of it is stream-ordered (events), so a CUDA graph
+    captures it as a fork / join. Every buffer is allocated before the fork on the current stream and used
+    only before the join, so the caching allocator never hands it out while a domain stream still reads it.
+    """
+    from rubin_compile.runtime import locality
+
+    n = dom.count
+    ib, hb = split_bounds(I, n), split_bounds(H, n)
+    local = dom.plan.localized_memory
+    w13s = locality.shards(w13, dom, "w13", ib, up=I)
+    w2s = locality.shards(w2, dom, "w2", hb)
+    b13s = locality.shards(b13, dom, "b13", ib, up=I) if b13 is not None else None
+    b2s = locality.shards(b2, dom, "b2", hb) if b2 is not None else None
+    if bs13 is not None:  # block scales: rows in units of the scale block
+        blk = lambda bounds: [(lo // sbn, -(-hi // sbn)) for lo, hi in bounds]  # noqa: E731
+        sc13 = locality.shards(bs13, dom, "s13", blk(ib), up=I // sbn)
+        sc2 = locality.shards(bs2, dom, "s2", blk(hb))
+    else:  # per-tensor / per-expert scales (or none) are shared
+        sc13 = [s13_any] * n
+        sc2 = [s2_any] * n
+    if not config.fused_sum:
+        raise ValueError("rubin.moe[triton]: split-N needs the fused top-k sum (config.fused_sum)")
+    cnts = [torch.empty((T, triton.cdiv(hi - lo, fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb]
+    if any(st is None for st in dom.streams):  # sequential domains (interpreter, tests): same order, one stream
+        for d, (lo, hi) in enumerate(ib):
+            launch_fc1(w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
+                       inter[:, :, lo:], cnts[d], cnts[d].numel(), False, {})
+        for d, (lo, hi) in enumerate(hb):
+            launch_fc2(w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], part[:, lo:], out[:, lo:], cnts[d], {})
+        return
+    cur = torch.cuda.current_stream(dev)
+    ev = dom.events(1 + 2 * n)
+    fork, done1, done2 = ev[0], ev[1:1 + n], ev[1 + n:]
+    fork.record(cur)
+    for d, s in enumerate(dom.streams):
+        (lo, hi) = ib[d]
+        s.wait_event(fork)
+        with torch.cuda.stream(s):
+            launch_fc1(w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
+                       inter[:, :, lo:], cnts[d], cnts[d].numel(), False, {})
+        done1[d].record(s)
+    for d, s in enumerate(dom.streams):
+        (lo, hi) = hb[d]
+        for o in range(n):
+            if o != d:
+                s.wait_event(done1[o])
+        with torch.cuda.stream(s):
+            launch_fc2(w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], part[:, lo:], out[:, lo:], cnts[d], {})
+        done2[d].record(s)
+    for d in range(n):
+        cur.wait_event(done2[d])

@@ -233,11 +233,15 @@ INTERP_CASES = [
     (3, 5, 40, 24, 2, "slot", {"split": 3, "bias": True, "act": "gelu_tanh"}),
     (40, 6, 48, 32, 2, "grouped", {"split": 2, "swap": True}),
     (40, 6, 48, 32, 2, "prefill", {"split": 4, "cap": 16, "fused": False}),
+    # split-N over 2 locality domains (run one after another here): FC1 on each half of I with its up
+    # rows, FC2 on each half of H; shards as views of the weights (uniform memory) and as copies (sm_107)
+    (3, 5, 256, 256, 2, "slot", {"split_n": "views", "bias": True, "act": "gelu_tanh"}),
+    (40, 6, 256, 384, 2, "grouped", {"split_n": "copies", "bias": True}),
 ]
 
 
 def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused=True, route="random",
-                 noncontig=False, swap=False, split=1):
+                 noncontig=False, swap=False, split=1, split_n=None):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
     x = torch.randn((T, 2 * H) if noncontig else (T, H), generator=g)
@@ -253,10 +257,17 @@ def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused
     b13 = torch.randn((E, 2 * I), generator=g) if bias else None
     b2 = torch.randn((E, H), generator=g) if bias else None
     G = tmoe.GemmConfig
-    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=16, BK=16, swap=swap, split_k=split),
-                         fc2=G(BM=16, BN=16, BK=16, swap=swap))
+    tile = 64 if split_n else 16
+    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=tile, BK=tile, swap=swap, split_k=split),
+                         fc2=G(BM=16, BN=tile, BK=tile, swap=swap))
     out = torch.full((T, H), float("nan"))
-    tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out)
+    placement, domains = "", None
+    if split_n:
+        from rubin_compile.runtime import locality
+
+        placement = "split_n:default:2:64"
+        domains = locality.sequential(2, x.device, localized_memory=split_n == "copies")
+    tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains)
     ref = moe_reference(x.double(), w13.double(), w2.double(), tw, ids, act,
                         None if b13 is None else b13.double(), None if b2 is None else b2.double())
     if T == 0:

@@ -1,0 +1,258 @@
+"""One decode step of 8 Qwen3-30B-A3B MoE decoder layers: eager, Inductor, Inductor + CUDA graphs, and rubin
+with and without PDL and locality domains, against the weight-read floor.
+
+    PYTHONPATH=. python benchmarks/decode_step.py --out benchmarks/results            # T = 1, 8, 32
+    PYTHONPATH=. python benchmarks/decode_step.py --tokens 1 --variants inductor-cg,rubin-pdl --profile
+
+The model: transformers' ``Qwen3MoeForCausalLM`` with Qwen3-30B-A3B's dimensions (hidden 2048, 32 query /
+4 KV heads of 128, 128 experts, top 8, expert intermediate 768), 8 layers, vocabulary 4096, random bf16
+weights; a forward of T new tokens (batch 1, no KV cache). Every variant compiles once with dynamic shapes
+(as vLLM does) and runs every T.
+
+Timing: per call, CUDA events around the call (host launch cost included: it is part of a step), after
+warm-up; median of ``--iters`` calls; the variants take turns in each round so drift hits all of them.
+
+Floor: the bytes of weights the step must read (attention, norms, router, the experts the T tokens are
+expected to route to under uniform routing -- E * (1 - (1 - k/E)^T) per layer -- and the LM head) divided
+by the device-to-device copy bandwidth measured at the start of the run ((read + write) / time).
+
+``--profile``: a per-kernel breakdown of the rubin step at each T (torch.profiler; the kernels of a CUDA
+graph replay, grouped by what they are), written to the JSON and the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+VARIANTS = {
+    # name: (backend, torch.compile kwargs) -- None backend: eager
+    "eager": (None, {}),
+    "inductor": ("inductor", {}),
+    "inductor-cg": ("inductor", {"mode": "reduce-overhead"}),
+    "rubin-nopdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "off"}}),
+    "rubin-pdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "on"}}),
+    "rubin-pdl-inductor-pdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "on",
+                                                      "inductor": {"triton.enable_pdl": True}}}),
+    "rubin-pdl-loc-default": ("rubin", {"options": {"cudagraphs": True, "pdl": "on", "locality": "default",
+                                                     "locality_max_tokens": 16}}),
+    "rubin-pdl-loc-backfill": ("rubin", {"options": {"cudagraphs": True, "pdl": "on", "locality": "backfill",
+                                                      "locality_max_tokens": 16}}),
+}
+
+
+def build_model(layers: int, vocab: int):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, use_cache=False,
+        initializer_range=0.02, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model, cfg
+
+
+def weight_bytes(cfg, T: int) -> dict:
+    """Bytes of weights one forward of T tokens must read."""
+    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    attn = (H * q + 2 * H * kv + q * H + 2 * cfg.head_dim + 2 * H) * 2  # projections, q/k norms, 2 RMSNorms
+    router = H * E * 2
+    distinct = E * (1 - (1 - k / E) ** T)
+    experts = distinct * 3 * H * I * 2
+    per_layer = attn + router + experts
+    head = cfg.vocab_size * H * 2 + H * 2 + T * H * 2  # LM head, final norm, embedding rows
+    return {"per_layer": per_layer, "experts_per_layer": experts, "distinct_experts": distinct,
+            "total": cfg.num_hidden_layers * per_layer + head}
+
+
+def copy_bandwidth() -> float:
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    return 2 * n / statistics.median(ts[2:]) / 1e9
+
+
+def time_call(fn: Callable, x) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn(x)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3  # us
+
+
+def categorize(name: str) -> str:
+    n = name.lower()
+    if "_moe_fc1" in n:
+        return "MoE FC1 (rubin)"
+    if "_moe_fc2" in n:
+        return "MoE FC2 + top-k sum (rubin)"
+    if "_moe_route" in n or "_moe_sum" in n:
+        return "MoE routing (rubin)"
+    if "gemm" in n or "gemv" in n or "cublas" in n or "sm90_xmma" in n or "cutlass" in n or "nvjet" in n:
+        return "dense GEMM (cuBLAS)"
+    if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n:
+        return "attention"
+    if "topk" in n or "sort" in n or "softmax" in n:
+        return "router top-k / softmax"
+    if n.startswith("triton_"):
+        return "Inductor Triton (norms, RoPE, pointwise, reductions)"
+    return "other: " + name[:60]
+
+
+def profile_step(fn: Callable, x, reps: int = 10) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn(x)
+        torch.cuda.synchronize()
+    per: dict[str, dict] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cat = categorize(ev.name)
+        d = per.setdefault(cat, {"us": 0.0, "kernels": 0})
+        d["us"] += ev.device_time / reps if hasattr(ev, "device_time") else ev.cuda_time / reps
+        d["kernels"] += 1 / reps
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,8,32")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    Ts = [int(t) for t in args.tokens.split(",")]
+    names = args.variants.split(",")
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        sys.exit(f"unknown variant(s) {bad}; known: {list(VARIANTS)}")
+    import rubin_compile  # noqa: F401  (registers backend="rubin" when run from a checkout)
+
+    torch._dynamo.config.cache_size_limit = 64
+    model, cfg = build_model(args.layers, args.vocab)
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
+    inputs = {T: torch.randint(0, cfg.vocab_size, (1, T), device="cuda") for T in Ts}
+    fns: dict[str, Callable] = {}
+    compile_s: dict[str, float] = {}
+    ref = {}
+    with torch.no_grad():
+        for T in Ts:
+            ref[T] = model(inputs[T]).logits.float()
+        for name in names:
+            backend, kw = VARIANTS[name]
+            torch._dynamo.reset()
+            if backend is None:
+                fn = model
+            else:
+                fn = torch.compile(model, backend=backend, dynamic=True, **kw)
+            t0 = time.perf_counter()
+            errs = []
+            for T in Ts:
+                for _ in range(3):  # compile / record the graph for this T
+                    got = fn(inputs[T]).logits.float()
+                scale = ref[T].abs().max().item()
+                errs.append((got - ref[T]).abs().max().item() / scale)
+            torch.cuda.synchronize()
+            compile_s[name] = time.perf_counter() - t0
+            fns[name] = (lambda x, fn=fn: fn(x))
+            print(f"  {name}: ready in {compile_s[name]:.0f} s; max |logits - eager| / scale per T: "
+                  + ", ".join(f"{e:.1e}" for e in errs), flush=True)
+        times: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for T in Ts:
+                for name in names:
+                    fn = fns[name]
+                    for _ in range(3):
+                        fn(inputs[T])
+                    ts = [time_call(fn, inputs[T]) for _ in range(args.iters)]
+                    times.setdefault((name, T), []).extend(ts)
+        profiles = {}
+        if args.profile:
+            prof_name = next((n for n in ("rubin-pdl", "rubin-nopdl") if n in fns), None)
+            for T in Ts if prof_name else []:
+                profiles[T] = {"variant": prof_name, "categories": profile_step(fns[prof_name], inputs[T])}
+            if "inductor-cg" in fns:
+                for T in Ts:
+                    profiles[f"inductor-cg:{T}"] = {"variant": "inductor-cg",
+                                                   "categories": profile_step(fns["inductor-cg"], inputs[T])}
+    rows = []
+    for T in Ts:
+        wb = weight_bytes(cfg, T)
+        floor = wb["total"] / (bw * 1e9) * 1e6
+        base = statistics.median(times[("inductor-cg", T)]) if ("inductor-cg", T) in times else None
+        for name in names:
+            med = statistics.median(times[(name, T)])
+            rows.append({"T": T, "variant": name, "us": med, "floor_us": floor, "x_floor": med / floor,
+                         "speedup_vs_inductor_cg": (base / med) if base else None,
+                         "distinct_experts_per_layer": wb["distinct_experts"], "weight_MB": wb["total"] / 1e6})
+    lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s; "
+             f"{args.layers} Qwen3-30B-A3B MoE layers, vocab {args.vocab}, bf16, forward of T tokens, no KV cache; "
+             f"median of {args.rounds} x {args.iters} calls",
+             "", "| T | variant | us / step | x floor | speed-up vs inductor + CUDA graphs | floor us (weights MB) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        sp = f"{r['speedup_vs_inductor_cg']:.2f}x" if r["speedup_vs_inductor_cg"] else "-"
+        lines.append(f"| {r['T']} | {r['variant']} | {r['us']:.0f} | {r['x_floor']:.2f} | {sp} | "
+                     f"{r['floor_us']:.0f} ({r['weight_MB']:.0f}) |")
+    pdl_rows = []
+    for T in Ts:
+        if ("rubin-pdl", T) in times and ("rubin-nopdl", T) in times:
+            saved = statistics.median(times[("rubin-nopdl", T)]) - statistics.median(times[("rubin-pdl", T)])
+            pdl_rows.append(f"| {T} | {saved:.1f} |")
+    if pdl_rows:
+        lines += ["", "PDL: us saved per step (rubin without PDL - rubin with PDL)", "", "| T | us saved |",
+                  "|---|---|", *pdl_rows]
+    for key, prof in profiles.items():
+        lines += ["", f"Per-kernel breakdown, {prof['variant']}, T={key} (torch.profiler, per step):", "",
+                  "| kernels of | us | kernels |", "|---|---|---|"]
+        for cat, d in prof["categories"].items():
+            lines.append(f"| {cat} | {d['us']:.1f} | {d['kernels']:.0f} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode-step-h200.md").write_text(text + "\n")
+        (out / "decode-step-h200.json").write_text(json.dumps(
+            {"bandwidth_GBps": bw, "rows": rows, "compile_s": compile_s, "profiles": {str(k): v for k, v in profiles.items()},
+             "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+             "env": {k: v for k, v in os.environ.items() if k.startswith(("RUBIN_", "TORCHINDUCTOR_"))}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
