@@ -124,6 +124,8 @@ def categorize(name: str) -> str:
 
 
 def profile_step(fn: Callable, x, reps: int = 10) -> dict:
+    """Per category: device us and kernels per step; and the boundaries between consecutive kernels: how
+    many overlapped (the next one started before the previous ended: PDL) and the median gap."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -132,16 +134,40 @@ def profile_step(fn: Callable, x, reps: int = 10) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn(x)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     per: dict[str, dict] = {}
+    spans = []
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
+        if ev.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
             continue
         cat = categorize(ev.name)
         d = per.setdefault(cat, {"us": 0.0, "kernels": 0})
-        d["us"] += ev.device_time / reps if hasattr(ev, "device_time") else ev.cuda_time / reps
+        d["us"] += (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) / reps
         d["kernels"] += 1 / reps
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
+        spans.append((ev.time_range.start, ev.time_range.end, cat))
+    spans.sort()
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] - a[1] < 1000]  # within one step
+    moe_gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if "MoE" in b[2] and b[0] - a[1] < 1000]
+    return {"categories": dict(sorted(per.items(), key=lambda kv: -kv[1]["us"])),
+            "boundaries": len(gaps), "overlapped": sum(g < 0 for g in gaps),
+            "median_gap_us": statistics.median(gaps) if gaps else None,
+            "moe_boundaries": len(moe_gaps), "moe_overlapped": sum(g < 0 for g in moe_gaps),
+            "moe_median_gap_us": statistics.median(moe_gaps) if moe_gaps else None}
+
+
+def plan_summary(dump: str) -> str:
+    """What the rubin pipeline decided for the MoE nodes, from the reports in ``dump``."""
+    kernels, pdl, placed = [], 0, []
+    for rep in Path(dump).glob("*/report.json"):
+        for p in json.loads(rep.read_text())["passes"]:
+            if p["name"] == "select_kernels":
+                kernels += [pl["kernel"] for pl in p["plans"] if pl["canonical_op"] == "rubin.moe"]
+            if p["name"] == "chain_pdl":
+                pdl += sum(d["decision"] == "pdl on" for d in p["decisions"] if d["canonical_op"] == "rubin.moe")
+            if p["name"] == "place_locality":
+                placed += [d["decision"] for d in p["decisions"] if d["decision"].startswith("split_n")]
+    return (f"rubin.moe nodes: {len(kernels)} ({', '.join(sorted(set(kernels)))}), {pdl} with PDL, "
+            f"{len(placed)} split-N {sorted(set(placed))}")
 
 
 def main() -> None:
@@ -176,9 +202,15 @@ def main() -> None:
         for name in names:
             backend, kw = VARIANTS[name]
             torch._dynamo.reset()
+            dump = None
             if backend is None:
                 fn = model
             else:
+                if backend == "rubin":  # dump the plan, to show what ran (and that the MoE was rewritten)
+                    import tempfile
+
+                    dump = tempfile.mkdtemp(prefix=f"rubin-{name}-")
+                    kw = {**kw, "options": {**kw.get("options", {}), "dump_dir": dump}}
                 fn = torch.compile(model, backend=backend, dynamic=True, **kw)
             t0 = time.perf_counter()
             errs = []
@@ -191,7 +223,7 @@ def main() -> None:
             compile_s[name] = time.perf_counter() - t0
             fns[name] = (lambda x, fn=fn: fn(x))
             print(f"  {name}: ready in {compile_s[name]:.0f} s; max |logits - eager| / scale per T: "
-                  + ", ".join(f"{e:.1e}" for e in errs), flush=True)
+                  + ", ".join(f"{e:.1e}" for e in errs) + (f"; {plan_summary(dump)}" if dump else ""), flush=True)
         times: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
             for T in Ts:
@@ -205,11 +237,10 @@ def main() -> None:
         if args.profile:
             prof_name = next((n for n in ("rubin-pdl", "rubin-nopdl") if n in fns), None)
             for T in Ts if prof_name else []:
-                profiles[T] = {"variant": prof_name, "categories": profile_step(fns[prof_name], inputs[T])}
-            if "inductor-cg" in fns:
-                for T in Ts:
-                    profiles[f"inductor-cg:{T}"] = {"variant": "inductor-cg",
-                                                   "categories": profile_step(fns["inductor-cg"], inputs[T])}
+                profiles[T] = {"variant": prof_name, **profile_step(fns[prof_name], inputs[T])}
+            for other in ("rubin-nopdl", "inductor-cg"):
+                if other in fns and other != prof_name:
+                    profiles[f"{other}:T={Ts[0]}"] = {"variant": other, **profile_step(fns[other], inputs[Ts[0]])}
     rows = []
     for T in Ts:
         wb = weight_bytes(cfg, T)
@@ -238,10 +269,17 @@ def main() -> None:
         lines += ["", "PDL: us saved per step (rubin without PDL - rubin with PDL)", "", "| T | us saved |",
                   "|---|---|", *pdl_rows]
     for key, prof in profiles.items():
-        lines += ["", f"Per-kernel breakdown, {prof['variant']}, T={key} (torch.profiler, per step):", "",
+        lines += ["", f"Per-kernel breakdown, {prof['variant']}, {key if isinstance(key, str) else f'T={key}'} "
+                  "(torch.profiler, device time per step):", "",
                   "| kernels of | us | kernels |", "|---|---|---|"]
         for cat, d in prof["categories"].items():
             lines.append(f"| {cat} | {d['us']:.1f} | {d['kernels']:.0f} |")
+        gap = prof["median_gap_us"]
+        mgap = prof["moe_median_gap_us"]
+        lines.append(f"\nkernel boundaries: {prof['boundaries'] // 10} per step, {prof['overlapped'] / 10:.0f} overlapped "
+                     f"(next kernel started before the previous ended), median gap "
+                     f"{gap if gap is None else round(gap, 2)} us; into MoE kernels: {prof['moe_overlapped'] / 10:.0f} of "
+                     f"{prof['moe_boundaries'] / 10:.0f} overlapped, median gap {mgap if mgap is None else round(mgap, 2)} us")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

@@ -69,3 +69,101 @@ def test_behaviour_key_tracks_target_and_kernels():
     from rubin_compile.target import detect
 
     assert RubinOptions.resolve({}, environ={}).behaviour_key()["target"] == detect().name
+
+
+# ------------------------------------------------------------------------------------------------
+# pdl, cudagraphs, locality, domains, locality_max_tokens
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pdl_locality_defaults():
+    opts = RubinOptions.resolve({}, environ={})
+    assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
+        "auto", False, "auto", None, 16)
+    key = opts.behaviour_key()
+    assert {k: key[k] for k in ("pdl", "cudagraphs", "locality", "domains", "locality_max_tokens")} == {
+        "pdl": "auto", "cudagraphs": False, "locality": "auto", "domains": None, "locality_max_tokens": 16}
+
+
+def test_pdl_locality_env_and_options_win():
+    env = {"RUBIN_PDL": "On", "RUBIN_CUDAGRAPHS": "1", "RUBIN_LOCALITY": "strict", "RUBIN_DOMAINS": "4",
+           "RUBIN_LOCALITY_MAX_TOKENS": "32"}
+    opts = RubinOptions.resolve({}, environ=env)
+    assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
+        "on", True, "default", 4, 32)
+    opts = RubinOptions.resolve({"pdl": "off", "cudagraphs": False, "locality": "backfill", "domains": None,
+                                 "locality_max_tokens": 8}, environ=env)
+    assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
+        "off", False, "backfill", None, 8)
+    assert RubinOptions.resolve({}, environ={"RUBIN_CUDAGRAPHS": "0", "RUBIN_DOMAINS": ""}).cudagraphs is False
+    assert RubinOptions.resolve({}, environ={"RUBIN_DOMAINS": ""}).domains is None
+    assert RubinOptions.resolve({}, environ={"RUBIN_LOCALITY": "OFF"}).locality == "off"
+
+
+def test_strict_locality_reads_as_default_and_bool_pdl():
+    assert RubinOptions.resolve({"locality": "strict"}, environ={}).locality == "default"
+    assert RubinOptions.resolve({"locality": " Strict "}, environ={}).locality == "default"
+    assert RubinOptions.resolve({"pdl": True}, environ={}).pdl == "on"
+    assert RubinOptions.resolve({"pdl": False}, environ={}).pdl == "off"
+    assert RubinOptions.resolve({"pdl": "AUTO"}, environ={}).pdl == "auto"
+    assert RubinOptions.resolve({"domains": 2}, environ={}).domains == 2
+    assert RubinOptions.resolve({"domains": 3.0}, environ={}).domains == 3
+    assert RubinOptions.resolve({"locality_max_tokens": "1"}, environ={}).locality_max_tokens == 1
+    assert RubinOptions.resolve({"cudagraphs": "yes"}, environ={}).cudagraphs is True
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"pdl": "maybe"}, "option pdl must be one of ['auto', 'on', 'off'], got 'maybe'"),
+    ({"pdl": None}, "option pdl must be one of ['auto', 'on', 'off'], got None"),
+    ({"locality": "whole"}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got 'whole'"),
+    ({"locality": True}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got True"),
+    ({"domains": 1}, "option domains must be an integer >= 2, got 1"),
+    ({"domains": "two"}, "option domains must be an integer >= 2, got 'two'"),
+    ({"domains": True}, "option domains must be an integer >= 2, got True"),
+    ({"domains": 2.5}, "option domains must be an integer >= 2, got 2.5"),
+    ({"locality_max_tokens": 0}, "option locality_max_tokens must be an integer >= 1, got 0"),
+    ({"locality_max_tokens": "-4"}, "option locality_max_tokens must be an integer >= 1, got '-4'"),
+    ({"locality_max_tokens": None}, "option locality_max_tokens must be a positive integer, got nothing"),
+    ({"cudagraphs": "maybe"}, "option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), got 'maybe'"),
+])
+def test_pdl_locality_bad_values(options, message):
+    with pytest.raises(RubinOptionsError) as err:
+        RubinOptions.resolve(options, environ={})
+    assert str(err.value) == message
+
+
+def test_pdl_locality_bad_env_values():
+    with pytest.raises(RubinOptionsError, match=r"option pdl must be one of \['auto', 'on', 'off'\], got 'sometimes'"):
+        RubinOptions.resolve({}, environ={"RUBIN_PDL": "sometimes"})
+    with pytest.raises(RubinOptionsError, match="option domains must be an integer >= 2, got '1'"):
+        RubinOptions.resolve({}, environ={"RUBIN_DOMAINS": "1"})
+    with pytest.raises(RubinOptionsError, match="option locality_max_tokens must be a positive integer, got nothing"):
+        RubinOptions.resolve({}, environ={"RUBIN_LOCALITY_MAX_TOKENS": ""})
+
+
+def test_behaviour_key_tracks_pdl_and_locality_options():
+    base = RubinOptions.resolve({}, environ={}).behaviour_key()
+    for change in ({"pdl": "on"}, {"pdl": "off"}, {"cudagraphs": True}, {"locality": "off"},
+                   {"locality": "backfill"}, {"domains": 4}, {"locality_max_tokens": 32}):
+        assert RubinOptions.resolve(change, environ={}).behaviour_key() != base, change
+    assert (RubinOptions.resolve({"locality": "strict"}, environ={}).behaviour_key()
+            == RubinOptions.resolve({"locality": "default"}, environ={}).behaviour_key())
+
+
+def test_mode_implies_cudagraphs_and_inductor_cudagraphs_patch():
+    from rubin_compile.backend import inductor_config_patches, with_mode
+
+    opts = RubinOptions.resolve({}, environ={})
+    assert with_mode(opts, "reduce-overhead").cudagraphs is True
+    assert with_mode(opts, "max-autotune").cudagraphs is True
+    assert with_mode(opts, "max-autotune-no-cudagraphs").cudagraphs is False
+    assert with_mode(opts, None) is opts and with_mode(opts, "default") is opts
+    assert with_mode(opts, "reduce-overhead").pdl == "auto"  # nothing else changes
+    graphs = RubinOptions.resolve({"cudagraphs": True}, environ={})
+    assert with_mode(graphs, "reduce-overhead") is graphs
+    assert inductor_config_patches(graphs, None)["triton.cudagraphs"] is True
+    assert "triton.cudagraphs" not in inductor_config_patches(opts, None)
+    assert inductor_config_patches(opts, "reduce-overhead")["triton.cudagraphs"] is True
+    # the user's own Inductor setting still wins
+    user = RubinOptions.resolve({"cudagraphs": True, "inductor": {"triton.cudagraphs": False}}, environ={})
+    assert inductor_config_patches(user, None)["triton.cudagraphs"] is False

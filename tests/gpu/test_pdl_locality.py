@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import assert_logits_close
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 QWEN = dict(E=128, H=2048, I=768, k=8)
@@ -236,5 +238,4 @@ def test_compiled_model_pdl_on_off_bitwise_under_cuda_graphs(how):
         want = [model(t).logits for t in toks]
     for i, (a, b) in enumerate(zip(got_on, got_off)):
         assert torch.equal(a, b), f"call {i}: PDL / placement changed the logits by {(a - b).abs().max().item()}"
-    for a, w in zip(got_on, want):
-        assert (a.float() - w.float()).abs().max() <= 0.1 * w.float().abs().max()
+    assert_logits_close(torch.cat(got_on[:20]), torch.cat(want), torch.bfloat16)
