@@ -12,9 +12,10 @@ weights; a forward of T new tokens (batch 1, no KV cache). Every variant compile
 Timing: per call, CUDA events around the call (host launch cost included: it is part of a step), after
 warm-up; median of ``--iters`` calls; the variants take turns in each round so drift hits all of them.
 
-Floor: the bytes of weights the step must read (attention, norms, router, the experts the T tokens are
-expected to route to under uniform routing -- E * (1 - (1 - k/E)^T) per layer -- and the LM head) divided
-by the device-to-device copy bandwidth measured at the start of the run ((read + write) / time).
+Floor: the bytes of weights the step must read (attention, norms, router, the distinct experts the T
+tokens are routed to in each layer -- counted by hooks on the routers in an eager run of the same input --
+and the LM head) divided by the device-to-device copy bandwidth measured at the start of the run
+((read + write) / time).
 
 ``--profile``: a per-kernel breakdown of the rubin step at each T (torch.profiler; the kernels of a CUDA
 graph replay, grouped by what they are), written to the JSON and the table.
@@ -64,19 +65,40 @@ def build_model(layers: int, vocab: int):
     return model, cfg
 
 
-def weight_bytes(cfg, T: int) -> dict:
-    """Bytes of weights one forward of T tokens must read."""
+def routed_experts(model, x) -> list[int]:
+    """Distinct experts each layer's router sends the tokens of ``x`` to (an eager forward with hooks on
+    the routers; transformers' Qwen3-MoE router returns (logits, scores, indices))."""
+    seen: list[int] = []
+
+    def hook(mod, inp, out):
+        ids = out[2] if isinstance(out, tuple) else out.topk(model.config.num_experts_per_tok, dim=-1).indices
+        seen.append(int(torch.unique(ids).numel()))
+
+    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def weight_bytes(cfg, T: int, routed: list[int] | None = None) -> dict:
+    """Bytes of weights one forward of T tokens must read: the experts actually routed to (``routed``, per
+    layer), else the expected count under uniform routing."""
     H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     attn = (H * q + 2 * H * kv + q * H + 2 * cfg.head_dim + 2 * H) * 2  # projections, q/k norms, 2 RMSNorms
     router = H * E * 2
-    distinct = E * (1 - (1 - k / E) ** T)
+    L = cfg.num_hidden_layers
+    distinct = (sum(routed) / len(routed)) if routed else E * (1 - (1 - k / E) ** T)
     experts = distinct * 3 * H * I * 2
     per_layer = attn + router + experts
     head = cfg.vocab_size * H * 2 + H * 2 + T * H * 2  # LM head, final norm, embedding rows
     return {"per_layer": per_layer, "experts_per_layer": experts, "distinct_experts": distinct,
-            "total": cfg.num_hidden_layers * per_layer + head}
+            "routing": "as routed" if routed else "uniform expectation", "total": L * per_layer + head}
 
 
 def copy_bandwidth() -> float:
@@ -193,6 +215,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
     inputs = {T: torch.randint(0, cfg.vocab_size, (1, T), device="cuda") for T in Ts}
+    routed = {T: routed_experts(model, inputs[T]) for T in Ts}
+    print("distinct experts routed per layer: " + "; ".join(f"T={T}: {r}" for T, r in routed.items()), flush=True)
     fns: dict[str, Callable] = {}
     compile_s: dict[str, float] = {}
     ref = {}
@@ -243,7 +267,7 @@ def main() -> None:
                     profiles[f"{other}:T={Ts[0]}"] = {"variant": other, **profile_step(fns[other], inputs[Ts[0]])}
     rows = []
     for T in Ts:
-        wb = weight_bytes(cfg, T)
+        wb = weight_bytes(cfg, T, routed[T])
         floor = wb["total"] / (bw * 1e9) * 1e6
         base = statistics.median(times[("inductor-cg", T)]) if ("inductor-cg", T) in times else None
         for name in names:

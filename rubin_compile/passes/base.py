@@ -100,11 +100,6 @@ def node_val(node: torch.fx.Node) -> Optional[Any]:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def not_implemented(name: str, meanwhile: str) -> PassResult:
-    """The result of a pipeline stage whose issue has not landed yet: it says so, and what happens instead."""
-    return PassResult(name, implemented=False, notes=[f"not implemented yet: {meanwhile}"])
-
-
 def bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
     """A call of an ``OpOverload``: its arguments by schema name, defaults filled in."""
     schema = node.target._schema
