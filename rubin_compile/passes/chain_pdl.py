@@ -81,8 +81,10 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             continue
         op, cand, target, spec = bound
         args = bound_arguments(node)
-        if "pdl" not in args:  # rubin.gemm / rubin.attention: no kernel of theirs takes PDL in this version
-            pdl, why = False, f"rubin.{op_name(node)} has no pdl argument (its kernels here are not PDL-safe)"
+        if "pdl" not in args:  # rubin.gemm / rubin.attention: no adapter of theirs takes PDL in this version
+            pdl = False
+            why = cand.pdl_unsupported(spec) or (f"{cand.name} could take PDL (enable_pdl), but rubin.{op_name(node)} "
+                                                 "has no pdl argument in this version")
         else:
             pdl, why = decide(mode, target, cand.pdl_unsupported(spec), cudagraphs)
             if bool(args["pdl"]) != pdl:
