@@ -11,7 +11,8 @@ PDL when all of these hold, and the report says which one failed otherwise:
   adapter takes the flag (``Candidate.pdl`` in kernels/registry.py: our Triton MoE kernels; FlashInfer
   entry points that take ``enable_pdl``, read from their signatures). cuBLAS / ATen calls never are;
 * it pays: with ``pdl="auto"`` only when the graph runs under CUDA graphs (``mode="reduce-overhead"``,
-  ``options={"cudagraphs": True}``, or vLLM's ``cudagraph_mode``), where a PDL launch is captured as a
+  ``options={"cudagraphs": True}``, or vLLM's ``cudagraph_mode`` where it can be read; vLLM 0.32 runs our
+  pass outside its config's scope, and then vLLM's default, CUDA graphs, is assumed), where a PDL launch is captured as a
   programmatic edge. Outside graphs the host cost of the extended launch can outweigh the overlap (vLLM
   issue 40543); ``pdl="on"`` launches with PDL anyway.
 
@@ -60,11 +61,17 @@ def runs_under_cudagraphs(ctx: PassContext) -> tuple[bool, str]:
     """Whether the compiled graph will be replayed from CUDA graphs, and how we know."""
     if ctx.source == "vllm":
         try:
-            from vllm.config import get_current_vllm_config
+            import vllm.config as vllm_config
 
-            mode = get_current_vllm_config().compilation_config.cudagraph_mode
-        except Exception as exc:  # no vLLM config in scope: say so, use the option
-            return ctx.options.cudagraphs, f"vLLM cudagraph_mode unreadable ({type(exc).__name__}); options cudagraphs={ctx.options.cudagraphs}"
+            current = getattr(vllm_config, "get_current_vllm_config_or_none", lambda: None)()
+        except ImportError:
+            current = None
+        if current is None:
+            # vLLM 0.32 runs its post-grad passes outside set_current_vllm_config: its cudagraph_mode cannot be
+            # read here. vLLM captures CUDA graphs unless enforce_eager is set, so assume its default.
+            return True, ("vLLM's config is not in scope when its pass manager runs ours: assuming vLLM's default "
+                          "CUDA graphs (with enforce_eager, set RUBIN_PDL=off)")
+        mode = current.compilation_config.cudagraph_mode
         name = getattr(mode, "name", str(mode))
         return name != "NONE", f"vLLM cudagraph_mode={name}"
     return ctx.options.cudagraphs, f"options cudagraphs={ctx.options.cudagraphs}"

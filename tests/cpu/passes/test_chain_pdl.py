@@ -238,3 +238,23 @@ def test_sm90_pdl_on_without_graphs_and_mode_reduce_overhead(rubin_run, monkeypa
     assert "pdl = True" in line
     (d,) = pass_decisions(run2, "chain_pdl")
     assert d["decision"] == "pdl on" and "run under CUDA graphs" in d["reason"]
+
+
+def test_inside_vllm_the_execution_mode_comes_from_vllm(monkeypatch):
+    """Source "vllm": vLLM's cudagraph_mode where its config is in scope, else vLLM's default (CUDA graphs);
+    never the backend's cudagraphs option."""
+    import sys
+    import types
+
+    ctx = PassContext(options=RubinOptions.resolve({"cudagraphs": False}, environ={}), source="vllm")
+    fake = types.ModuleType("vllm.config")
+    fake.get_current_vllm_config_or_none = lambda: None
+    monkeypatch.setitem(sys.modules, "vllm.config", fake)
+    graphs, how = chain_pdl.runs_under_cudagraphs(ctx)
+    assert graphs is True and "assuming vLLM's default CUDA graphs" in how
+    for mode, expected in (("NONE", False), ("FULL_AND_PIECEWISE", True), ("PIECEWISE", True)):
+        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode)))
+        fake.get_current_vllm_config_or_none = lambda cfg=cfg: cfg
+        assert chain_pdl.runs_under_cudagraphs(ctx) == (expected, f"vLLM cudagraph_mode={mode}")
+    backend_ctx = PassContext(options=RubinOptions.resolve({"cudagraphs": True}, environ={}), source="backend")
+    assert chain_pdl.runs_under_cudagraphs(backend_ctx) == (True, "options cudagraphs=True")
