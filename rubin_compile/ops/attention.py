@@ -136,6 +136,30 @@ def attention_reference(
     return result
 
 
+def attention_aten(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """``rubin.attention`` as ATen ops: key / value heads repeated as Hugging Face's ``repeat_kv`` does
+    (expand + reshape), then SDPA. select_kernels lowers a node bound to ``torch`` or ``reference`` into
+    these, so Inductor lowers the attention itself -- its SDPA backend choice, its mask padding for the
+    memory-efficient kernel, its fusion of the repeat -- as it does without rubin. (As an extern call, the
+    H200 profile of a decode step showed at T = 1 no fused attention kernel but ATen math-backend and copy
+    kernels where Inductor alone runs two fused ones per layer: benchmarks/results/decode-step-h200.md.)
+    The result has SDPA's own layout, not the op's promised one; the graph's users are re-lowered with it."""
+    B, Hq, Hkv, S, Skv, D, Dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)
+    if Hq != Hkv:
+        n = Hq // Hkv
+        key = key[:, :, None].expand(B, Hkv, n, Skv, D).reshape(B, Hq, Skv, D)
+        value = value[:, :, None].expand(B, Hkv, n, Skv, Dv).reshape(B, Hq, Skv, Dv)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
+                                          is_causal=is_causal, scale=scale)
+
+
 @torch.library.custom_op("rubin::attention", mutates_args=())
 def attention(
     query: torch.Tensor,

@@ -12,13 +12,15 @@ there into report.json / report.md.
 the target is rejected with its reason and selection goes on as usual; with ``strict`` that is an error.
 On the CPU target every candidate but ``reference`` is rejected, so CPU runs keep exact numerics.
 
-**Lowering back to ATen.** A ``rubin.gemm`` bound to ``torch`` or ``reference`` would run, as an opaque
-extern call, the very ``mm`` / ``addmm`` / ``_scaled_mm`` that Inductor compiles itself from the source
-graph, and Inductor could no longer fuse the bias / activation / residual into its GEMM template or pick
-one (measured on the CPU: a 4-layer Phi-3 at T=1 ran 1.21x slower than with Inductor alone). Such a node
-is replaced by those ATen ops (``ops/gemm.py:gemm_aten``, traced in with torch's pattern matcher,
-``Match.replace_by_example``); its plan says ``lowered: aten``. Nodes bound to any other kernel stay
-canonical ops.
+**Lowering back to ATen.** A ``rubin.gemm`` or ``rubin.attention`` bound to ``torch`` or ``reference``
+would run, as an opaque extern call, the very ATen ops that Inductor compiles itself from the source
+graph, and Inductor could no longer fuse or choose around them: a GEMM's bias / activation / residual
+epilogue and template (measured on the CPU: a 4-layer Phi-3 at T=1 ran 1.21x slower than with Inductor
+alone), attention's SDPA backend choice and mask padding (the H200 profile of a decode step showed, at
+T=1, ATen math-backend and copy kernels in place of Inductor's two fused attention kernels). Such a
+node is replaced by those ATen ops (``ops/gemm.py:gemm_aten``, ``ops/attention.py:attention_aten``, traced
+in with torch's pattern matcher, ``Match.replace_by_example``); its plan says ``lowered: aten``. Nodes
+bound to any other kernel stay canonical ops.
 """
 
 from __future__ import annotations
@@ -38,8 +40,13 @@ from rubin_compile.passes.manager import RubinStrictError
 
 NAME = "select_kernels"
 
-# rubin.gemm kernels whose code is what Inductor would compile itself from ATen: such nodes are lowered back
-GEMM_KERNELS_LOWERED_TO_ATEN: tuple[str, ...] = ("torch", "reference")
+# Kernels whose code is what Inductor would compile itself from ATen: nodes bound to them are lowered back,
+# per canonical op, into that op's ATen form.
+KERNELS_LOWERED_TO_ATEN: tuple[str, ...] = ("torch", "reference")
+ATEN_FORMS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.rubin.gemm.default: gemm_ops.gemm_aten,
+    torch.ops.rubin.attention.default: attention_ops.attention_aten,
+}
 
 
 class KernelSelectionError(RubinStrictError):
@@ -222,33 +229,34 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             outranked=selection.outranked, forced=forced, forced_reason=selection.forced_reason,
         ))
     lowered = _lower_to_aten(graph, result.plans)
-    if lowered:
+    for op, count in lowered.items():
         result.changed = True
-        result.notes.append(f"{lowered} rubin.gemm node(s) bound to torch / reference lowered back to ATen "
-                            "(mm / addmm / _scaled_mm + epilogue), so Inductor fuses and tunes them itself")
+        what = {"gemm": "mm / addmm / _scaled_mm + epilogue", "attention": "repeat_kv + SDPA"}.get(op, "ATen")
+        result.notes.append(f"{count} rubin.{op} node(s) bound to torch / reference lowered back to ATen "
+                            f"({what}), so Inductor fuses and tunes them itself")
     if not result.plans:
         result.notes.append(f"no canonical node to bind (target {target.name})")
     return result
 
 
-def _lower_to_aten(graph: torch.fx.Graph, plans: list[KernelPlan]) -> int:
-    """Replace the rubin.gemm nodes whose kernel is plain ATen (``GEMM_KERNELS_LOWERED_TO_ATEN``) by those ATen ops."""
+def _lower_to_aten(graph: torch.fx.Graph, plans: list[KernelPlan]) -> dict[str, int]:
+    """Replace the canonical nodes whose kernel is plain ATen (``KERNELS_LOWERED_TO_ATEN``) by their op's ATen
+    form (``ATEN_FORMS``); return how many per op."""
     from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 
     by_name = {pl.node: pl for pl in plans}
-    count = 0
+    counts: dict[str, int] = {}
     for node in list(graph.nodes):
         plan = by_name.get(node.name)
-        if node.target is not torch.ops.rubin.gemm.default or plan is None:
-            continue
-        if plan.kernel not in GEMM_KERNELS_LOWERED_TO_ATEN:
+        form = ATEN_FORMS.get(node.target)
+        if form is None or plan is None or plan.kernel not in KERNELS_LOWERED_TO_ATEN:
             continue
         args = bound_arguments(node)
         tensors = [n for n, v in args.items() if isinstance(v, torch.fx.Node)]
         consts = {n: v for n, v in args.items() if n not in tensors and n != "impl"}
 
-        def aten_form(*values: torch.Tensor, tensors=tensors, consts=consts) -> torch.Tensor:
-            return gemm_ops.gemm_aten(**consts, **dict(zip(tensors, values)))
+        def aten_form(*values: torch.Tensor, tensors=tensors, consts=consts, form=form) -> torch.Tensor:
+            return form(**consts, **dict(zip(tensors, values)))
 
         # One node is the whole "pattern": a Match over it lets the pattern matcher trace the ATen form
         # with the node's fake values and splice it in (meta, users and erasure handled there).
@@ -257,5 +265,6 @@ def _lower_to_aten(graph: torch.fx.Graph, plans: list[KernelPlan]) -> int:
         match.nodes = [node]
         match.replace_by_example(aten_form, [args[n] for n in tensors])
         plan.lowered = "aten"
-        count += 1
-    return count
+        op = op_name(node)
+        counts[op] = counts.get(op, 0) + 1
+    return counts

@@ -95,8 +95,15 @@ def test_plain_sdpa_forms(rubin_run, dtype):
         d = r["details"]
         assert d["gqa"].startswith(gqa) and d["masking"] == masking and d["scale"] == scale, d
         assert (d["Hkv"], d["Dv"], d["dtype"]) == (hkv, dv, str(dtype).replace("torch.", "")), d
+    matched = rubin_run.stage_code("match_gemm")
+    assert count_ops(matched, "rubin.attention") == len(EXPECTED_FORMS) and count_ops(matched, CPU_SDPA) == 0
+    # On the CPU every rubin.attention is bound to the reference kernel, i.e. plain SDPA: select_kernels lowers
+    # it back to ATen (repeat_kv + SDPA) so Inductor lowers the attention itself
     code = rubin_run.final_code()
-    assert count_ops(code, "rubin.attention") == len(EXPECTED_FORMS) and count_ops(code, CPU_SDPA) == 0
+    assert count_ops(code, "rubin.attention") == 0 and count_ops(code, CPU_SDPA) == len(EXPECTED_FORMS)
+    plans = [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels"
+             for pl in p["plans"] if pl["canonical_op"] == "rubin.attention"]
+    assert [(pl["kernel"], pl["lowered"]) for pl in plans] == [("reference", "aten")] * len(EXPECTED_FORMS)
 
 
 def test_dynamic_sequence_length(rubin_run):
