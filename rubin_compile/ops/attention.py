@@ -111,31 +111,6 @@ def _output_like(query: torch.Tensor, dv) -> torch.Tensor:
     return query.new_empty((B, S, Hq, dv)).transpose(1, 2)
 
 
-def attention_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Plain PyTorch semantics of ``rubin.attention`` (see the module docstring); any device.
-
-    Key and value heads are repeated explicitly (``repeat_interleave``), which every SDPA backend accepts;
-    on the CPU SDPA then runs the same flash kernel eager PyTorch runs for the source graph, so a rewrite
-    keeps eager numerics.
-    """
-    _, Hq, Hkv, _, _, _, dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)
-    if Hq != Hkv:
-        key = key.repeat_interleave(Hq // Hkv, dim=1)
-        value = value.repeat_interleave(Hq // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
-                                         is_causal=is_causal, scale=scale)
-    result = _output_like(query, dv)
-    result.copy_(out)
-    return result
-
-
 def attention_aten(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -158,6 +133,24 @@ def attention_aten(
         value = value[:, :, None].expand(B, Hkv, n, Skv, Dv).reshape(B, Hq, Skv, Dv)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
                                           is_causal=is_causal, scale=scale)
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Plain PyTorch semantics of ``rubin.attention`` (see the module docstring); any device:
+    ``attention_aten`` (heads repeated explicitly, which every SDPA backend accepts; on the CPU SDPA then
+    runs the same flash kernel eager PyTorch runs for the source graph, so a rewrite keeps eager numerics),
+    written into the op's promised layout."""
+    dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)[-1]
+    result = _output_like(query, dv)
+    result.copy_(attention_aten(query, key, value, attn_mask, is_causal, scale))
+    return result
 
 
 @torch.library.custom_op("rubin::attention", mutates_args=())
