@@ -465,8 +465,17 @@ def _moe_fc1_kernel(
         _prefetch_l2(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
         _prefetch_l2(w_base + (N_UP + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
     s_base = ws_ptr + e64 * stride_se
-    k_lo = pid_k * KCH  # KCH: a multiple of BK, so no K tile straddles two programs' ranges
-    k_hi = tl.minimum(H, k_lo + KCH)
+    if SPLIT == 1:
+        # Compile-time 0 and the (specialised) H: the weight / activation pointers then keep the 16-byte
+        # alignment Triton knows of their bases, and the K loop its vectorised cp.async pipeline. (A runtime
+        # k_lo = pid_k * KCH here cost both -- 2-byte loads, no pipeline, 2.3x slower at T = 1 on the H200:
+        # benchmarks/results/moe-regression-bisect-h200.log; tests/cpu/kernels/test_triton_moe_sm90_compile.py
+        # guards it.)
+        k_lo = 0
+        k_hi = H
+    else:
+        k_lo = tl.multiple_of(pid_k * KCH, BK)  # KCH: a multiple of BK, so no K tile straddles two ranges
+        k_hi = tl.minimum(H, k_lo + KCH)
     for m0 in range(0, count, BM):
         slot, valid = _group_rows(match, rank, sorted_ptr, start, count, m0, ROUTE, BM, SLOT_P2)
         tok = slot // K_TOP

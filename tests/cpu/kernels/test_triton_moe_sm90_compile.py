@@ -1,14 +1,17 @@
 """The fused-MoE kernels compiled ahead of time for sm_90 on a machine without a GPU (Triton's own ptxas):
 every option of the decode path compiles, and the PTX holds what the design says it does (one
 griddepcontrol.wait; launch_dependents also right after it with early_launch; the L2 prefetch instruction
-where w2 -> L2 or FC2's prefetch is on; wgmma for swapped tiles). Catches a kernel that would fail to
-compile on the H200 before a GPU session is spent on it; what it does not check -- numerics and speed --
-tests/gpu does on the GPU."""
+where w2 -> L2 or FC2's prefetch is on; wgmma for swapped tiles), and, compiled with the specialisations
+a real launch gets, the weight tiles still stream through 16-byte cp.async copies (a kernel that loses
+them runs 2-3x slower: benchmarks/results/moe-regression-bisect-h200.log). Catches a kernel that would
+fail to compile on the H200, or lose its vectorised pipeline, before a GPU session is spent on it; what it
+does not check -- numerics and speed -- tests/gpu does on the GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +44,39 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> s
     src = compiler.ASTSource(fn, sig, constexprs=constexprs)
     k = triton.compile(src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
     return k.asm["ptx"]
+
+
+def compile_like_a_launch(fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4) -> str:
+    """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
+    1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones."""
+    params = list(inspect.signature(fn.fn).parameters)
+    dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    sig, attrs, consts = {}, {}, dict(constexprs)
+    for i, p in enumerate(params):
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p in pointers:
+            sig[p], attrs[(i,)] = pointers[p], [["tt.divisibility", 16]]
+        elif p not in dns and ints.get(p) == 1:
+            sig[p], consts[p] = "constexpr", 1
+        else:
+            sig[p] = "i32"
+            if p not in dns and ints.get(p, 0) % 16 == 0 and ints.get(p, 0) > 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+    return k.asm["ptx"]
+
+
+def async_copy_sizes(ptx: str) -> set[str]:
+    return set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (0x\w+|\d+)", ptx))
+
+
+# What a Qwen3-30B-A3B decode call passes (H = 2048, I = 768; contiguous weights and activations)
+QWEN3_INTS = dict(H=2048, I=768, N_UP=768, KCH=1024, S=8, K_TOP=8, cnt_numel=32, stride_xt=2048, stride_xh=1,
+                  stride_we=1536 * 2048, stride_wn=2048, stride_wk=1, stride_it=768, stride_is=8 * 768,
+                  stride_w2e=2048 * 768, stride_at=768, stride_as=8 * 768, stride_pt=2048, stride_ot=2048,
+                  SCALE_BN=1, SCALE_BK=1)
 
 
 FC1_PTRS = {"x_ptr": BF, "w_ptr": BF, "b_ptr": BF, "w2_ptr": BF, "ws_ptr": "*fp32", "ids_ptr": "*i64",
@@ -78,3 +114,20 @@ def test_fc2_variants_compile_for_sm90(kernels, over, stages):
                        dict(FC2_PTRS, a_ptr="*fp32" if over.get("SPLIT1", 1) > 1 else BF), num_stages=stages)
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert ptx.count("cp.async.bulk.prefetch.L2") == (1 if over.get("PREFETCH") else 0)
+
+
+@pytest.mark.parametrize("which,over", [
+    ("fc1", {}), ("fc1", {"SPLIT": 2}), ("fc1", {"SWAP": True, "BN": 64, "BK": 64}), ("fc2", {}), ("fc2", {"SWAP": True}),
+], ids=["fc1", "fc1-split2", "fc1-swap", "fc2", "fc2-swap"])
+def test_weight_tiles_stream_through_16_byte_async_copies(kernels, which, over):
+    """The decode kernels are bound by streaming weights: compiled as a launch specialises them, every
+    global-to-shared copy is 16 bytes wide (vectorised, software-pipelined), and no weight or activation
+    element is loaded on its own (2-byte loads: what a runtime K offset of unknown alignment caused)."""
+    if which == "fc1":
+        fn, consts = kernels._moe_fc1_kernel, dict(FC1, **{"BN": 16, **over})
+        ptrs = dict(FC1_PTRS, inter_ptr="*fp32" if over.get("SPLIT", 1) > 1 else BF)
+    else:
+        fn, consts, ptrs = kernels._moe_fc2_kernel, dict(FC2, **over), dict(FC2_PTRS, a_ptr=BF)
+    ptx = compile_like_a_launch(fn, consts, ptrs, QWEN3_INTS)
+    assert async_copy_sizes(ptx) == {"0x10"}, async_copy_sizes(ptx)
+    assert not re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)
