@@ -20,39 +20,56 @@ constants), which is off by default and runs before post-grad passes, where the 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
-# id(part) for every part -> (weak references to the parts, their versions, the concatenation)
-_CACHE: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
-_STATS = {"hits": 0, "misses": 0}
+class VersionedCache:
+    """Values made from tensors, kept while every source is the same live tensor at the same ``_version``
+    (an in-place update such as ``load_state_dict`` makes the value again; a source that dies drops its
+    entries). Serves ``stacked_weights`` here and the locality-domain weight shards
+    (runtime/locality.py). ``stats`` counts hits and misses."""
+
+    def __init__(self) -> None:
+        # (id of every source, key) -> (weak references to the sources, their versions, the value)
+        self.entries: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], Any]] = {}
+        self.stats = {"hits": 0, "misses": 0}
+
+    def get(self, sources: Sequence[torch.Tensor], key: Any, make: Callable[[], Any]) -> Any:
+        """The value cached for ``sources`` and ``key``, or ``make()`` (kept for the next call)."""
+        full = (tuple(id(s) for s in sources), key)
+        versions = tuple(s._version for s in sources)
+        entry = self.entries.get(full)
+        if entry is not None:
+            refs, seen, value = entry
+            if all(r() is s for r, s in zip(refs, sources)) and seen == versions:
+                self.stats["hits"] += 1
+                return value
+        self.stats["misses"] += 1
+        for k in [k for k, (refs, _, _) in self.entries.items() if any(r() is None for r in refs)]:
+            del self.entries[k]
+        value = make()
+        try:
+            self.entries[full] = (tuple(weakref.ref(s) for s in sources), versions, value)
+        except TypeError:  # a source that cannot be weakly referenced: no reuse, still correct
+            pass
+        return value
+
+    def info(self) -> dict[str, Any]:
+        """Hits, misses, entries and bytes held (for tests and reports)."""
+        def nbytes(v: Any) -> int:
+            return sum(map(nbytes, v)) if isinstance(v, tuple) else v.numel() * v.element_size()
+
+        return {**self.stats, "entries": len(self.entries), "bytes": sum(nbytes(v) for _, _, v in self.entries.values())}
 
 
-def _prune() -> None:
-    for key in [k for k, (refs, _, _) in _CACHE.items() if any(r() is None for r in refs)]:
-        del _CACHE[key]
+_CACHE = VersionedCache()
 
 
 @torch.library.custom_op("rubin::stacked_weights", mutates_args=())
 def stacked_weights(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``, reused across calls while the parts are the same, unchanged tensors."""
-    key = tuple(id(p) for p in parts)
-    entry = _CACHE.get(key)
-    versions = tuple(p._version for p in parts)
-    if entry is not None:
-        refs, seen, value = entry
-        if all(r() is p for r, p in zip(refs, parts)) and seen == versions:
-            _STATS["hits"] += 1
-            return value
-    _STATS["misses"] += 1
-    _prune()
-    value = torch.cat(parts, dim=0)
-    try:
-        _CACHE[key] = (tuple(weakref.ref(p) for p in parts), versions, value)
-    except TypeError:  # a part that cannot be weakly referenced: no reuse, still correct
-        pass
-    return value
+    return _CACHE.get(parts, None, lambda: torch.cat(parts, dim=0))
 
 
 @stacked_weights.register_fake
@@ -62,9 +79,8 @@ def _stacked_weights_fake(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def cache_info() -> dict[str, Any]:
     """Hits, misses, entries and bytes held (for tests and reports)."""
-    return {**_STATS, "entries": len(_CACHE),
-            "bytes": sum(v.numel() * v.element_size() for _, _, v in _CACHE.values())}
+    return _CACHE.info()
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
+    _CACHE.entries.clear()

@@ -23,14 +23,13 @@ make FlashInfer (and its JIT machinery) a requirement on GPUs where no FlashInfe
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from rubin_compile.ops.weights import VersionedCache
 from rubin_compile.target import Target
 
 MODES = ("default", "backfill")  # "strict" is read as "default" (FlashInfer's and the announcement's word)
@@ -266,8 +265,8 @@ def _green_context_domains(device: torch.device, mode: str, count: int, here: Ta
 # weight shards: made once per weight, never per call
 # ------------------------------------------------------------------------------------------------
 
-_SHARDS: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
-SHARD_STATS = {"hits": 0, "misses": 0}
+_SHARDS = VersionedCache()
+SHARD_STATS = _SHARDS.stats
 
 
 def shards(weight: Optional[torch.Tensor], dom: Domains, kind: str, bounds: Sequence[tuple[int, int]],
@@ -277,35 +276,21 @@ def shards(weight: Optional[torch.Tensor], dom: Domains, kind: str, bounds: Sequ
     ``bounds[d] = (lo, hi)``: domain ``d``'s rows. ``up`` > 0 (FC1): the rows ``[up + lo, up + hi)`` (the up
     projection's) go with them. With localised memory each shard is copied once into its domain's memory
     and reused while ``weight`` is the same live tensor at the same ``_version`` (an in-place update makes
-    new shards); with uniform memory a shard is a view into ``weight`` (no copy) and FC1 reads the up rows
-    at their place in the full tensor.
+    new shards; ops/weights.py:VersionedCache); with uniform memory a shard is a view into ``weight`` (no
+    copy) and FC1 reads the up rows at their place in the full tensor.
     """
     if weight is None or weight.dim() < 2:
         return None
     if not dom.plan.localized_memory:
         return tuple(weight[:, lo:] for lo, _ in bounds)  # the kernels bound the row count themselves
-    key = (id(weight), kind, tuple(bounds), up, id(dom))
-    entry = _SHARDS.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-        SHARD_STATS["hits"] += 1
-        return entry[2]
-    SHARD_STATS["misses"] += 1
-    for k in [k for k, (ref, _, _) in _SHARDS.items() if ref() is None]:
-        del _SHARDS[k]
-    out = []
-    for d, (lo, hi) in enumerate(bounds):
-        rows = weight[:, lo:hi] if not up else torch.cat([weight[:, lo:hi], weight[:, up + lo:up + hi]], dim=1)
-        shard = dom.empty(d, rows.shape, rows.dtype)
-        shard.copy_(rows)
-        out.append(shard)
-    _SHARDS[key] = (weakref.ref(weight), weight._version, tuple(out))
-    return tuple(out)
 
+    def make() -> tuple[torch.Tensor, ...]:
+        out = []
+        for d, (lo, hi) in enumerate(bounds):
+            rows = weight[:, lo:hi] if not up else torch.cat([weight[:, lo:hi], weight[:, up + lo:up + hi]], dim=1)
+            shard = dom.empty(d, rows.shape, rows.dtype)
+            shard.copy_(rows)
+            out.append(shard)
+        return tuple(out)
 
-def shard_cache_info() -> dict[str, Any]:
-    return {**SHARD_STATS, "entries": len(_SHARDS),
-            "bytes": sum(t.numel() * t.element_size() for _, _, ts in _SHARDS.values() for t in ts)}
-
-
-def describe_domains(dom: Domains) -> dict[str, Any]:
-    return dataclasses.asdict(dom.plan)
+    return _SHARDS.get((weight,), (kind, tuple(bounds), up, id(dom)), make)
