@@ -161,23 +161,25 @@ def bound_kernel(node: torch.fx.Node, ctx: PassContext) -> Optional[tuple[str, r
     return op, cand, target, builder(node)
 
 
-def _on_cpu(node: torch.fx.Node) -> bool:
+def _device_type(node: torch.fx.Node) -> Optional[str]:
+    """The device type of the node's first tensor input (``None`` when it has none)."""
     for arg in node.args:
         val = node_val(arg) if isinstance(arg, torch.fx.Node) else None
         if isinstance(val, torch.Tensor):
-            return val.device.type == "cpu"
-    return True
+            return val.device.type
+    return None
+
+
+def _on_cpu(node: torch.fx.Node) -> bool:
+    return _device_type(node) in (None, "cpu")
 
 
 def _on_cuda(graph: torch.fx.Graph) -> bool:
     """Whether the canonical nodes of ``graph`` compute on a CUDA device (by their first tensor input)."""
     for node in graph.nodes:
-        if canonical_op(node) is None:
-            continue
-        for arg in node.args:
-            val = node_val(arg) if isinstance(arg, torch.fx.Node) else None
-            if isinstance(val, torch.Tensor):
-                return val.device.type == "cuda"
+        device = _device_type(node) if canonical_op(node) is not None else None
+        if device is not None:
+            return device == "cuda"
     return False
 
 
