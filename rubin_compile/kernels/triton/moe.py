@@ -923,8 +923,8 @@ def fused_moe(
         )
 
     if domains is not None:
-        _launch_split_n(domains, launch_fc1, launch_fc2, T, H, I, k, inter, part, out, w13, w2, w13_bias, w2_bias,
-                        s13 if wsc == 2 else None, s2 if wsc == 2 else None, s13, s2, sbn, fc2, config, dev)
+        _launch_split_n(domains, launch_fc1, launch_fc2, T, H, I, inter, part, out, w13, w2, w13_bias, w2_bias,
+                        s13, s2, wsc == 2, sbn, fc2, config, dev)
         return out
     nt2 = triton.cdiv(H, fc2.BN)
     cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
@@ -965,8 +965,8 @@ def _placement_domains(placement: str, dev: torch.device, T: int, I: int, H: int
     return locality.get(dev, mode, parts)
 
 
-def _launch_split_n(dom, launch_fc1, launch_fc2, T, H, I, k, inter, part, out, w13, w2, b13, b2, bs13, bs2,
-                    s13_any, s2_any, sbn, fc2, config, dev):
+def _launch_split_n(dom, launch_fc1, launch_fc2, T, H, I, inter, part, out, w13, w2, b13, b2, s13, s2,
+                    block_scaled, sbn, fc2, config, dev):
     """The split-N form: domain d runs FC1 on its share of I (gate rows with their up rows) and FC2 on its
     share of H, each on its own stream over its own weight shard; a cross-domain join sits between them,
     since each FC2 reads every domain's part of the intermediate.
@@ -985,13 +985,13 @@ def _launch_split_n(dom, launch_fc1, launch_fc2, T, H, I, k, inter, part, out, w
     w2s = locality.shards(w2, dom, "w2", hb)
     b13s = locality.shards(b13, dom, "b13", ib, up=I) if b13 is not None else None
     b2s = locality.shards(b2, dom, "b2", hb) if b2 is not None else None
-    if bs13 is not None:  # block scales: rows in units of the scale block
+    if block_scaled:  # block scales: rows in units of the scale block
         blk = lambda bounds: [(lo // sbn, -(-hi // sbn)) for lo, hi in bounds]  # noqa: E731
-        sc13 = locality.shards(bs13, dom, "s13", blk(ib), up=I // sbn)
-        sc2 = locality.shards(bs2, dom, "s2", blk(hb))
+        sc13 = locality.shards(s13, dom, "s13", blk(ib), up=I // sbn)
+        sc2 = locality.shards(s2, dom, "s2", blk(hb))
     else:  # per-tensor / per-expert scales (or none) are shared
-        sc13 = [s13_any] * n
-        sc2 = [s2_any] * n
+        sc13 = [s13] * n
+        sc2 = [s2] * n
     if not config.fused_sum:
         raise ValueError("rubin.moe[triton]: split-N needs the fused top-k sum (config.fused_sum)")
     cnts = [torch.empty((T, triton.cdiv(hi - lo, fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb]
