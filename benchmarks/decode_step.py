@@ -101,22 +101,6 @@ def weight_bytes(cfg, T: int, routed: list[int] | None = None) -> dict:
             "routing": "as routed" if routed else "uniform expectation", "total": L * per_layer + head}
 
 
-def copy_bandwidth() -> float:
-    n = 2 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ts = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    return 2 * n / statistics.median(ts[2:]) / 1e9
-
-
 def time_call(fn: Callable, x) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -212,7 +196,9 @@ def main() -> None:
 
     torch._dynamo.config.cache_size_limit = 64
     model, cfg = build_model(args.layers, args.vocab)
-    bw = copy_bandwidth()
+    from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
+
+    bw = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
     inputs = {T: torch.randint(0, cfg.vocab_size, (1, T), device="cuda") for T in Ts}
     routed = {T: routed_experts(model, inputs[T]) for T in Ts}

@@ -5,14 +5,17 @@
 
 Each file is loaded as its own module (they import rubin_compile.ops.moe for the argument checks) and runs
 the same Qwen3-30B-A3B decode call (T = 1, E = 128, k = 8, H = 2048, I = 768, bf16): one CUDA graph of 8
-calls on 4 rotating random weight copies (cold weights), median of the replays, per call, with PDL on.
-This is how benchmarks/results/moe-regression-bisect-h200.log was made.
+calls on 4 rotating random weight copies (cold weights), timed by tune_moe.time_graph (the tuner's
+method), median per call, with PDL on. benchmarks/results/moe-regression-bisect-h200.log was made the same
+way with a local copy of that timing loop (median of replays 4-30, no separate warm-up).
 """
 import importlib.util
 import statistics
 import sys
 
 import torch
+
+from rubin_compile.kernels.triton.tune_moe import time_graph
 
 
 def load(path: str, name: str):
@@ -21,33 +24,6 @@ def load(path: str, name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def graph_of(calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g
-
-
-def median_us(g, reps: int = 30) -> float:
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts[3:])
 
 
 def main() -> None:
@@ -63,7 +39,7 @@ def main() -> None:
     for n, path in enumerate(files):
         mod = load(path, f"moe_version_{n}")
         calls = [lambda w=weights[j % 4], i=i: mod.fused_moe(x, w[0], w[1], tw, i, pdl=True) for j, i in enumerate(ids)]
-        print(f"{path}: {median_us(graph_of(calls)) / len(calls):.1f} us per call", flush=True)
+        print(f"{path}: {statistics.median(time_graph(calls)):.1f} us per call", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Probe: is rubin.moe's Triton kernel slower on a Hugging Face model's own expert parameters than on other
 tensors? 8 Qwen3-30B-A3B layers' experts, T = 1, one CUDA graph of 8 calls (one per layer, so the weights
-are cold), median of replays: the model's parameters; with hidden states strided as Inductor passes them
+are cold), timed by tune_moe.time_graph (median per call; the logged runs used a local copy of that loop):
+the model's parameters; with hidden states strided as Inductor passes them
 at T = 1 (stride (0, 1)); fresh copies; 2 layers' or 1 layer's parameters in turn; with PDL; with float32
 top-k weights; random weights as the kernel benchmark draws them. (Run on the H200 on 2026-11-29: every
 case took 70-74 us, so the tensors were not the cause; the kernel was -- a regression, found by bisecting,
@@ -17,33 +18,7 @@ sys.path.insert(0, "benchmarks")
 from decode_step import build_model  # noqa: E402
 
 from rubin_compile.kernels.triton import moe as tmoe  # noqa: E402
-
-
-def graph_of(calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g
-
-
-def time_graph(g, reps=30):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts[3:])
+from rubin_compile.kernels.triton.tune_moe import time_graph  # noqa: E402
 
 
 model, cfg = build_model(8, 4096)
@@ -74,5 +49,5 @@ cases = {
 }
 with torch.no_grad():
     for name, calls in cases.items():
-        us = time_graph(graph_of(calls)) / len(calls)
+        us = statistics.median(time_graph(calls))
         print(f"{name}: {us:.1f} us per MoE call (T=1, 8 experts, 75.5 MB; 18 us at 4.2 TB/s)", flush=True)
