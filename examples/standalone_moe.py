@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import rubin_compile  # noqa: F401  (only needed for explain below; backend="rubin" works without it)
 from rubin_compile.debug.explain import explain
-from rubin_compile.kernels.registry import KernelUnavailableError
+from rubin_compile import KernelUnavailableError
 
 
 class Expert(nn.Module):

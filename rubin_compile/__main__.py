@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from rubin_compile.debug.explain import ExplainError, explain
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rubin_compile", description=__doc__)
@@ -15,9 +17,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ex.add_argument("--changed", action="store_true", help="only graphs and passes with rewrites or near-misses")
     ex.add_argument("--graph", help="only this graph id (a folder name under DUMP_DIR)")
     args = parser.parse_args(argv)
-
-    from rubin_compile.debug.explain import ExplainError, explain
-
     try:
         explain(args.dump_dir, sys.stdout, only_changed=args.changed, graph=args.graph)
     except ExplainError as exc:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from rubin_compile.integrations.vllm.engine import VllmEngine
 from rubin_compile.options import RubinOptions
 from rubin_compile.passes.manager import PassManager
 
@@ -27,7 +28,9 @@ def inductor_config_patches(options: RubinOptions, mode: Optional[str]) -> dict[
         # PDL edges and the locality domains' streams are captured inside the graph with everything else.
         patches["triton.cudagraphs"] = True
     patches.update(options.inductor)
-    ours = PassManager(options, source="backend")
+    # vLLM's backend route hands us its graphs through torch.compile too: the adapter asks vLLM about a layer only
+    # when a graph holds vLLM's ops, so standalone compiles never import it.
+    ours = PassManager(options, source="backend", engine=VllmEngine(route="backend"))
     theirs = patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = ours if theirs is None else _Chain((theirs, ours))
     if options.dump_dir:

@@ -12,26 +12,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-# The pipeline of DESIGN.md, in order. Kept here (not in passes/) so options can be validated without
-# importing the passes.
-PIPELINE: tuple[str, ...] = (
-    "canonicalize",
-    "match_moe",
-    "match_attention",
-    "match_gemm",
-    "select_kernels",
-    "place_locality",
-    "chain_pdl",
-)
-
-# The canonical ops (torch.ops.rubin.*) that kernel selection binds; kernels/registry.py uses this list.
-CANONICAL_OPS: tuple[str, ...] = ("moe", "gemm", "attention")
-
+from rubin_compile.ops.registry import CANONICAL_OPS  # filled as ops/ defines each op (the package imports them)
+from rubin_compile.passes import PASS_NAMES
+from rubin_compile.target import LOCALITY_MODES, UnknownTargetError, locality_mode, resolve
 
 # Options that take one of a few words (``locality``: "strict" is read as "default").
 CHOICES: dict[str, tuple[str, ...]] = {
     "pdl": ("auto", "on", "off"),
-    "locality": ("auto", "off", "default", "backfill"),
+    "locality": ("auto", "off", *LOCALITY_MODES),
 }
 
 
@@ -114,14 +102,13 @@ class RubinOptions:
 
     def resolved_target(self):
         """The ``Target`` this compile is for (``rubin_compile.target.resolve(self.target)``)."""
-        from rubin_compile.target import resolve
-
         return resolve(self.target)
 
     def enabled_passes(self) -> tuple[str, ...]:
+        """The names of the passes that run, in pipeline order (passes/__init__.py)."""
         if self.passes is None:
-            return PIPELINE
-        return tuple(p for p in PIPELINE if p in self.passes)
+            return PASS_NAMES
+        return tuple(p for p in PASS_NAMES if p in self.passes)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -174,7 +161,11 @@ def _convert(name: str, value: Any) -> Any:
         text = str(value).strip().lower() if value is not None else ""
         if isinstance(value, bool):  # pdl=True / False reads as on / off
             text = "on" if value else "off"
-        text = {"strict": "default"}.get(text, text) if name == "locality" else text
+        if name == "locality" and text not in ("auto", "off"):
+            try:
+                text = locality_mode(text)
+            except ValueError:
+                pass  # reported below, with every valid word
         if text not in CHOICES[name]:
             raise RubinOptionsError(f"option {name} must be one of {list(CHOICES[name])}, got {value!r}")
         return text
@@ -196,17 +187,15 @@ def _convert(name: str, value: Any) -> Any:
             return None
         items = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
         items = [p for p in items if p]
-        bad = [p for p in items if p not in PIPELINE]
+        bad = [p for p in items if p not in PASS_NAMES]
         if bad:
-            raise RubinOptionsError(f"unknown pass(es) {bad} in option passes; the pipeline is {list(PIPELINE)}")
+            raise RubinOptionsError(f"unknown pass(es) {bad} in option passes; the pipeline is {list(PASS_NAMES)}")
         return tuple(items)
     if name == "inductor":
         if not isinstance(value, Mapping):
             raise RubinOptionsError(f"option inductor must be a dict of Inductor config settings, got {value!r}")
         return dict(value)
     if name == "target":
-        from rubin_compile.target import UnknownTargetError, resolve
-
         value = "auto" if value in (None, "") else str(value).strip().lower()
         try:
             if value != "auto":

@@ -4,7 +4,7 @@ A target is plain data. What differs between Hopper, Blackwell and Rubin lives h
 ``supports()`` (kernels/), never as ``if sm == 107`` in a pass. A graph may be compiled for a target this
 machine does not have (``RUBIN_TARGET=sm107`` on a laptop): matching and kernel selection run as they would
 on that GPU and the plan is written to the dumps; executing the plan here raises
-``KernelUnavailableError`` (kernels/registry.py).
+``KernelUnavailableError`` (ops/registry.py).
 
 Named targets::
 
@@ -27,6 +27,20 @@ from typing import Any, Optional
 
 class UnknownTargetError(ValueError):
     """A target name that is neither a named target nor ``auto``."""
+
+
+# How SMs split into locality domains: "default" (FlashInfer's and the announcement's "strict": equal domains,
+# the odd SMs idle) or "backfill" (every SM used).
+LOCALITY_MODES: tuple[str, ...] = ("default", "backfill")
+
+
+def locality_mode(mode: str) -> str:
+    """``mode`` as one of ``LOCALITY_MODES`` ("strict" is read as "default"); ``ValueError`` otherwise."""
+    text = str(mode).strip().lower()
+    text = "default" if text == "strict" else text
+    if text not in LOCALITY_MODES:
+        raise ValueError(f"unknown locality mode {mode!r}; use one of {LOCALITY_MODES} ('strict' = 'default')")
+    return text
 
 
 @dataclass(frozen=True)
@@ -121,15 +135,15 @@ TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target("cpu", "no GPU (reference kernels; vLLM's own CPU MoE kernel for vLLM's CPU MoE layers)", None, 0),
-        # 132 SMs: H100 SXM and H200 (seen on the H200 here, CONTEXT.md). An H100 PCIe has 114; detect()
+        # 132 SMs: H100 SXM and H200 (seen on the H200 of benchmarks/results). An H100 PCIe has 114; detect()
         # reports the device's own count.
         Target("sm90", "Hopper (H100 / H200)", (9, 0), 132, **_HOPPER),
         # 148 SMs (74 enabled per die, two dies): public B200 spec sheets.
         Target("sm100", "Blackwell (B200)", (10, 0), 148, **_BLACKWELL),
         # Unverified: public sources give 160 SMs for the full Blackwell Ultra part; 148 enabled SMs on a
-        # shipping B300 is taken from the project brief. detect() reports the device's own count.
+        # shipping B300 is unverified as well. detect() reports the device's own count.
         Target("sm103", "Blackwell Ultra (B300)", (10, 3), 148, **_BLACKWELL),
-        # CONTEXT.md (vLLM-on-Rubin announcement): 212 SMs in two locality domains; strict mode uses
+        # The vLLM-on-Rubin announcement: 212 SMs in two locality domains; strict mode uses
         # 200 of them (100 + 100), backfill 106 + 106.
         Target(
             "sm107", "Rubin", (10, 7), 212,

@@ -47,9 +47,9 @@ class RubinRun:
 def stage_code(dump_dir: Path, pass_name: str) -> str:
     """Every graph dumped under ``dump_dir`` as it was after ``pass_name`` (the latest stage up to it that
     changed the graph), concatenated."""
-    from rubin_compile.options import PIPELINE
+    from rubin_compile.passes import PASS_NAMES
 
-    last = PIPELINE.index(pass_name) + 1
+    last = PASS_NAMES.index(pass_name) + 1
     out = []
     for d in sorted(p for p in dump_dir.iterdir() if p.is_dir()):
         stages = [p for p in sorted(d.glob("[0-9][0-9]-*.py")) if int(p.name[:2]) <= last]

@@ -1,4 +1,4 @@
-"""Graph dumps: one folder per compiled graph under the dump directory (layout in DESIGN.md)::
+"""Graph dumps: one folder per compiled graph under the dump directory (docs/architecture.md, "Dumps")::
 
     DIR/<graph-id>/00-input.py        the graph as received
     DIR/<graph-id>/NN-<pass>.py       after each pass that changed something

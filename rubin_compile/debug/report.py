@@ -63,10 +63,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"target: {target['name']} ({target.get('description', '')})")
         lines.append("")
     for p in report["passes"]:
-        status = []
-        if not p.get("implemented", True):
-            status.append("not implemented yet")
-        status.append(f"{len(p['rewrites'])} rewritten")
+        status = [f"{len(p['rewrites'])} rewritten"]
         if p.get("plans"):
             status.append(f"{len(p['plans'])} kernel(s) chosen")
         if p.get("decisions"):

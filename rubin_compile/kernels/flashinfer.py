@@ -13,13 +13,13 @@ capability declarations, read without running anything:
 * where FlashInfer decides in code (``cutlass_fused_moe``'s arch dispatch, ``is_trtllm_moe_supported``,
   the attention wrappers' ``backend="auto"`` rules: they call ``torch.cuda`` and cannot be asked about
   another GPU), the rule is copied here as data with the file and function it comes from, and
-  tests/cpu/kernels/test_registry.py checks that those functions still exist in the installed FlashInfer.
+  tests/cpu/ops/test_registry.py checks that those functions still exist in the installed FlashInfer.
 
 A missing package (flashinfer-python; nvidia-cutlass-dsl for CuTe-DSL kernels; nvidia-cudnn-frontend for
 cuDNN ones) rejects the candidate with that reason. Adapters from the canonical ops' argument layout to
-these entry points (weight shuffles, scale layouts, activation quantisation) are not written yet:
-``IMPLEMENTATIONS`` is empty, so executing a plan that chose one raises ``KernelUnavailableError`` with
-that reason instead of calling FlashInfer with the wrong layout.
+these entry points (weight shuffles, scale layouts, activation quantisation) are not written yet: the
+kernels are registered without one (``run=None``, plans only), so executing a plan that chose one raises
+``KernelUnavailableError`` with that reason instead of calling FlashInfer with the wrong layout.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rubin_compile.kernels.registry import QUANT_LABELS, Candidate, KernelSpec
+from rubin_compile.ops.registry import CANONICAL_OPS, QUANT_LABELS, Kernel, KernelSpec
 from rubin_compile.target import Target
-
-IMPLEMENTATIONS: dict = {}
 
 # Python module -> pip package, for "package missing" reasons.
 PACKAGES = {"flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl", "cudnn": "nvidia-cudnn-frontend"}
@@ -304,7 +302,7 @@ GEMM: dict[str, dict[str, EntryPoint]] = {
     },
     "flashinfer_cutedsl": {
         "none": _gemm("mm_bf16", "cute-dsl", "_cute_dsl_mm_bf16_requirement", needs=("flashinfer", "cutlass")),
-        # The Rubin FP8 BMM (CONTEXT.md); _heuristic_func_bmm_fp8 wants M, N, K multiples of 16.
+        # The Rubin FP8 BMM (the vLLM-on-Rubin announcement); _heuristic_func_bmm_fp8 wants M, N, K multiples of 16.
         "fp8_tensor": _gemm("bmm_fp8", "cute-dsl", "_cute_dsl_bmm_fp8_requirement",
                             _divisible(M=16, N=16, K=16), needs=("flashinfer", "cutlass")),
         # _cute_dsl_gemm_fp4_requirement: "CuTe-DSL FP4 GEMM requires N % 8 == 0".
@@ -350,14 +348,15 @@ TABLES: dict[str, dict[str, dict[str, EntryPoint]]] = {"moe": MOE, "gemm": GEMM,
 # Priorities (higher wins), per target and quantisation; why each is what it is: docs/kernels/selection.md.
 PRIORITIES: dict[tuple[str, str], dict[str, int]] = {
     # MoE: vLLM's order on Blackwell is flashinfer_trtllm, flashinfer_cutedsl (NVFP4), flashinfer_cutlass,
-    # then triton; on sm_107 NVFP4 goes to CuTe-DSL (CONTEXT.md, Rubin kernel list). On sm_90 Triton (10 /
-    # 30 in registry.py) outranks FlashInfer CUTLASS, whose sm_90 JIT build did not finish in 8 minutes.
+    # then triton; on sm_107 NVFP4 goes to CuTe-DSL (the vLLM-on-Rubin kernel list). On sm_90 Triton (10 /
+    # 30 in kernels/triton/__init__.py) outranks FlashInfer CUTLASS, whose sm_90 JIT build did not finish in
+    # 8 minutes.
     ("moe", "flashinfer_trtllm"): {"*": 40},
     ("moe", "flashinfer_cutedsl"): {"*": 30, "sm90": 5, "sm107:nvfp4": 50},
     ("moe", "flashinfer_cutlass"): {"*": 20},
     # GEMM: FlashInfer's own auto heuristics (_heuristic_func_bmm_fp8: cutlass before cublas / cudnn /
     # cute-dsl; _heuristic_func_mm_fp4: cutlass or cudnn first, cute-dsl last), cuBLAS (torch, 30) for
-    # BF16; on sm_107 the CuTe-DSL FP8 BMM and NVFP4 GEMM (CONTEXT.md, Rubin kernel list).
+    # BF16; on sm_107 the CuTe-DSL FP8 BMM and NVFP4 GEMM (the vLLM-on-Rubin kernel list).
     ("gemm", "flashinfer_cutlass"): {"*": 40, "*:none": 25},
     ("gemm", "flashinfer_trtllm"): {"*": 35},
     ("gemm", "flashinfer_cudnn"): {"*": 20},
@@ -418,10 +417,9 @@ def _pdl(op: str, kernel: str) -> Callable[[KernelSpec], Optional[str]]:
     return pdl
 
 
-def candidates() -> list[Candidate]:
-    """The FlashInfer candidates of every canonical op (registry.py collects them)."""
-    return [
-        Candidate(op, kernel, _supports(op, kernel), PRIORITIES[(op, kernel)], _runnable(op, kernel), _entry(op, kernel),
-                  pdl=_pdl(op, kernel))
-        for op, table in TABLES.items() for kernel in table
-    ]
+for _op, _table in TABLES.items():
+    for _kernel in _table:
+        CANONICAL_OPS[_op].add_kernel(Kernel(
+            _op, _kernel, _supports(_op, _kernel), PRIORITIES[(_op, _kernel)], run=None,
+            runnable=_runnable(_op, _kernel), entry=_entry(_op, _kernel), pdl=_pdl(_op, _kernel), module=__name__,
+        ))

@@ -1,4 +1,4 @@
-"""The ``torch`` provider: PyTorch's own CUDA kernels where they are the best available.
+"""The ``torch`` kernel: PyTorch's own CUDA kernels where they are the best available.
 
 * GEMM, BF16 / FP16: ``torch.mm`` (cuBLAS / cuBLASLt) on every CUDA target.
 * GEMM, FP8 per-tensor: ``torch._scaled_mm`` (cuBLASLt FP8) where the target has FP8 tensor cores.
@@ -7,29 +7,26 @@
 * Attention, BF16 / FP16: ``torch.nn.functional.scaled_dot_product_attention`` (flash / efficient /
   cuDNN backends); SDPA has no FP8 KV cache.
 
-The adapters: for GEMM ``ops/gemm.py:gemm_aten`` (``torch.mm`` / ``torch.addmm`` / ``torch._scaled_mm``
-and the epilogue), for attention the op's reference (``scaled_dot_product_attention``); on a GPU they run
-the kernels named above. select_kernels lowers a ``rubin.gemm`` bound to ``torch`` back into those ATen
-ops (so Inductor fuses the epilogue and picks its own GEMM templates, as it would without rubin).
+The adapters are the ops' ATen forms (``ops/gemm.py:aten``: ``torch.mm`` / ``torch.addmm`` /
+``torch._scaled_mm`` and the epilogue) and, for attention, the op's reference (SDPA in the op's layout); on a
+GPU they run the kernels named above. select_kernels lowers nodes bound to ``torch`` back into the ATen ops
+(so Inductor fuses the epilogue and picks its own GEMM templates and SDPA backend, as it would without rubin).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from rubin_compile.kernels.registry import QUANT_LABELS, Candidate, KernelSpec
+from rubin_compile.ops import attention, gemm
+from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec
 from rubin_compile.target import Target
 
-def _implementations() -> dict:
-    from rubin_compile.ops.attention import attention_reference
-    from rubin_compile.ops.gemm import gemm_aten
-
-    return {"gemm": gemm_aten, "attention": attention_reference}
-
-
-IMPLEMENTATIONS: dict = _implementations()
-
 _HALF = ("bfloat16", "float16")
+_GEMM_ENTRY = {"none": "torch.mm (cuBLAS)", "fp8_tensor": "torch._scaled_mm (cuBLASLt FP8)"}
+
+
+def _runnable(target: Target) -> Optional[str]:
+    return None if target.is_cuda else f"target {target.name} has no CUDA GPU"
 
 
 def _gemm_supports(target: Target, spec: KernelSpec) -> Optional[str]:
@@ -54,15 +51,9 @@ def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     return None
 
 
-def _runnable(target: Target) -> Optional[str]:
-    return None if target.is_cuda else f"target {target.name} has no CUDA GPU"
-
-
-def candidates() -> list[Candidate]:
-    gemm_entry = {"none": "torch.mm (cuBLAS)", "fp8_tensor": "torch._scaled_mm (cuBLASLt FP8)"}
-    return [
-        Candidate("gemm", "torch", _gemm_supports, {"*": 30}, _runnable,
-                  lambda spec: gemm_entry.get(spec.quant, "")),
-        Candidate("attention", "torch", _attention_supports, {"*": 30}, _runnable,
-                  lambda spec: "torch.nn.functional.scaled_dot_product_attention"),
-    ]
+gemm.GEMM.register_kernel("torch", supports=_gemm_supports, priority={"*": 30}, runnable=_runnable,
+                          entry=lambda spec: _GEMM_ENTRY.get(spec.quant, ""), module=__name__)(gemm.aten)
+attention.ATTENTION.register_kernel(
+    "torch", supports=_attention_supports, priority={"*": 30}, runnable=_runnable,
+    entry=lambda spec: "torch.nn.functional.scaled_dot_product_attention", module=__name__,
+)(attention.reference)

@@ -1,4 +1,4 @@
-"""The ``vllm_cpu`` provider: vLLM's own CPU MoE kernel, ``_C.cpu_fused_moe``, for ``rubin.moe`` on a CPU.
+"""The ``vllm_cpu`` kernel: vLLM's own CPU MoE kernel, ``_C.cpu_fused_moe``, for ``rubin.moe`` on a CPU.
 
 vLLM's CPU build prepacks each MoE layer's expert weights once, at load time, for its kernel
 (``_C.prepack_moe_weight(w, isa)``). When a matcher rewrites such a layer it hands ``rubin.moe`` the
@@ -9,7 +9,9 @@ copy, so a forced reference still computes the same result, slowly).
 
 ``_C.cpu_fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id, skip_weighted, act,
 isa)`` overwrites ``output`` with sum_j w[t, j] * FFN_e(x[t]), which is ``rubin.moe``'s definition
-(checked against the reference in tests/vllm/test_vllm_cpu_matcher.py).
+(checked against the reference in tests/vllm/test_vllm_cpu_matcher.py). The op is vLLM's, reached through
+``torch.ops._C`` once vLLM's CPU build has loaded its library (a graph holding such weights comes from a
+running vLLM); this module imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from rubin_compile.kernels.registry import QUANT_LABELS, Candidate, KernelSpec
+from rubin_compile.ops.moe import MOE, MoEArgs
+from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
 from rubin_compile.target import Target
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -29,7 +32,7 @@ _ACTIVATIONS = ("silu", "gelu_tanh")
 _ALIGN = 32
 
 
-def _misaligned(H: Optional[int], I: Optional[int]) -> Optional[str]:
+def _misaligned(H: Optional[int], I: Optional[int]) -> Optional[str]:  # noqa: E741
     bad = [f"{n}={v}" for n, v in (("H", H), ("I", I)) if v is not None and v % _ALIGN]
     if bad:
         return f"vLLM's CPU MoE kernel needs H and I multiples of {_ALIGN}; got {', '.join(bad)}"
@@ -61,46 +64,22 @@ def _runnable(here: Target) -> Optional[str]:
     return None
 
 
-def fused_moe(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    w13_bias: Optional[torch.Tensor] = None,
-    w2_bias: Optional[torch.Tensor] = None,
-    w13_scale: Optional[torch.Tensor] = None,
-    w2_scale: Optional[torch.Tensor] = None,
-    block_shape=None,
-    weight_layout: str = "plain",
-) -> torch.Tensor:
-    """``rubin.moe`` with vLLM's CPU kernel; ``weight_layout`` must be ``"vllm_cpu:<isa>"``."""
-    from rubin_compile.ops.moe import check_moe_args, is_cpu_packed
-
-    _, H, _, I, _ = check_moe_args(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                                   w13_scale, w2_scale, block_shape, weight_layout)
-    if not is_cpu_packed(weight_layout):
-        raise ValueError(f"rubin.moe[vllm_cpu]: weight_layout {weight_layout!r} is not vLLM's CPU layout "
-                         "'vllm_cpu:<isa>'; plain weights run on the other kernels")
-    reason = _misaligned(H, I)
+@MOE.register_kernel("vllm_cpu", supports=_supports, priority={"cpu": 40, "*": 0}, runnable=_runnable,
+                     entry=lambda spec: "vllm torch.ops._C.cpu_fused_moe", layouts=("vllm_cpu",))
+def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
+    """``rubin.moe`` with vLLM's CPU kernel; ``args.weight_layout`` must be ``"vllm_cpu:<isa>"``."""
+    if not args.weight_layout.cpu_packed:
+        raise ValueError(f"rubin.moe[vllm_cpu]: weight_layout {args.weight_layout.encode()!r} is not vLLM's CPU "
+                         "layout 'vllm_cpu:<isa>'; plain weights run on the other kernels")
+    reason = _misaligned(args.H, args.I)
     if reason:  # the kernel would abort the process on its own check; say it here instead
         raise ValueError(f"rubin.moe[vllm_cpu]: {reason}; use impl='reference'")
     op = getattr(getattr(torch.ops, "_C", None), "cpu_fused_moe", None)
     if op is None:
-        import vllm._custom_ops  # noqa: F401  (loads vLLM's _C library, which defines the op)
-
-        op = torch.ops._C.cpu_fused_moe
-    isa = weight_layout.split(":", 1)[1]
-    out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-    op(out, hidden_states.contiguous(), w13, w2, w13_bias, w2_bias, topk_weights.to(torch.float32),
-       topk_ids.to(torch.int32), False, activation, isa)
+        raise RuntimeError("rubin.moe[vllm_cpu]: vLLM's _C.cpu_fused_moe is not loaded; it is defined by vLLM's CPU "
+                           "build when vLLM is imported (import vllm first, or use impl='reference')")
+    x = args.hidden_states
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    op(out, x.contiguous(), args.w13, args.w2, args.w13_bias, args.w2_bias, args.topk_weights.to(torch.float32),
+       args.topk_ids.to(torch.int32), False, args.activation, args.weight_layout.isa)
     return out
-
-
-IMPLEMENTATIONS = {"moe": fused_moe}
-
-
-def candidates() -> list[Candidate]:
-    return [Candidate("moe", "vllm_cpu", _supports, {"cpu": 40, "*": 0}, _runnable,
-                      lambda spec: "vllm torch.ops._C.cpu_fused_moe", layouts=("vllm_cpu",))]

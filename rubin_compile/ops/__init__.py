@@ -1,7 +1,18 @@
-"""Canonical ops (torch.library namespace ``rubin``). Importing this package registers them."""
+"""Canonical ops (torch.library namespace ``rubin``). Importing this package registers them.
 
-from rubin_compile.ops import moe  # noqa: F401  (registers torch.ops.rubin.moe)
-from rubin_compile.ops import gemm  # noqa: F401  (registers torch.ops.rubin.gemm)
-from rubin_compile.ops import attention  # noqa: F401  (registers torch.ops.rubin.attention)
-from rubin_compile.ops import weights  # noqa: F401  (registers torch.ops.rubin.stacked_weights)
-from rubin_compile.ops import vllm_moe  # noqa: F401  (rubin.vllm_moe_layer*, defined once vLLM is imported)
+    registry.py    CanonicalOp, KernelSpec, Kernel, Launch, Placement: what kernels register onto, and how
+                   one is chosen for a target
+    moe.py         rubin.moe        (MoEArgs, WeightLayout, the reference semantics, the spec builder)
+    gemm.py        rubin.gemm       (GemmArgs, the reference, the ATen form, the spec builder)
+    attention.py   rubin.attention  (AttentionArgs, the reference, the ATen form, the spec builder)
+    weights.py     rubin.stacked_weights (expert weights concatenated once, not per call)
+    nodes.py       reading calls of ops in FX graphs (arguments by name, fake values, dtype names)
+
+Every canonical op lives in one module; adding one is docs/contributing.md's recipe.
+"""
+
+# In this order: CANONICAL_OPS lists the ops as they are defined (moe, gemm, attention).
+from rubin_compile.ops import moe  # noqa: F401
+from rubin_compile.ops import gemm  # noqa: F401
+from rubin_compile.ops import attention  # noqa: F401
+from rubin_compile.ops import weights  # noqa: F401

@@ -36,18 +36,22 @@ free. The fake implementation promises that layout and the reference keeps it.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
-
-from rubin_compile.passes.base import bound_arguments
 import torch.nn.functional as F
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, tensor_val, val_dtype
+from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
 
 class AttentionArgumentError(ValueError):
     """Raised when the arguments of ``rubin.attention`` do not describe a valid attention call."""
+
+
+def _fail(msg: str) -> None:
+    raise AttentionArgumentError(f"rubin.attention: {msg}")
 
 
 def _known(*sizes) -> bool:
@@ -55,53 +59,68 @@ def _known(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def check_attention_args(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-) -> tuple:
-    """Validate the op's arguments; return (B, Hq, Hkv, S, Skv, D, Dv). Errors name the argument and the fix."""
+@dataclass(frozen=True)
+class AttentionArgs:
+    """The data arguments of one ``rubin.attention`` call (the schema's, in its order, without ``impl``),
+    validated when built; ``B, Hq, Hkv, S, Skv, D, Dv`` are read off the shapes. Errors name the argument and
+    the fix (``AttentionArgumentError``)."""
 
-    def fail(msg: str) -> None:
-        raise AttentionArgumentError(f"rubin.attention: {msg}")
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Optional[torch.Tensor] = None
+    is_causal: bool = False
+    scale: Optional[float] = None
+    B: Any = field(init=False)
+    Hq: Any = field(init=False)
+    Hkv: Any = field(init=False)
+    S: Any = field(init=False)
+    Skv: Any = field(init=False)
+    D: Any = field(init=False)
+    Dv: Any = field(init=False)
 
+    def __post_init__(self) -> None:
+        for name, value in zip(("B", "Hq", "Hkv", "S", "Skv", "D", "Dv"), _validate(self)):
+            object.__setattr__(self, name, value)
+
+
+def _validate(a: AttentionArgs) -> tuple:
+    """(B, Hq, Hkv, S, Skv, D, Dv) of valid arguments; ``AttentionArgumentError`` otherwise."""
+    query, key, value, attn_mask = a.query, a.key, a.value, a.attn_mask
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
-            fail(f"{name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}; add a batch dimension")
+            _fail(f"{name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}; add a batch dimension")
     if query.dtype not in FLOAT_DTYPES:
-        fail(f"query dtype {query.dtype} is not one of bf16 / fp16 / fp32 / fp64")
+        _fail(f"query dtype {query.dtype} is not one of bf16 / fp16 / fp32 / fp64")
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        fail(f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+        _fail(f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
     B, Hq, S, D = query.shape
     Bk, Hkv, Skv, Dk = key.shape
     Bv, Hv, Sv, Dv = value.shape
     if _known(B, Bk, Bv) and not B == Bk == Bv:
-        fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
+        _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
     if _known(Hkv, Hv) and Hkv != Hv:
-        fail(f"key has {Hkv} heads but value has {Hv}")
+        _fail(f"key has {Hkv} heads but value has {Hv}")
     if _known(Skv, Sv) and Skv != Sv:
-        fail(f"key has {Skv} positions but value has {Sv}")
+        _fail(f"key has {Skv} positions but value has {Sv}")
     if _known(D, Dk) and D != Dk:
-        fail(f"query head dim {D} differs from key head dim {Dk}")
+        _fail(f"query head dim {D} differs from key head dim {Dk}")
     if _known(Hq, Hkv) and (Hkv == 0 or Hq % Hkv):
-        fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+        _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if attn_mask is not None:
-        if is_causal:
-            fail("attn_mask and is_causal=True are exclusive (as in SDPA); fold the causal mask into attn_mask")
+        if a.is_causal:
+            _fail("attn_mask and is_causal=True are exclusive (as in SDPA); fold the causal mask into attn_mask")
         if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-            fail(f"attn_mask must be bool or the query's dtype {query.dtype}, got {attn_mask.dtype}")
+            _fail(f"attn_mask must be bool or the query's dtype {query.dtype}, got {attn_mask.dtype}")
         if attn_mask.dim() > 4:
-            fail(f"attn_mask must broadcast to [B, Hq, S, Skv]; got shape {tuple(attn_mask.shape)}")
+            _fail(f"attn_mask must broadcast to [B, Hq, S, Skv]; got shape {tuple(attn_mask.shape)}")
         full = (B, Hq, S, Skv)[4 - attn_mask.dim():]
         for have, want in zip(attn_mask.shape, full):
             if _known(have, want) and have not in (1, want):
-                fail(f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
-                     f"{(B, Hq, S, Skv)}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        fail(f"scale must be a finite float or None, got {scale!r}")
+                _fail(f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
+                      f"{(B, Hq, S, Skv)}")
+    if a.scale is not None and not (isinstance(a.scale, (int, float)) and math.isfinite(a.scale)):
+        _fail(f"scale must be a finite float or None, got {a.scale!r}")
     return B, Hq, Hkv, S, Skv, D, Dv
 
 
@@ -111,46 +130,51 @@ def _output_like(query: torch.Tensor, dv) -> torch.Tensor:
     return query.new_empty((B, S, Hq, dv)).transpose(1, 2)
 
 
-def attention_aten(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
+# ------------------------------------------------------------------------------------------------
+# the ATen form, and the semantics
+# ------------------------------------------------------------------------------------------------
+
+
+def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
     """``rubin.attention`` as ATen ops: key / value heads repeated as Hugging Face's ``repeat_kv`` does
     (expand + reshape), then SDPA. select_kernels lowers a node bound to ``torch`` or ``reference`` into
     these, so Inductor lowers the attention itself -- its SDPA backend choice, its mask padding for the
-    memory-efficient kernel, its fusion of the repeat -- as it does without rubin. (As an extern call, the
-    H200 profile of a decode step showed at T = 1 no fused attention kernel but ATen math-backend and copy
-    kernels where Inductor alone runs two fused ones per layer: benchmarks/results/decode-step-h200.md.)
+    memory-efficient kernel, its fusion of the repeat -- as it does without rubin (as an extern call it
+    ran ATen's math-backend and copy kernels where Inductor alone runs fused ones: docs/pdl_locality.md).
     The result has SDPA's own layout, not the op's promised one; the graph's users are re-lowered with it."""
-    B, Hq, Hkv, S, Skv, D, Dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)
+    query, key, value = args.query, args.key, args.value
+    B, Hq, Hkv, Skv, D, Dv = args.B, args.Hq, args.Hkv, args.Skv, args.D, args.Dv
     if Hq != Hkv:
         n = Hq // Hkv
         key = key[:, :, None].expand(B, Hkv, n, Skv, D).reshape(B, Hq, Skv, D)
         value = value[:, :, None].expand(B, Hkv, n, Skv, Dv).reshape(B, Hq, Skv, Dv)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
-                                          is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=args.attn_mask, dropout_p=0.0,
+                                          is_causal=args.is_causal, scale=args.scale)
 
 
-def attention_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Plain PyTorch semantics of ``rubin.attention`` (see the module docstring); any device:
-    ``attention_aten`` (heads repeated explicitly, which every SDPA backend accepts; on the CPU SDPA then
-    runs the same flash kernel eager PyTorch runs for the source graph, so a rewrite keeps eager numerics),
-    written into the op's promised layout."""
-    dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)[-1]
-    result = _output_like(query, dv)
-    result.copy_(attention_aten(query, key, value, attn_mask, is_causal, scale))
+def attention_aten(*args, **kwargs) -> torch.Tensor:
+    """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
+    return aten(AttentionArgs(*args, **kwargs))
+
+
+def reference(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
+    """Plain PyTorch semantics of ``rubin.attention`` (see the module docstring); any device: the ATen form
+    (heads repeated explicitly, which every SDPA backend accepts; on the CPU SDPA then runs the same flash
+    kernel eager PyTorch runs for the source graph, so a rewrite keeps eager numerics), written into the op's
+    promised layout."""
+    result = _output_like(args.query, args.Dv)
+    result.copy_(aten(args))
     return result
+
+
+def attention_reference(*args, **kwargs) -> torch.Tensor:
+    """``reference`` called like the op (its data arguments, positionally or by name)."""
+    return reference(AttentionArgs(*args, **kwargs))
+
+
+# ------------------------------------------------------------------------------------------------
+# the op
+# ------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("rubin::attention", mutates_args=())
@@ -163,16 +187,13 @@ def attention(
     scale: Optional[float] = None,
     impl: str = "reference",
 ) -> torch.Tensor:
-    """Canonical attention; see the module docstring. ``impl`` names the kernel (see kernels/registry.py)."""
-    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
-
-    return registry.implementation("attention", impl)(query, key, value, attn_mask, is_causal, scale)
+    """Canonical attention; see the module docstring. ``impl`` names the kernel (ops/registry.py)."""
+    return ATTENTION.run(impl, AttentionArgs(query, key, value, attn_mask, is_causal, scale))
 
 
 @attention.register_fake
 def _attention_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, impl="reference"):
-    dv = check_attention_args(query, key, value, attn_mask, is_causal, scale)[-1]
-    return _output_like(query, dv)
+    return _output_like(query, AttentionArgs(query, key, value, attn_mask, is_causal, scale).Dv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,29 +209,28 @@ def masking(node: torch.fx.Node) -> str:
     return "causal" if args.get("is_causal") else "none"
 
 
-def kernel_spec(node: torch.fx.Node):
-    """The ``KernelSpec`` of a ``rubin.attention`` node, for select_kernels (``SPEC_BUILDERS["attention"]``).
+def attention_spec(node: torch.fx.Node) -> KernelSpec:
+    """The ``KernelSpec`` of a ``rubin.attention`` node.
 
     ``quant`` is ``"none"`` (rubin.attention reads activations, not a quantised KV cache); ``act_dtype`` is the
     query's dtype and ``weight_dtype`` the key/value dtype (the "KV cache" of the registry's attention rows);
     ``shape`` holds ``D`` (the head dim the registry checks) and, when static, ``Dv``, ``Hq``, ``Hkv``, ``S``,
     ``Skv`` and ``B``; ``activation`` carries the masking (``"causal"``, ``"mask"``, or ``None`` for none), so a
-    candidate without arbitrary masks (trtllm-gen) can decline ``"mask"``.
+    kernel without arbitrary masks (trtllm-gen) can decline ``"mask"``.
     """
-    from rubin_compile.kernels.registry import KernelSpec  # lazy: the registry imports provider tables
-
     args = bound_arguments(node)
-    q, k, v = (args[n].meta.get("val") if isinstance(args[n], torch.fx.Node) else None
-               for n in ("query", "key", "value"))
+    q, k, v = (tensor_val(args[n]) for n in ("query", "key", "value"))
     sizes = {}
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+    if q is not None and k is not None and v is not None:
         sizes = {"D": q.shape[3], "Dv": v.shape[3], "Hq": q.shape[1], "Hkv": k.shape[1], "S": q.shape[2],
                  "Skv": k.shape[2], "B": q.shape[0]}
     kind = masking(node)
     return KernelSpec(
-        op="attention", quant="none",
-        act_dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "unknown",
-        weight_dtype=str(k.dtype).replace("torch.", "") if isinstance(k, torch.Tensor) else "unknown",
+        op="attention", quant="none", act_dtype=val_dtype(args["query"]), weight_dtype=val_dtype(args["key"]),
         shape=tuple((n, s) for n, s in sizes.items() if isinstance(s, int)),
         activation=None if kind == "none" else kind, node=node.name,
     )
+
+
+ATTENTION = CanonicalOp("attention", attention_spec, reference, aten_form=attention_aten, aten_label="repeat_kv + SDPA",
+                        example_shape=(("D", 128),))

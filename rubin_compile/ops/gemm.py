@@ -2,8 +2,8 @@
 
 Every linear-layer idiom the matchers recognise (``aten.mm`` / ``aten.addmm`` against a weight, FP8
 ``aten._scaled_mm``, each with an optional bias, SiLU-and-mul or residual add after it) is rewritten into
-this one functional op; kernel selection then binds it to a kernel. Its reference implementation below *is*
-the semantics.
+this one functional op; kernel selection then binds it to a kernel (``GEMM``, the op's entry in
+ops/registry.py). Its reference implementation below *is* the semantics.
 
 Schema::
 
@@ -42,22 +42,26 @@ runs on the result in the output dtype, as eager code does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from rubin_compile.passes.base import bound_arguments
 from rubin_compile.ops.moe import apply_activation
+from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, tensor_val, val_dtype
+from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
 EPILOGUES = ("none", "silu_and_mul", "gelu_tanh_and_mul", "residual_add")
 GATED = {"silu_and_mul": "silu", "gelu_tanh_and_mul": "gelu_tanh"}  # epilogue -> rubin.moe activation name
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class GemmArgumentError(ValueError):
     """Raised when the arguments of ``rubin.gemm`` do not describe a valid GEMM call."""
+
+
+def _fail(msg: str) -> None:
+    raise GemmArgumentError(f"rubin.gemm: {msg}")
 
 
 def _known(*sizes) -> bool:
@@ -76,102 +80,97 @@ def scale_kind(scale: torch.Tensor, rows: Any, operand: str) -> Optional[str]:
     return None
 
 
-def check_gemm_args(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    epilogue: str,
-    residual: Optional[torch.Tensor],
-    a_scale: Optional[torch.Tensor],
-    b_scale: Optional[torch.Tensor],
-    out_dtype: Optional[torch.dtype],
-) -> tuple:
-    """Validate the op's arguments; return (M, N, K, N_out, output dtype). Errors name the argument and the fix."""
+@dataclass(frozen=True)
+class GemmArgs:
+    """The data arguments of one ``rubin.gemm`` call (the schema's, in its order, without ``impl``), validated
+    when built; ``M, N, K``, the output width ``n_out`` and the output dtype are read off them. Errors name the
+    argument and the fix (``GemmArgumentError``). Works on fake tensors with symbolic sizes (unknown sizes are
+    not checked: a check would add a guard)."""
 
-    def fail(msg: str) -> None:
-        raise GemmArgumentError(f"rubin.gemm: {msg}")
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    epilogue: str = "none"
+    residual: Optional[torch.Tensor] = None
+    a_scale: Optional[torch.Tensor] = None
+    b_scale: Optional[torch.Tensor] = None
+    out_dtype: Optional[torch.dtype] = None
+    M: Any = field(init=False)
+    N: Any = field(init=False)
+    K: Any = field(init=False)
+    n_out: Any = field(init=False)
+    result_dtype: torch.dtype = field(init=False)
 
+    def __post_init__(self) -> None:
+        for name, value in zip(("M", "N", "K", "n_out", "result_dtype"), _validate(self)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def fp8(self) -> bool:
+        return self.a.dtype in FP8_DTYPES
+
+
+def _validate(g: GemmArgs) -> tuple:
+    """(M, N, K, N_out, output dtype) of valid arguments; ``GemmArgumentError`` otherwise."""
+    a, b, bias, residual, epilogue = g.a, g.b, g.bias, g.residual, g.epilogue
     if epilogue not in EPILOGUES:
-        fail(f"epilogue={epilogue!r} is not supported; use one of {EPILOGUES}")
+        _fail(f"epilogue={epilogue!r} is not supported; use one of {EPILOGUES}")
     if a.dim() != 2 or b.dim() != 2:
-        fail(f"a must be [M, K] and b [K, N]; got {tuple(a.shape)} and {tuple(b.shape)} (flatten leading dims)")
+        _fail(f"a must be [M, K] and b [K, N]; got {tuple(a.shape)} and {tuple(b.shape)} (flatten leading dims)")
     M, K = a.shape
     Kb, N = b.shape
     if _known(K, Kb) and K != Kb:
-        fail(f"a is [M, K={K}] but b is [K={Kb}, N]; an nn.Linear weight [N, K] is passed as weight.t()")
+        _fail(f"a is [M, K={K}] but b is [K={Kb}, N]; an nn.Linear weight [N, K] is passed as weight.t()")
     quantized = a.dtype in FP8_DTYPES
     if quantized:
         if b.dtype not in FP8_DTYPES:
-            fail(f"a is {a.dtype} but b is {b.dtype}; FP8 GEMMs take FP8 a and b")
-        if a_scale is None or b_scale is None:
-            fail("FP8 a and b need a_scale and b_scale")
-        for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+            _fail(f"a is {a.dtype} but b is {b.dtype}; FP8 GEMMs take FP8 a and b")
+        if g.a_scale is None or g.b_scale is None:
+            _fail("FP8 a and b need a_scale and b_scale")
+        for name, s in (("a_scale", g.a_scale), ("b_scale", g.b_scale)):
             if s.dtype != torch.float32:
-                fail(f"{name} must be float32, got {s.dtype}")
-        if scale_kind(a_scale, M, "a") is None:
-            fail(f"a_scale must be per tensor ([]) or per row ([M={M}, 1]); got {tuple(a_scale.shape)}")
-        if scale_kind(b_scale, N, "b") is None:
-            fail(f"b_scale must be per tensor ([]) or per column ([1, N={N}]); got {tuple(b_scale.shape)}")
-        if out_dtype not in FP8_OUT_DTYPES:
-            fail(f"FP8 GEMMs need out_dtype in {FP8_OUT_DTYPES}, got {out_dtype}")
-        result_dtype = out_dtype
+                _fail(f"{name} must be float32, got {s.dtype}")
+        if scale_kind(g.a_scale, M, "a") is None:
+            _fail(f"a_scale must be per tensor ([]) or per row ([M={M}, 1]); got {tuple(g.a_scale.shape)}")
+        if scale_kind(g.b_scale, N, "b") is None:
+            _fail(f"b_scale must be per tensor ([]) or per column ([1, N={N}]); got {tuple(g.b_scale.shape)}")
+        if g.out_dtype not in FP8_OUT_DTYPES:
+            _fail(f"FP8 GEMMs need out_dtype in {FP8_OUT_DTYPES}, got {g.out_dtype}")
+        result_dtype = g.out_dtype
     else:
         if a.dtype not in FLOAT_DTYPES:
-            fail(f"a dtype {a.dtype} is not one of bf16 / fp16 / fp32 / fp64 / FP8")
+            _fail(f"a dtype {a.dtype} is not one of bf16 / fp16 / fp32 / fp64 / FP8")
         if b.dtype != a.dtype:
-            fail(f"a ({a.dtype}) and b ({b.dtype}) must have one dtype; cast before the call")
-        if a_scale is not None or b_scale is not None:
-            fail("a_scale / b_scale are only for FP8 a and b")
-        if out_dtype not in (None, a.dtype):
-            fail(f"out_dtype {out_dtype} differs from a's dtype {a.dtype}; only FP8 GEMMs change dtype")
+            _fail(f"a ({a.dtype}) and b ({b.dtype}) must have one dtype; cast before the call")
+        if g.a_scale is not None or g.b_scale is not None:
+            _fail("a_scale / b_scale are only for FP8 a and b")
+        if g.out_dtype not in (None, a.dtype):
+            _fail(f"out_dtype {g.out_dtype} differs from a's dtype {a.dtype}; only FP8 GEMMs change dtype")
         result_dtype = a.dtype
     if bias is not None:
         want = result_dtype if quantized else a.dtype
         if bias.dim() != 1 or (_known(bias.shape[0], N) and bias.shape[0] != N):
-            fail(f"bias must be [N={N}], got {tuple(bias.shape)}")
+            _fail(f"bias must be [N={N}], got {tuple(bias.shape)}")
         if bias.dtype != want:
-            fail(f"bias dtype {bias.dtype} must be {want}")
+            _fail(f"bias dtype {bias.dtype} must be {want}")
     n_out = N
     if epilogue in GATED:
         if _known(N) and N % 2:
-            fail(f"epilogue {epilogue!r} needs an even N (gate columns, then up columns); N={N}")
+            _fail(f"epilogue {epilogue!r} needs an even N (gate columns, then up columns); N={N}")
         n_out = N // 2
     if (residual is not None) != (epilogue == "residual_add"):
-        fail("residual is given exactly when epilogue='residual_add'")
+        _fail("residual is given exactly when epilogue='residual_add'")
     if residual is not None:
         if residual.dim() != 2 or not all(not _known(h, w) or h == w for h, w in zip(residual.shape, (M, N))):
-            fail(f"residual must be [M, N] = {(M, N)}, got {tuple(residual.shape)}")
+            _fail(f"residual must be [M, N] = {(M, N)}, got {tuple(residual.shape)}")
         if residual.dtype != result_dtype:
-            fail(f"residual dtype {residual.dtype} must be the output dtype {result_dtype}")
+            _fail(f"residual dtype {residual.dtype} must be the output dtype {result_dtype}")
     return M, N, K, n_out, result_dtype
 
 
-def gemm_reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    epilogue: str = "none",
-    residual: Optional[torch.Tensor] = None,
-    a_scale: Optional[torch.Tensor] = None,
-    b_scale: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    """Plain PyTorch semantics of ``rubin.gemm`` (see the module docstring); any device.
-
-    FP8 is dequantised and multiplied in float32 (what ``torch._scaled_mm`` computes, and it runs on every
-    device), then rounded once to ``out_dtype``.
-    """
-    M, N, _, _, result_dtype = check_gemm_args(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
-    if a.dtype in FP8_DTYPES:
-        sa = a_scale.reshape(-1, 1) if a_scale.numel() != 1 else a_scale.reshape(())
-        sb = b_scale.reshape(1, -1) if b_scale.numel() != 1 else b_scale.reshape(())
-        acc = (a.to(torch.float32) * sa) @ (b.to(torch.float32) * sb)
-        if bias is not None:
-            acc = acc + bias.to(torch.float32)
-        y = acc.to(result_dtype)
-    else:
-        y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
-    return apply_epilogue(y, epilogue, residual)
+# ------------------------------------------------------------------------------------------------
+# the semantics, and the ATen form
+# ------------------------------------------------------------------------------------------------
 
 
 def apply_epilogue(y: torch.Tensor, epilogue: str, residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -183,26 +182,52 @@ def apply_epilogue(y: torch.Tensor, epilogue: str, residual: Optional[torch.Tens
     return y
 
 
-def gemm_aten(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    epilogue: str = "none",
-    residual: Optional[torch.Tensor] = None,
-    a_scale: Optional[torch.Tensor] = None,
-    b_scale: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def reference(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
+    """Plain PyTorch semantics of ``rubin.gemm`` (see the module docstring); any device.
+
+    FP8 is dequantised and multiplied in float32 (what ``torch._scaled_mm`` computes, and it runs on every
+    device), then rounded once to ``out_dtype``.
+    """
+    a, b, bias = args.a, args.b, args.bias
+    if args.fp8:
+        sa = args.a_scale.reshape(-1, 1) if args.a_scale.numel() != 1 else args.a_scale.reshape(())
+        sb = args.b_scale.reshape(1, -1) if args.b_scale.numel() != 1 else args.b_scale.reshape(())
+        acc = (a.to(torch.float32) * sa) @ (b.to(torch.float32) * sb)
+        if bias is not None:
+            acc = acc + bias.to(torch.float32)
+        y = acc.to(args.result_dtype)
+    else:
+        y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
+    return apply_epilogue(y, args.epilogue, args.residual)
+
+
+def gemm_reference(*args, **kwargs) -> torch.Tensor:
+    """``reference`` called like the op (its data arguments, positionally or by name)."""
+    return reference(GemmArgs(*args, **kwargs))
+
+
+def aten(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     """``rubin.gemm`` as the ATen ops the source graph had: ``mm`` / ``addmm``, FP8 ``_scaled_mm`` (cuBLASLt
     FP8 on a GPU), then the epilogue. The ``torch`` kernel runs this; select_kernels lowers a node bound to
     ``torch`` or ``reference`` back into these ops, so Inductor compiles and fuses them as it would have
     without rubin (the FP8 result is ``_scaled_mm``'s: within FP8 tolerance of the float32 reference)."""
-    _, _, _, _, result_dtype = check_gemm_args(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
-    if a.dtype in FP8_DTYPES:
-        y = torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=result_dtype)
+    a, b, bias = args.a, args.b, args.bias
+    if args.fp8:
+        y = torch._scaled_mm(a, b, scale_a=args.a_scale, scale_b=args.b_scale, bias=bias,
+                             out_dtype=args.result_dtype)
     else:
         y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
-    return apply_epilogue(y, epilogue, residual)
+    return apply_epilogue(y, args.epilogue, args.residual)
+
+
+def gemm_aten(*args, **kwargs) -> torch.Tensor:
+    """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
+    return aten(GemmArgs(*args, **kwargs))
+
+
+# ------------------------------------------------------------------------------------------------
+# the op
+# ------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("rubin::gemm", mutates_args=())
@@ -217,17 +242,15 @@ def gemm(
     out_dtype: Optional[torch.dtype] = None,
     impl: str = "reference",
 ) -> torch.Tensor:
-    """Canonical GEMM; see the module docstring. ``impl`` names the kernel (see kernels/registry.py)."""
-    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
-
-    return registry.implementation("gemm", impl)(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
+    """Canonical GEMM; see the module docstring. ``impl`` names the kernel (ops/registry.py)."""
+    return GEMM.run(impl, GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype))
 
 
 @gemm.register_fake
 def _gemm_fake(a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_scale=None, out_dtype=None,
                impl="reference"):
-    M, _, _, n_out, dtype = check_gemm_args(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
-    return a.new_empty((M, n_out), dtype=dtype)
+    args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
+    return a.new_empty((args.M, args.n_out), dtype=args.result_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,20 +258,11 @@ def _gemm_fake(a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_
 # ------------------------------------------------------------------------------------------------
 
 
-def _val(x: Any) -> Optional[torch.Tensor]:
-    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def quantization(node: torch.fx.Node) -> str:
     """``"none"``, ``"fp8_tensor"`` (one scale each for a and b) or ``"fp8_rowwise"`` (per-token a scales
     and / or per-channel b scales) for a ``rubin.gemm`` node."""
     args = bound_arguments(node)
-    a, sa, sb = _val(args["a"]), _val(args["a_scale"]), _val(args["b_scale"])
+    a, sa, sb = tensor_val(args["a"]), tensor_val(args["a_scale"]), tensor_val(args["b_scale"])
     if a is None or a.dtype not in FP8_DTYPES:
         return "none"
     if sa is not None and sb is not None and sa.numel() == 1 and sb.numel() == 1:
@@ -256,24 +270,24 @@ def quantization(node: torch.fx.Node) -> str:
     return "fp8_rowwise"
 
 
-def kernel_spec(node: torch.fx.Node):
-    """The ``KernelSpec`` of a ``rubin.gemm`` node, for select_kernels (``SPEC_BUILDERS["gemm"]``).
+def gemm_spec(node: torch.fx.Node) -> KernelSpec:
+    """The ``KernelSpec`` of a ``rubin.gemm`` node.
 
     ``quant`` is ``"none"``, ``"fp8_tensor"`` or ``"fp8_rowwise"``; ``act_dtype`` / ``weight_dtype`` are a's and
     b's dtypes; ``shape`` holds ``N`` and ``K`` and, when static, ``M``; ``activation`` carries the epilogue
-    (``None`` for ``"none"``), so a candidate that cannot fuse it can say so.
+    (``None`` for ``"none"``), so a kernel that cannot fuse it can say so.
     """
-    from rubin_compile.kernels.registry import KernelSpec  # lazy: the registry imports provider tables
-
     args = bound_arguments(node)
-    a, b = _val(args["a"]), _val(args["b"])
+    a, b = tensor_val(args["a"]), tensor_val(args["b"])
     sizes = {"M": a.shape[0] if a is not None else None, "N": b.shape[1] if b is not None else None,
              "K": b.shape[0] if b is not None else None}
     epilogue = args.get("epilogue", "none")
     return KernelSpec(
-        op="gemm", quant=quantization(node),
-        act_dtype=_dtype_name(a.dtype) if a is not None else "unknown",
-        weight_dtype=_dtype_name(b.dtype) if b is not None else "unknown",
+        op="gemm", quant=quantization(node), act_dtype=val_dtype(args["a"]), weight_dtype=val_dtype(args["b"]),
         shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),
         activation=None if epilogue == "none" else epilogue, node=node.name,
     )
+
+
+GEMM = CanonicalOp("gemm", gemm_spec, reference, aten_form=gemm_aten, aten_label="mm / addmm / _scaled_mm + epilogue",
+                   example_shape=(("M", 128), ("N", 4096), ("K", 4096)))

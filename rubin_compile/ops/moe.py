@@ -1,8 +1,9 @@
 """The canonical mixture-of-experts op, ``torch.ops.rubin.moe``.
 
 Every MoE idiom the matchers recognise (vLLM's CPU and GPU ops, Hugging Face grouped-mm experts, a plain
-loop over experts) is rewritten into this one functional op; kernel selection then binds it to a kernel.
-Its reference implementation below *is* the semantics.
+loop over experts) is rewritten into this one functional op; kernel selection then binds it to a kernel
+(``MOE``, the op's entry in ops/registry.py; kernels register onto it from kernels/). Its reference
+implementation below *is* the semantics.
 
 Schema::
 
@@ -18,9 +19,10 @@ Schema::
                Tensor? w2_scale=None,
                int[]? block_shape=None,   # [bn, bk] for block-scaled FP8, e.g. [128, 128]
                str impl="reference",      # which kernel runs it; chosen by select_kernels
-               str weight_layout="plain", # how w13 / w2 are stored, see below
+               str weight_layout="plain", # how w13 / w2 are stored, see below (WeightLayout)
                bool pdl=False,            # launch with Programmatic Dependent Launch; set by chain_pdl
-               str placement="")          # "" or "split_n:<mode>:<domains>:<max_tokens>"; set by place_locality
+               str placement="")          # "" or "split_n:<mode>:<domains>:<max_tokens>" (Placement); set by
+                                          # place_locality
       -> Tensor                           # [T, H] in hidden_states' dtype
 
 Semantics, for every token t::
@@ -40,8 +42,8 @@ bitwise identical, and a split-N placement (passes/place_locality.py: FC1 split 
 locality domain each) changes no reduction order. Kernels that do not take them run without.
 
 Weight layouts (``weight_layout``; the shapes above hold in every layout, only the order of the elements
-inside each expert's matrix differs). A kernel declares the layouts it reads (kernels/registry.py), so a
-matcher can hand over weights as the model stores them instead of copying them on every call:
+inside each expert's matrix differs). A kernel declares the layouts it reads, so a matcher can hand over
+weights as the model stores them instead of copying them on every call:
 
 * ``"plain"``: row-major ``[E, N, K]`` as written above.
 * ``"vllm_cpu:<isa>"``: what vLLM's CPU build stores after ``_C.prepack_moe_weight(w, isa)``: each
@@ -52,13 +54,59 @@ matcher can hand over weights as the model stores them instead of copying them o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
+from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+
 ACTIVATIONS = ("silu", "gelu_tanh")
+WEIGHT_FP8_DTYPES = (torch.float8_e4m3fn,)  # rubin.moe's FP8 weights: e4m3, as the checkpoints store them
 CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
+
+
+class MoEArgumentError(ValueError):
+    """Raised when the arguments of ``rubin.moe`` do not describe a valid MoE call."""
+
+
+def _fail(msg: str) -> None:
+    raise MoEArgumentError(f"rubin.moe: {msg}")
+
+
+# ------------------------------------------------------------------------------------------------
+# weight layouts
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """How ``w13`` / ``w2`` are stored (see the module docstring): ``family`` "plain" or "vllm_cpu" (with the
+    ``isa`` vLLM packed for). The op schema keeps the string form, ``encode()``."""
+
+    family: str = "plain"
+    isa: Optional[str] = None
+
+    @staticmethod
+    def decode(text: str) -> "WeightLayout":
+        if text == "plain":
+            return PLAIN
+        family, _, isa = text.partition(":")
+        if family != "vllm_cpu" or not isa:
+            _fail(f"weight_layout={text!r} is not 'plain' or 'vllm_cpu:<isa>'")
+        return WeightLayout(family, isa)
+
+    def encode(self) -> str:
+        return self.family if self.isa is None else f"{self.family}:{self.isa}"
+
+    @property
+    def cpu_packed(self) -> bool:
+        return self.family == "vllm_cpu"
+
+
+PLAIN = WeightLayout()
 
 
 def pack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
@@ -73,110 +121,129 @@ def unpack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS).permute(0, 1, 3, 2).reshape(E, N, K)
 
 
-def is_cpu_packed(weight_layout: str) -> bool:
-    return weight_layout.startswith("vllm_cpu:")
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-FP8_DTYPES = (torch.float8_e4m3fn,)
+# ------------------------------------------------------------------------------------------------
+# the arguments
+# ------------------------------------------------------------------------------------------------
 
 
-class MoEArgumentError(ValueError):
-    """Raised when the arguments of ``rubin.moe`` do not describe a valid MoE call."""
+@dataclass(frozen=True)
+class MoEArgs:
+    """The data arguments of one ``rubin.moe`` call (the schema's, in its order, without ``impl`` and the
+    launch settings), validated when built; ``T, H, E, I, k`` are read off the shapes. Errors name the
+    argument and the fix (``MoEArgumentError``). Works on fake tensors too (the op's fake implementation)."""
+
+    hidden_states: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    activation: str = "silu"
+    w13_bias: Optional[torch.Tensor] = None
+    w2_bias: Optional[torch.Tensor] = None
+    w13_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    block_shape: Optional[Sequence[int]] = None
+    weight_layout: WeightLayout = PLAIN
+    T: int = field(init=False)
+    H: int = field(init=False)
+    E: int = field(init=False)
+    I: int = field(init=False)  # noqa: E741  (the intermediate size, as every MoE paper names it)
+    k: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight_layout, str):
+            object.__setattr__(self, "weight_layout", WeightLayout.decode(self.weight_layout))
+        if self.block_shape is not None:
+            object.__setattr__(self, "block_shape", tuple(self.block_shape))
+        T, H, E, inter, k = _validate(self)
+        for name, value in (("T", T), ("H", H), ("E", E), ("I", inter), ("k", k)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13.dtype in WEIGHT_FP8_DTYPES
 
 
-def check_moe_args(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-    w13_bias: Optional[torch.Tensor],
-    w2_bias: Optional[torch.Tensor],
-    w13_scale: Optional[torch.Tensor],
-    w2_scale: Optional[torch.Tensor],
-    block_shape: Optional[Sequence[int]],
-    weight_layout: str = "plain",
-) -> tuple[int, int, int, int, int]:
-    """Validate the op's arguments; return (T, H, E, I, k). Errors name the argument and the fix."""
-
-    def fail(msg: str) -> None:
-        raise MoEArgumentError(f"rubin.moe: {msg}")
-
-    if weight_layout != "plain" and not (is_cpu_packed(weight_layout) and len(weight_layout) > len("vllm_cpu:")):
-        fail(f"weight_layout={weight_layout!r} is not 'plain' or 'vllm_cpu:<isa>'")
-    if is_cpu_packed(weight_layout):
+def _validate(a: MoEArgs) -> tuple:
+    """(T, H, E, I, k) of valid arguments; ``MoEArgumentError`` naming the argument and the fix otherwise."""
+    x, w13, w2 = a.hidden_states, a.w13, a.w2
+    layout = a.weight_layout
+    if layout.cpu_packed:
         if w13.dim() == 3 and w2.dim() == 3 and (w13.shape[1] % CPU_PACK_ROWS or w2.shape[1] % CPU_PACK_ROWS):
-            fail(f"weight_layout {weight_layout!r} packs rows in blocks of {CPU_PACK_ROWS}; w13 {tuple(w13.shape)} "
-                 f"and w2 {tuple(w2.shape)} must have N divisible by {CPU_PACK_ROWS}")
-        if w13.dtype in FP8_DTYPES or w2.dtype in FP8_DTYPES:
-            fail(f"weight_layout {weight_layout!r} is for unquantised weights")
-    if activation not in ACTIVATIONS:
-        fail(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
-    if hidden_states.dim() != 2:
-        fail(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
-    if hidden_states.dtype not in FLOAT_DTYPES:
-        fail(f"hidden_states dtype {hidden_states.dtype} is not one of bf16 / fp16 / fp32 / fp64")
-    T, H = hidden_states.shape
+            _fail(f"weight_layout {layout.encode()!r} packs rows in blocks of {CPU_PACK_ROWS}; w13 {tuple(w13.shape)} "
+                  f"and w2 {tuple(w2.shape)} must have N divisible by {CPU_PACK_ROWS}")
+        if w13.dtype in WEIGHT_FP8_DTYPES or w2.dtype in WEIGHT_FP8_DTYPES:
+            _fail(f"weight_layout {layout.encode()!r} is for unquantised weights")
+    if a.activation not in ACTIVATIONS:
+        _fail(f"activation={a.activation!r} is not supported; use one of {ACTIVATIONS}")
+    if x.dim() != 2:
+        _fail(f"hidden_states must be [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(f"hidden_states dtype {x.dtype} is not one of bf16 / fp16 / fp32 / fp64")
+    T, H = x.shape
     if w13.dim() != 3 or w2.dim() != 3:
-        fail(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        _fail(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
     E, two_i, h13 = w13.shape
     if h13 != H or two_i % 2:
-        fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I")
+        _fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I")
     inter = two_i // 2
     if tuple(w2.shape) != (E, H, inter):
-        fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I={inter}]")
-    quantized = w13.dtype in FP8_DTYPES
-    if (w2.dtype in FP8_DTYPES) != quantized:
-        fail(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be FP8 or both unquantised")
+        _fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I={inter}]")
+    quantized = w13.dtype in WEIGHT_FP8_DTYPES
+    if (w2.dtype in WEIGHT_FP8_DTYPES) != quantized:
+        _fail(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be FP8 or both unquantised")
     if quantized:
-        if w13_scale is None or w2_scale is None:
-            fail("FP8 weights need w13_scale and w2_scale")
-        if block_shape is not None:
-            if len(block_shape) != 2 or min(block_shape) <= 0:
-                fail(f"block_shape must be [bn, bk] with positive entries, got {list(block_shape)}")
-            bn, bk = block_shape
-            want13 = (E, -(-two_i // bn), -(-H // bk))
-            want2 = (E, -(-H // bn), -(-inter // bk))
-            if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
-                fail(
-                    f"block scales must be w13_scale {want13} and w2_scale {want2} for block_shape "
-                    f"{list(block_shape)}; got {tuple(w13_scale.shape)} and {tuple(w2_scale.shape)}"
-                )
-        else:
-            for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-                if s.numel() not in (1, E):
-                    fail(f"{name} must be per-tensor ([]) or per-expert ([E={E}]); got {tuple(s.shape)}")
+        _validate_scales(a, E, H, two_i, inter)
     else:
-        if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
-            fail(
-                f"weights ({w13.dtype}, {w2.dtype}) must have hidden_states' dtype {hidden_states.dtype} "
-                "(or be FP8 with scales); cast them before the call"
-            )
-        if w13_scale is not None or w2_scale is not None or block_shape is not None:
-            fail("w13_scale / w2_scale / block_shape are only for FP8 weights")
-    if topk_weights.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
-        fail(
-            f"topk_weights and topk_ids must both be [T, k]; got {tuple(topk_weights.shape)} "
-            f"and {tuple(topk_ids.shape)}"
-        )
-    if topk_ids.shape[0] != T:
-        fail(f"topk_ids has {topk_ids.shape[0]} rows but hidden_states has T={T}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        fail(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if not topk_weights.dtype.is_floating_point:
-        fail(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    if w13_bias is not None and tuple(w13_bias.shape) != (E, two_i):
-        fail(f"w13_bias must be [E, 2I] = {(E, two_i)}, got {tuple(w13_bias.shape)}")
-    if w2_bias is not None and tuple(w2_bias.shape) != (E, H):
-        fail(f"w2_bias must be [E, H] = {(E, H)}, got {tuple(w2_bias.shape)}")
-    return T, H, E, inter, topk_ids.shape[1]
+        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+            _fail(f"weights ({w13.dtype}, {w2.dtype}) must have hidden_states' dtype {x.dtype} "
+                  "(or be FP8 with scales); cast them before the call")
+        if a.w13_scale is not None or a.w2_scale is not None or a.block_shape is not None:
+            _fail("w13_scale / w2_scale / block_shape are only for FP8 weights")
+    tw, ids = a.topk_weights, a.topk_ids
+    if tw.dim() != 2 or ids.dim() != 2 or tw.shape != ids.shape:
+        _fail(f"topk_weights and topk_ids must both be [T, k]; got {tuple(tw.shape)} and {tuple(ids.shape)}")
+    if ids.shape[0] != T:
+        _fail(f"topk_ids has {ids.shape[0]} rows but hidden_states has T={T}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        _fail(f"topk_ids must be int32 or int64, got {ids.dtype}")
+    if not tw.dtype.is_floating_point:
+        _fail(f"topk_weights must be floating point, got {tw.dtype}")
+    if a.w13_bias is not None and tuple(a.w13_bias.shape) != (E, two_i):
+        _fail(f"w13_bias must be [E, 2I] = {(E, two_i)}, got {tuple(a.w13_bias.shape)}")
+    if a.w2_bias is not None and tuple(a.w2_bias.shape) != (E, H):
+        _fail(f"w2_bias must be [E, H] = {(E, H)}, got {tuple(a.w2_bias.shape)}")
+    return T, H, E, inter, ids.shape[1]
+
+
+def _validate_scales(a: MoEArgs, E: int, H: int, two_i: int, inter: int) -> None:
+    if a.w13_scale is None or a.w2_scale is None:
+        _fail("FP8 weights need w13_scale and w2_scale")
+    if a.block_shape is not None:
+        if len(a.block_shape) != 2 or min(a.block_shape) <= 0:
+            _fail(f"block_shape must be [bn, bk] with positive entries, got {list(a.block_shape)}")
+        bn, bk = a.block_shape
+        want13 = (E, -(-two_i // bn), -(-H // bk))
+        want2 = (E, -(-H // bn), -(-inter // bk))
+        if tuple(a.w13_scale.shape) != want13 or tuple(a.w2_scale.shape) != want2:
+            _fail(f"block scales must be w13_scale {want13} and w2_scale {want2} for block_shape "
+                  f"{list(a.block_shape)}; got {tuple(a.w13_scale.shape)} and {tuple(a.w2_scale.shape)}")
+    else:
+        for name, s in (("w13_scale", a.w13_scale), ("w2_scale", a.w2_scale)):
+            if s.numel() not in (1, E):
+                _fail(f"{name} must be per-tensor ([]) or per-expert ([E={E}]); got {tuple(s.shape)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the semantics
+# ------------------------------------------------------------------------------------------------
 
 
 def dequantize_weight(
     w: torch.Tensor, scale: Optional[torch.Tensor], block_shape: Optional[Sequence[int]], dtype: torch.dtype
 ) -> torch.Tensor:
     """Return ``w`` [E, N, K] in ``dtype``, applying per-tensor, per-expert or block scales to FP8."""
-    if w.dtype not in FP8_DTYPES:
+    if w.dtype not in WEIGHT_FP8_DTYPES:
         return w.to(dtype)
     assert scale is not None
     wf = w.to(torch.float32)
@@ -209,76 +276,54 @@ def apply_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     raise MoEArgumentError(f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS}")
 
 
-def moe_reference(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    w13_bias: Optional[torch.Tensor] = None,
-    w2_bias: Optional[torch.Tensor] = None,
-    w13_scale: Optional[torch.Tensor] = None,
-    w2_scale: Optional[torch.Tensor] = None,
-    block_shape: Optional[Sequence[int]] = None,
-    weight_layout: str = "plain",
-) -> torch.Tensor:
+def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
     """Plain PyTorch semantics of ``rubin.moe`` (see the module docstring); any device.
 
     Matrix products run in the input dtype, as eager PyTorch would (so a bf16 model matches its eager
     self closely); the top-k weighted sum accumulates in float32 (float64 for float64 inputs). Packed
     weights (``weight_layout`` other than "plain") are unpacked first, a copy per call: the reference
-    defines the result, the kernels that read a layout as stored are in kernels/.
+    defines the result, the kernels that read a layout as stored are in kernels/. ``launch`` changes
+    nothing (the reference has no launch settings).
     """
-    T, H, E, inter, k = check_moe_args(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-        w2_scale, block_shape, weight_layout,
-    )
-    if is_cpu_packed(weight_layout):
+    T, H, E, k = args.T, args.H, args.E, args.k
+    x = args.hidden_states
+    w13, w2 = args.w13, args.w2
+    if args.weight_layout.cpu_packed:
         w13, w2 = unpack_cpu_weight(w13), unpack_cpu_weight(w2)
-    dtype = hidden_states.dtype
+    dtype = x.dtype
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    out = torch.zeros(T, H, dtype=acc_dtype, device=hidden_states.device)
+    out = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
     if T == 0 or k == 0:
         return out.to(dtype)
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    flat_w = topk_weights.reshape(-1).to(acc_dtype)
-    token_of_slot = torch.arange(T, device=hidden_states.device).repeat_interleave(k)
+    flat_ids = args.topk_ids.reshape(-1).to(torch.int64)
+    flat_w = args.topk_weights.reshape(-1).to(acc_dtype)
+    token_of_slot = torch.arange(T, device=x.device).repeat_interleave(k)
     for e in torch.unique(flat_ids).tolist():
         if not 0 <= e < E:
             raise MoEArgumentError(f"rubin.moe: topk_ids contains expert {e}, outside [0, E={E})")
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of_slot[slots]
-        x = hidden_states.index_select(0, tokens)
-        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(w13_scale, e, E), block_shape, dtype)[0]
-        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(w2_scale, e, E), block_shape, dtype)[0]
-        gate_up = x @ w13_e.t()
-        if w13_bias is not None:
-            gate_up = gate_up + w13_bias[e].to(dtype)
-        y = apply_activation(gate_up, activation) @ w2_e.t()
-        if w2_bias is not None:
-            y = y + w2_bias[e].to(dtype)
+        xe = x.index_select(0, tokens)
+        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
+        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
+        gate_up = xe @ w13_e.t()
+        if args.w13_bias is not None:
+            gate_up = gate_up + args.w13_bias[e].to(dtype)
+        y = apply_activation(gate_up, args.activation) @ w2_e.t()
+        if args.w2_bias is not None:
+            y = y + args.w2_bias[e].to(dtype)
         out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots].unsqueeze(1))
     return out.to(dtype)
 
 
-def run_kernel(impl: str, args: tuple, weight_layout: str = "plain", pdl: bool = False,
-               placement: str = "") -> torch.Tensor:
-    """Run rubin.moe's kernel ``impl`` on the op's positional ``args`` (hidden_states ... block_shape).
-    ``weight_layout``, ``pdl`` and ``placement`` are passed only when they are not their defaults: only
-    kernels that declare a layout, PDL or a placement (kernels/registry.py) are ever given one by the
-    passes, and the others take no such argument."""
-    from rubin_compile.kernels import registry  # lazy: providers may import optional packages
+def moe_reference(*args, **kwargs) -> torch.Tensor:
+    """``reference`` called like the op (its data arguments, positionally or by name)."""
+    return reference(MoEArgs(*args, **kwargs))
 
-    fn = registry.implementation("moe", impl)
-    extra: dict = {}
-    if weight_layout != "plain":
-        extra["weight_layout"] = weight_layout
-    if pdl:
-        extra["pdl"] = True
-    if placement:
-        extra["placement"] = placement
-    return fn(*args, **extra)
+
+# ------------------------------------------------------------------------------------------------
+# the op
+# ------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("rubin::moe", mutates_args=())
@@ -299,19 +344,47 @@ def moe(
     pdl: bool = False,
     placement: str = "",
 ) -> torch.Tensor:
-    """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (see kernels/registry.py)."""
-    return run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                             w13_scale, w2_scale, block_shape), weight_layout, pdl, placement)
+    """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (ops/registry.py)."""
+    args = MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
+                   w2_scale, block_shape, WeightLayout.decode(weight_layout))
+    return MOE.run(impl, args, Launch.decode(pdl, placement))
 
 
 @moe.register_fake
-def _moe_fake(
-    hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,
-    w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain", pdl=False,
-    placement="",
-):
-    check_moe_args(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-        w2_scale, block_shape, weight_layout,
-    )
+def _moe_fake(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,
+              w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain", pdl=False,
+              placement=""):
+    MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale, w2_scale,
+            block_shape, WeightLayout.decode(weight_layout))
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------------------------
+# what kernel selection knows of a rubin.moe node
+# ------------------------------------------------------------------------------------------------
+
+
+def moe_spec(node: torch.fx.Node) -> KernelSpec:
+    """The ``KernelSpec`` of a ``rubin.moe`` node: quantisation, dtypes, E / H / I / k (and T when static),
+    the activation and the weight layout."""
+    args = bound_arguments(node)
+    hidden, w13, ids = (node_val(args[n]) for n in ("hidden_states", "w13", "topk_ids"))
+    weight_dtype = val_dtype(args["w13"])
+    block = args.get("block_shape")
+    if weight_dtype.startswith("float8"):
+        quant = "fp8_block" if block else "fp8_tensor"
+    else:
+        quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
+    two_i = static_size(w13, 1)
+    sizes = {"T": static_size(hidden, 0), "E": static_size(w13, 0), "H": static_size(hidden, 1),
+             "I": two_i // 2 if two_i is not None else None, "k": static_size(ids, 1)}
+    return KernelSpec(
+        op="moe", quant=quant, act_dtype=val_dtype(args["hidden_states"]), weight_dtype=weight_dtype,
+        block_shape=tuple(block) if block else None,
+        shape=tuple((k, v) for k, v in sizes.items() if v is not None),
+        activation=args.get("activation"), node=node.name, weight_layout=args.get("weight_layout") or "plain",
+    )
+
+
+MOE = CanonicalOp("moe", moe_spec, reference, example_shape=(("E", 128), ("H", 4096), ("I", 1536), ("k", 8)),
+                  example_activation="silu")

@@ -1,4 +1,33 @@
-"""The rubin pass pipeline, one module per pass, in this order (manager.py runs them):
+"""The rubin pass pipeline: one module per pass, run in the order of ``PIPELINE`` by manager.py.
 
     canonicalize -> match_moe -> match_attention -> match_gemm -> select_kernels -> place_locality -> chain_pdl
+
+Matchers turn source idioms into canonical ops (match_*); selection binds each canonical node to a kernel for
+the target (select_kernels); the last two decide how kernels are launched (locality placement, PDL). Each
+entry is a ``Pass`` (base.py): its name, its ``run(graph, ctx)``, and what it reads from the context.
 """
+
+from __future__ import annotations
+
+from rubin_compile.passes import (
+    canonicalize,
+    chain_pdl,
+    match_attention,
+    match_gemm,
+    match_moe,
+    place_locality,
+    select_kernels,
+)
+from rubin_compile.passes.base import Pass
+
+PIPELINE: tuple[Pass, ...] = (
+    canonicalize.PASS,
+    match_moe.PASS,
+    match_attention.PASS,
+    match_gemm.PASS,
+    select_kernels.PASS,
+    place_locality.PASS,
+    chain_pdl.PASS,
+)
+
+PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)

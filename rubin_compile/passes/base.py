@@ -1,19 +1,35 @@
-"""What every pass shares: the context it runs in, and the ``PassResult`` it returns.
+"""What every pass shares: the ``Pass`` entry of the pipeline, the context a pass runs in, the engine adapter it
+asks about the framework the graph comes from, the ``PassResult`` it returns, and the errors of strict mode.
 
-A pass is a module in this package with ``NAME`` and ``run(graph, ctx) -> PassResult``; ``manager.py``
-owns the order, the dumps after each pass, timing and ``uuid()``.
+A pass is a module of this package with a ``PASS = Pass(name, run, reads)``; ``passes/__init__.py`` lists them
+in pipeline order and ``manager.py`` runs them (order, dumps after each pass, timing, ``uuid()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from rubin_compile.options import RubinOptions
 from rubin_compile.target import Target
+
+if TYPE_CHECKING:  # type-only: options.py validates pass names against passes/__init__.py's list
+    from rubin_compile.options import RubinOptions
+
+
+class RubinStrictError(RuntimeError):
+    """``strict=True`` and the pipeline left something it recognised unchanged."""
+
+
+class KernelSelectionError(RubinStrictError):
+    """``strict=True`` and a kernel forced by ``options.kernels`` cannot run on the target."""
+
+
+# --------------------------------------------------------------------------------------------------
+# what a pass reports
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -38,7 +54,7 @@ class Unchanged:
 
 @dataclass
 class KernelPlan:
-    """The kernel chosen for one canonical node, and why every other candidate was not."""
+    """The kernel chosen for one canonical node, and why every other kernel was not."""
 
     node: str  # name of the canonical node
     canonical_op: str  # e.g. "rubin.moe"
@@ -71,7 +87,6 @@ class PassResult:
     """What one pass did to one graph."""
 
     name: str
-    implemented: bool = True
     changed: bool = False
     rewrites: list[Rewrite] = field(default_factory=list)
     unchanged: list[Unchanged] = field(default_factory=list)
@@ -84,26 +99,116 @@ class PassResult:
         return dataclasses.asdict(self)
 
 
-@dataclass
+# --------------------------------------------------------------------------------------------------
+# the engine a graph comes from
+# --------------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """What passes may ask of the inference engine that hands rubin the graph, without importing it.
+
+    This base class is "no engine": a model compiled by ``torch.compile`` alone, where no graph names an
+    engine's layers. vLLM's adapter (integrations/vllm/engine.py) answers from vLLM's forward context and
+    config; it is the only place that touches vLLM objects.
+    """
+
+    name = "torch.compile"
+
+    def runs_under_cudagraphs(self, options: RubinOptions) -> tuple[bool, str]:
+        """Whether the compiled graph is replayed from CUDA graphs, and how that is known."""
+        return options.cudagraphs, f"options cudagraphs={options.cudagraphs}"
+
+    def layer_name(self, value: Any) -> Optional[str]:
+        """The name inside a layer-name argument of an engine op (a ``str``, or the engine's own type)."""
+        return value if isinstance(value, str) else None
+
+    def find_layer(self, name: str) -> tuple[Any, Optional[str]]:
+        """(the engine's layer called ``name``, None), or (None, why it cannot be found)."""
+        return None, f"layer {name!r}: no inference engine hands rubin this graph, so its layers cannot be read"
+
+    def moe_layer_unsupported(self, layer: Any, shared: bool) -> Optional[str]:
+        """Why the engine's MoE ``layer`` cannot run as ``rubin.moe`` (None when it can)."""
+        return "no inference engine to read the layer from"
+
+    def moe_layer_details(self, layer: Any) -> dict[str, Any]:
+        """Shapes and routing settings of the engine's MoE ``layer``, for the rewrite report."""
+        return {}
+
+    def moe_layer_op(self, shared: bool) -> torch._ops.OpOverload:
+        """The rubin op that runs the engine's MoE layer through rubin.moe's kernels."""
+        raise RuntimeError("no inference engine: there is no engine MoE layer op")
+
+    def attention_layer_facts(self, layer: Any) -> dict[str, Any]:
+        """Backend, kernel, KV cache and heads of the engine's attention ``layer`` (JSON-able)."""
+        return {}
+
+    def attention_switches(self, kernel: str) -> Optional[str]:
+        """The engine's settings that make it run registry kernel ``kernel`` for attention, if any."""
+        return None
+
+    def cpu_weights_unsupported(self, isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
+        """Why expert weights the engine's CPU build prepacked for ``isa`` are not in rubin.moe's
+        ``"vllm_cpu:<isa>"`` layout (None when they are)."""
+        return "no inference engine to check its CPU weight layout against"
+
+
+# --------------------------------------------------------------------------------------------------
+# the context, and the pipeline's entries
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the graph: the options, and where the graph came from."""
+    """What a pass may read besides the graph: the options, the target, the engine adapter, the graph's id.
+
+    ``target`` defaults to the options' (``options.resolved_target()``); ``engine`` to "no engine".
+    """
 
     options: RubinOptions
+    target: Optional[Target] = None
+    engine: Engine = field(default_factory=Engine)
     graph_id: str = "graph"
-    source: str = "backend"  # "backend" (torch.compile(backend="rubin")) or "vllm" (the vLLM pass)
-    extra: dict[str, Any] = field(default_factory=dict)
-    target: Optional[Target] = None  # the resolved options.target (the pass manager sets it)
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            object.__setattr__(self, "target", self.options.resolved_target())
 
 
-def node_val(node: torch.fx.Node) -> Optional[Any]:
-    """The fake value (tensor or tuple of tensors) recorded on a node, if any."""
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+CONTEXT_FIELDS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name != "graph_id")
 
 
-def bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
-    """A call of an ``OpOverload``: its arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in schema.arguments), node.args))
-    out.update(node.kwargs)
-    return out
+@dataclass(frozen=True)
+class Pass:
+    """One stage of the pipeline: its name (as ``options.passes`` spells it), the function that runs it, and
+    which fields of the ``PassContext`` it reads (``options``, ``target``, ``engine``; every pass may read
+    ``graph_id``). The manager hands each pass a context that holds only those fields."""
+
+    name: str
+    run: Callable[[torch.fx.Graph, PassContext], PassResult]
+    reads: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.reads) - set(CONTEXT_FIELDS)
+        if unknown:
+            raise ValueError(f"pass {self.name}: reads {sorted(unknown)}, which PassContext does not have")
+
+    def context(self, ctx: PassContext) -> "ScopedContext":
+        return ScopedContext(ctx, self)
+
+
+class ScopedContext:
+    """A pass's view of the ``PassContext``: the fields its ``Pass`` declares. Reading another one is an
+    error that names the pass, so a pass that starts to depend on the engine or the target says so in the
+    pipeline list."""
+
+    def __init__(self, ctx: PassContext, owner: Pass) -> None:
+        self._ctx = ctx
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "graph_id" or name in self._owner.reads:
+            return getattr(self._ctx, name)
+        if name in CONTEXT_FIELDS:
+            raise AttributeError(f"pass {self._owner.name} reads ctx.{name}, which its Pass entry does not declare "
+                                 f"(reads={self._owner.reads}); add it there")
+        raise AttributeError(name)

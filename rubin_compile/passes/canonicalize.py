@@ -11,7 +11,7 @@ import collections
 
 import torch
 
-from rubin_compile.passes.base import PassContext, PassResult
+from rubin_compile.passes.base import Pass, PassContext, PassResult
 
 NAME = "canonicalize"
 
@@ -50,3 +50,6 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     if census:
         result.notes.append("ops of interest: " + ", ".join(f"{k} x{v}" for k, v in sorted(census.items())))
     return result
+
+
+PASS = Pass(NAME, run)

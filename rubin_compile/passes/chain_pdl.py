@@ -8,12 +8,11 @@ PDL when all of these hold, and the report says which one failed otherwise:
 * ``options.pdl`` is not ``"off"``;
 * the target has PDL (``Target.pdl``: sm_90 and newer; never on sm_80 or the CPU);
 * the kernel is PDL-safe: it waits before it touches anything its predecessor writes *or reads*, and its
-  adapter takes the flag (``Candidate.pdl`` in kernels/registry.py: our Triton MoE kernels; FlashInfer
-  entry points that take ``enable_pdl``, read from their signatures). cuBLAS / ATen calls never are;
+  adapter takes the flag (``Kernel.pdl``, declared where the kernel registers: our Triton MoE kernels;
+  FlashInfer entry points that take ``enable_pdl``, read from their signatures). cuBLAS / ATen calls never are;
 * it pays: with ``pdl="auto"`` only when the graph runs under CUDA graphs (``mode="reduce-overhead"``,
-  ``options={"cudagraphs": True}``, or vLLM's ``cudagraph_mode`` where it can be read; vLLM 0.32 runs our
-  pass outside its config's scope, and then vLLM's default, CUDA graphs, is assumed), where a PDL launch is captured as a
-  programmatic edge. Outside graphs the host cost of the extended launch can outweigh the overlap (vLLM
+  ``options={"cudagraphs": True}``, or, inside vLLM, what the engine adapter reads of vLLM's
+  ``cudagraph_mode``: integrations/vllm/engine.py), where a PDL launch is captured as a programmatic edge. Outside graphs the host cost of the extended launch can outweigh the overlap (vLLM
   issue 40543); ``pdl="on"`` launches with PDL anyway.
 
 The decision is the node's ``pdl`` argument (``rubin.moe(..., pdl=True)``), so the dump shows it and
@@ -32,15 +31,16 @@ from typing import Optional
 
 import torch
 
-from rubin_compile.passes.base import Decision, PassContext, PassResult, bound_arguments
-from rubin_compile.passes.select_kernels import bound_kernel, op_name, set_argument
+from rubin_compile.ops.registry import bound_kernel
+from rubin_compile.passes.base import Decision, Pass, PassContext, PassResult
+from rubin_compile.passes.fx import bound_arguments, dotted_name, set_argument
 from rubin_compile.target import Target
 
 NAME = "chain_pdl"
 
 
 def decide(mode: str, target: Target, kernel_unsupported: Optional[str], cudagraphs: bool) -> tuple[bool, str]:
-    """(launch with PDL?, why) for one kernel node. ``kernel_unsupported``: the candidate's reason it cannot
+    """(launch with PDL?, why) for one kernel node. ``kernel_unsupported``: the kernel's reason it cannot
     take PDL (None when it can)."""
     if mode == "off":
         return False, "options pdl='off'"
@@ -57,51 +57,34 @@ def decide(mode: str, target: Target, kernel_unsupported: Optional[str], cudagra
                    "force it with pdl='on'")
 
 
-def runs_under_cudagraphs(ctx: PassContext) -> tuple[bool, str]:
-    """Whether the compiled graph will be replayed from CUDA graphs, and how we know."""
-    if ctx.source == "vllm":
-        try:
-            import vllm.config as vllm_config
-
-            current = getattr(vllm_config, "get_current_vllm_config_or_none", lambda: None)()
-        except ImportError:
-            current = None
-        if current is None:
-            # vLLM 0.32 runs its post-grad passes outside set_current_vllm_config: its cudagraph_mode cannot be
-            # read here. vLLM captures CUDA graphs unless enforce_eager is set, so assume its default.
-            return True, ("vLLM's config is not in scope when its pass manager runs ours: assuming vLLM's default "
-                          "CUDA graphs (with enforce_eager, set RUBIN_PDL=off)")
-        mode = current.compilation_config.cudagraph_mode
-        name = getattr(mode, "name", str(mode))
-        return name != "NONE", f"vLLM cudagraph_mode={name}"
-    return ctx.options.cudagraphs, f"options cudagraphs={ctx.options.cudagraphs}"
-
-
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     mode = ctx.options.pdl
-    cudagraphs, how = runs_under_cudagraphs(ctx)
+    cudagraphs, how = ctx.engine.runs_under_cudagraphs(ctx.options)
     on = 0
     for node in list(graph.nodes):
-        bound = bound_kernel(node, ctx)
+        bound = bound_kernel(node, ctx.target)
         if bound is None:
             continue
-        op, cand, target, spec = bound
+        kernel, spec, name = bound.kernel, bound.spec, dotted_name(node.target)
         args = bound_arguments(node)
         if "pdl" not in args:  # rubin.gemm / rubin.attention: no adapter of theirs takes PDL in this version
             pdl = False
-            why = cand.pdl_unsupported(spec) or (f"{cand.name} could take PDL (enable_pdl), but rubin.{op_name(node)} "
-                                                 "has no pdl argument in this version")
+            why = kernel.pdl_unsupported(spec) or (f"{kernel.name} could take PDL (enable_pdl), but {name} "
+                                                   "has no pdl argument in this version")
         else:
-            pdl, why = decide(mode, target, cand.pdl_unsupported(spec), cudagraphs)
+            pdl, why = decide(mode, bound.target, kernel.pdl_unsupported(spec), cudagraphs)
             if bool(args["pdl"]) != pdl:
                 set_argument(node, "pdl", pdl)
                 result.changed = True
         on += pdl
-        result.decisions.append(Decision(node.name, f"rubin.{op_name(node)}", "pdl on" if pdl else "pdl off", why,
-                                         {"kernel": cand.name, "target": target.name}))
+        result.decisions.append(Decision(node.name, name, "pdl on" if pdl else "pdl off", why,
+                                         {"kernel": kernel.name, "target": bound.target.name}))
     if result.decisions:
         result.notes.append(f"{on} of {len(result.decisions)} kernel node(s) launched with PDL (pdl={mode!r}; {how})")
     result.notes.append("Inductor's own Triton kernels: torch._inductor.config.triton.enable_pdl="
                         f"{torch._inductor.config.triton.enable_pdl} (not set by rubin; see docs/pdl_locality.md)")
     return result
+
+
+PASS = Pass(NAME, run, reads=("options", "target", "engine"))

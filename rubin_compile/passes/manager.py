@@ -1,4 +1,4 @@
-"""The pass manager: runs the pipeline of DESIGN.md on one post-grad graph, in order.
+"""The pass manager: runs the pipeline (``passes/__init__.py``'s ``PIPELINE``) on one post-grad graph, in order.
 
     canonicalize -> match_moe -> match_attention -> match_gemm -> select_kernels -> place_locality -> chain_pdl
 
@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from rubin_compile.debug.dump import GraphDump, graph_code
-from rubin_compile.options import PIPELINE, RubinOptions
-from rubin_compile.passes.base import PassContext, PassResult
+from rubin_compile.passes import PIPELINE
+from rubin_compile.passes.base import Engine, PassContext, PassResult, RubinStrictError
+
+if TYPE_CHECKING:  # type-only: options.py imports the pipeline to validate pass names
+    from rubin_compile.options import RubinOptions
 
 log = logging.getLogger("rubin_compile")
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-
-
-class RubinStrictError(RuntimeError):
-    """``strict=True`` and the pipeline left something it recognised unchanged."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,14 +49,18 @@ class PassManager(CustomGraphPass):
     Parameters
     ----------
     options:
-        The settings (see ``RubinOptions``); ``None`` reads ``RUBIN_*`` environment variables.
+        The settings (``RubinOptions.resolve(...)``).
     source:
         Who calls us, for reports: ``"backend"`` or ``"vllm"``.
+    engine:
+        The adapter of the inference engine the graph comes from (integrations/vllm/engine.py); the base
+        ``Engine`` when there is none.
     """
 
-    def __init__(self, options: Optional[RubinOptions] = None, source: str = "backend") -> None:
-        self.options = options if options is not None else RubinOptions.resolve()
+    def __init__(self, options: RubinOptions, source: str = "backend", engine: Optional[Engine] = None) -> None:
+        self.options = options
         self.source = source
+        self.engine = engine if engine is not None else Engine()
         self.last_report: Optional[dict[str, Any]] = None
 
     # Inductor's cache key: pass code + behaviour-changing options + the torch version.
@@ -79,26 +81,25 @@ class PassManager(CustomGraphPass):
         dump = GraphDump.create(self.options.dump_dir, _compile_id()) if self.options.dump_dir else None
         graph_id = dump.graph_id if dump else _compile_id()
         target = self.options.resolved_target()
-        ctx = PassContext(options=self.options, graph_id=graph_id, source=self.source, target=target)
+        ctx = PassContext(options=self.options, target=target, engine=self.engine, graph_id=graph_id)
         previous = graph_code(graph)
         _trace_artifact("rubin_graph_input", previous)
         if dump:
             dump.write_stage(0, "input", previous, None)
         results: list[PassResult] = []
-        for index, name in enumerate(PIPELINE, start=1):
-            if name not in enabled:
-                results.append(PassResult(name, notes=["disabled by options.passes"]))
+        for index, step in enumerate(PIPELINE, start=1):
+            if step.name not in enabled:
+                results.append(PassResult(step.name, notes=["disabled by options.passes"]))
                 continue
-            module = importlib.import_module(f"rubin_compile.passes.{name}")
             start = time.perf_counter()
-            result = module.run(graph, ctx)
+            result = step.run(graph, step.context(ctx))
             result.seconds = time.perf_counter() - start
             results.append(result)
             if result.changed:
                 code = graph_code(graph)
-                _trace_artifact(f"rubin_graph_after_{name}", code)
+                _trace_artifact(f"rubin_graph_after_{step.name}", code)
                 if dump:
-                    dump.write_stage(index, name, code, previous)
+                    dump.write_stage(index, step.name, code, previous)
                 previous = code
         report = {
             "graph_id": graph_id,

@@ -1,7 +1,7 @@
 """match_attention: rewrite scaled-dot-product attention into ``rubin.attention``; record vLLM's attention.
 
 Idioms rewritten, as post-grad ATen gives them (torch 2.13). Source: ``F.scaled_dot_product_attention`` in
-plain PyTorch and in Hugging Face transformers 5.x (``integrations/sdpa_attention.py``,
+plain PyTorch and in Hugging Face transformers 5.x (``transformers/integrations/sdpa_attention.py``,
 ``sdpa_attention_forward``: every ``attn_implementation="sdpa"`` model -- Llama, Qwen2/3(-MoE), Mixtral...),
 and hand-written ``softmax(q @ k.T) @ v`` that Inductor's own ``fuse_attention`` pass turned into SDPA::
 
@@ -59,14 +59,14 @@ import operator
 from typing import Any, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from rubin_compile.passes.base import bound_arguments
-
-import rubin_compile.ops  # noqa: F401  (registers torch.ops.rubin.*)
-from rubin_compile.ops.attention import AttentionArgumentError, check_attention_args
-from rubin_compile.passes.base import PassContext, PassResult, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, inherit_source, tensor_meta
-from rubin_compile.passes.match_moe.vllm_cpu import decode_mutating_call, is_call, op_name
+import rubin_compile.kernels  # noqa: F401  (registers every kernel onto its op: the target's preference below)
+from rubin_compile.ops.attention import ATTENTION, AttentionArgs, AttentionArgumentError
+from rubin_compile.ops.registry import KernelSpec
+from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
+from rubin_compile.passes.fx import RESHAPES, bound_arguments, call, decode_mutating_call, dtype_name, inherit_source, \
+    is_call, report_value, schema_name, tensor_val
 
 NAME = "match_attention"
 IDIOM = "sdpa"
@@ -84,34 +84,9 @@ SDPA_FORMS: dict[Any, str] = {
     aten.scaled_dot_product_attention.default: "aten.scaled_dot_product_attention",
 }
 
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-
 # vLLM's attention ops (vllm/model_executor/layers/attention/attention.py, mla_attention.py; vLLM 0.32).
 VLLM_ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
                       "vllm::unified_attention")
-
-# What each vLLM attention backend runs (vllm/v1/attention/backends/<module>, vLLM 0.32), for the report.
-VLLM_BACKEND_KERNELS: dict[str, str] = {
-    "CPU_ATTN": "vLLM's _C.cpu_attention_with_kv_cache (cpu_attn.py)",
-    "FLASH_ATTN": "vllm_flash_attn flash_attn_varlen_func, FA2 or FA3 (flash_attn.py)",
-    "FLASHINFER": ("FlashInfer's paged prefill / decode wrappers (fa2 / fa3), or trtllm-gen "
-                   "(trtllm_batch_context / decode_with_kv_cache) where vLLM's use_trtllm_attention allows "
-                   "(flashinfer.py)"),
-    "TRITON_ATTN": "vLLM's Triton unified_attention (triton_attn.py)",
-    "FLEX_ATTENTION": "torch flex_attention (flex_attention.py)",
-    "FLASHINFER_MLA": "FlashInfer trtllm-gen MLA decode (mla/flashinfer_mla.py)",
-    "CUTLASS_MLA": "CUTLASS MLA decode (mla/cutlass_mla.py)",
-    "FLASHMLA": "FlashMLA (mla/flashmla.py)",
-    "TRITON_MLA": "vLLM's Triton MLA decode (mla/triton_mla.py)",
-}
-
-# Registry kernel -> the vLLM switches that make vLLM run it (vllm/config/attention.py; CONTEXT.md).
-VLLM_SWITCHES: dict[str, str] = {
-    "flashinfer_trtllm": "--attention-backend FLASHINFER (trtllm-gen; force with "
-                         "--attention-config.use_trtllm_attention=true)",
-    "flashinfer_fa3": "--attention-backend FLASHINFER (FlashInfer's fa3 on sm_90)",
-    "flashinfer_fa2": "--attention-backend FLASHINFER (fa2)",
-}
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -163,7 +138,7 @@ def _output_users(node: torch.fx.Node) -> tuple[Optional[list[torch.fx.Node]], s
 def _unrepeat(node: Any) -> Optional[tuple[torch.fx.Node, int, list[torch.fx.Node]]]:
     """For ``reshape([clone](expand(unsqueeze(x, 2), [B, H, n, S, D])), [B, H * n, S, D])`` (GQA's
     ``repeat_kv`` / ``repeat_interleave(n, dim=1)``): (x, n, the chain's nodes); else None."""
-    if not is_call(node, *_RESHAPES):
+    if not is_call(node, *RESHAPES):
         return None
     chain = [node]
     inner = node.args[0]
@@ -178,15 +153,13 @@ def _unrepeat(node: Any) -> Optional[tuple[torch.fx.Node, int, list[torch.fx.Nod
         return None
     chain.append(unsq)
     base = unsq.args[0]
-    bv, ev, ov = tensor_meta(base), tensor_meta(inner), tensor_meta(node)
+    bv, ev, ov = tensor_val(base), tensor_val(inner), tensor_val(node)
     if bv is None or ev is None or ov is None or bv.dim() != 4 or ev.dim() != 5 or ov.dim() != 4:
         return None
     B, H, S, D = bv.shape
     n = ev.shape[2]
     if not isinstance(n, int) or n < 1:
         return None
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     want = ((ev, (B, H, n, S, D)), (ov, (B, H * n, S, D)))
     if not all(statically_known_true(x == y) for val, shape in want for x, y in zip(val.shape, shape)):
         return None
@@ -208,8 +181,8 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
     mask = args.get("attn_mask", args.get("attn_bias"))
     is_causal = bool(args.get("is_causal", False))
     scale = args.get("scale")
-    vals = {n: tensor_meta(x) for n, x in (("query", q), ("key", k), ("value", v))}
-    if any(val is None for val in vals.values()) or (mask is not None and tensor_meta(mask) is None):
+    vals = {n: tensor_val(x) for n, x in (("query", q), ("key", k), ("value", v))}
+    if any(val is None for val in vals.values()) or (mask is not None and tensor_val(mask) is None):
         return "no fake tensor recorded on its inputs"
     for name, val in vals.items():
         if val.dim() != 4:
@@ -226,9 +199,9 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         gqa = f"repeat_kv folded (key/value heads were repeated x{rk[1]} in the graph)"
     elif rk is not None or rv is not None:
         gqa = "repeated in the graph, not folded (key and value are not repeated alike)"
-    kv, vv = tensor_meta(k), tensor_meta(v)
+    kv, vv = tensor_val(k), tensor_val(v)
     try:
-        B, Hq, Hkv, S, Skv, D, Dv = check_attention_args(vals["query"], kv, vv, tensor_meta(mask), is_causal, scale)
+        checked = AttentionArgs(vals["query"], kv, vv, tensor_val(mask), is_causal, scale)
     except AttentionArgumentError as e:
         return f"its operands do not fit rubin.attention: {e}"
 
@@ -257,24 +230,20 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
             replaced.append(n.name)
             graph.erase_node(n)
 
-    mval = tensor_meta(mask)
+    mval = tensor_val(mask)
     qv = vals["query"]
     details: dict[str, Any] = {
         "form": form,
-        "B": _size(B), "Hq": _size(Hq), "Hkv": _size(Hkv), "S": _size(S), "Skv": _size(Skv), "D": _size(D),
-        "Dv": _size(Dv), "dtype": str(qv.dtype).replace("torch.", ""),
+        **{n: report_value(getattr(checked, n)) for n in ("B", "Hq", "Hkv", "S", "Skv", "D", "Dv")},
+        "dtype": dtype_name(qv.dtype),
         "gqa": gqa,
         "masking": "causal" if is_causal else ("none" if mask is None else "mask"),
-        "mask": None if mval is None else {"dtype": str(mval.dtype).replace("torch.", ""),
-                                           "shape": [_size(s) for s in mval.shape]},
+        "mask": None if mval is None else {"dtype": dtype_name(mval.dtype),
+                                           "shape": [report_value(s) for s in mval.shape]},
         "scale": scale if scale is not None else "1/sqrt(D)",
     }
     return Rewrite(node=new.name, canonical_op="rubin.attention", source_idiom=f"{IDIOM} ({form})",
                    replaced=sorted(set(replaced)), details=details)
-
-
-def _size(s: Any) -> Any:
-    return s if isinstance(s, int) else str(s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,7 +252,8 @@ def _size(s: Any) -> Any:
 
 
 def read_vllm_attention(node: torch.fx.Node, ctx: PassContext) -> Optional[dict[str, Any]]:
-    """If ``node`` is a vLLM attention call: what rubin knows of it (JSON-able), else None."""
+    """If ``node`` is a vLLM attention call: what rubin knows of it (JSON-able), else None. The layer's facts
+    come from the engine adapter (vLLM's forward context at compile time)."""
     mc = decode_mutating_call(node)
     if mc is not None:
         op, args, form = mc.op, mc.args, f"auto_functionalized{'_v2' if mc.version == 2 else ''}"
@@ -291,79 +261,29 @@ def read_vllm_attention(node: torch.fx.Node, ctx: PassContext) -> Optional[dict[
         op, args, form = node.target, bound_arguments(node), "direct call"
     else:
         return None
-    name = op_name(op)
+    name = schema_name(op)
     if name not in VLLM_ATTENTION_OPS:
         return None
     record: dict[str, Any] = {"node": node.name, "op": name, "form": form}
-    qv = tensor_meta(args.get("query", args.get("q")))
+    qv = tensor_val(args.get("query", args.get("q")))
     if qv is not None:
-        record["query_dtype"] = str(qv.dtype).replace("torch.", "")
+        record["query_dtype"] = dtype_name(qv.dtype)
     dep = args.get("kv_cache_dummy_dep")
     if isinstance(dep, torch.fx.Node):
         record["kv_cache_update"] = dep.name
-    layer_name, layer = _find_layer(args.get("layer_name"))
-    record["layer"] = layer_name
+    layer_name = args.get("layer_name")
+    value = layer_name.meta.get("val") if isinstance(layer_name, torch.fx.Node) else layer_name
+    name = ctx.engine.layer_name(value) if value is not None else None
+    layer = ctx.engine.find_layer(name)[0] if name is not None else None
+    record["layer"] = name
     if layer is None:
         record["backend"] = None
         record["why_unknown"] = ("the layer is not in vLLM's forward context at compile time"
-                                 if layer_name else "the layer name could not be read from the graph")
+                                 if name else "the layer name could not be read from the graph")
     else:
-        record.update(_layer_facts(layer))
+        record.update(ctx.engine.attention_layer_facts(layer))
     record["target_preference"] = _target_preference(record, ctx)
     return record
-
-
-def _find_layer(layer_name: Any) -> tuple[Optional[str], Any]:
-    """(name, layer object) from vLLM's forward context (or its current config) at compile time."""
-    from rubin_compile.ops.vllm_moe import layer_name_value
-
-    value = layer_name.meta.get("val") if isinstance(layer_name, torch.fx.Node) else layer_name
-    name = layer_name_value(value) if value is not None else None
-    if not isinstance(name, str):
-        return None, None
-    try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        if is_forward_context_available():
-            layer = get_forward_context().no_compile_layers.get(name)
-            if layer is not None:
-                return name, layer
-        from vllm.config import get_current_vllm_config
-
-        return name, get_current_vllm_config().compilation_config.static_forward_context.get(name)
-    except (ImportError, AssertionError, AttributeError):
-        return name, None
-
-
-def _layer_facts(layer: Any) -> dict[str, Any]:
-    """Backend, kernel, KV cache and head layout of a vLLM ``Attention`` / ``MLAAttention`` layer."""
-    backend_cls = getattr(layer, "attn_backend", None)
-    try:
-        backend = backend_cls.get_name() if backend_cls is not None else None
-    except Exception:  # a backend class without get_name(): report the class
-        backend = getattr(backend_cls, "__name__", str(backend_cls))
-    impl = getattr(layer, "impl", None)
-    kernel = VLLM_BACKEND_KERNELS.get(backend) or (
-        f"{type(impl).__module__}.{type(impl).__name__}" if impl is not None else "unknown")
-    isa = getattr(layer, "isa", None)
-    if isa:
-        kernel += f", isa={isa}"
-    kv_dtype = getattr(layer, "kv_cache_dtype", None)
-    kv_torch = getattr(layer, "kv_cache_torch_dtype", None)
-    facts = {
-        "backend": backend,
-        "impl": type(impl).__name__ if impl is not None else None,
-        "kernel": kernel,
-        "kv_cache_dtype": kv_dtype,
-        "kv_cache_torch_dtype": str(kv_torch).replace("torch.", "") if isinstance(kv_torch, torch.dtype) else None,
-        "num_heads": getattr(layer, "num_heads", None),
-        "num_kv_heads": getattr(layer, "num_kv_heads", None),
-        "head_size": getattr(layer, "head_size", None),
-        "head_size_v": getattr(layer, "head_size_v", None),
-        "sliding_window": getattr(layer, "sliding_window", None),
-        "scale": getattr(impl, "scale", None),
-    }
-    return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in facts.items()}
 
 
 def _kv_quant(kv_cache_dtype: Optional[str]) -> str:
@@ -373,24 +293,23 @@ def _kv_quant(kv_cache_dtype: Optional[str]) -> str:
 def _target_preference(record: dict[str, Any], ctx: PassContext) -> dict[str, Any]:
     """What the compile target would run for this layer, from the kernel registry (targets are data): for the
     layer as it is, for a bf16 model when the layer's dtype has no kernel there, and with an FP8 KV cache."""
-    target = ctx.target if ctx.target is not None else ctx.options.resolved_target()
+    target = ctx.target
     pref: dict[str, Any] = {"target": target.name}
     if not target.is_cuda:
         pref["note"] = f"target {target.name} has no GPU attention kernel; vLLM's CPU backend is the one to run"
         return pref
     try:
-        from rubin_compile.kernels.registry import KernelSpec, select
-
         act = record.get("query_dtype") or "bfloat16"
         shape = (("D", record["head_size"]),) if isinstance(record.get("head_size"), int) else ()
         quant = _kv_quant(record.get("kv_cache_dtype"))
         kv = record.get("kv_cache_torch_dtype") or act
-        as_is = select(KernelSpec("attention", quant, act, kv, None, shape), target)
+        as_is = ATTENTION.select(KernelSpec("attention", quant, act, kv, None, shape), target)
         half = act if act in ("bfloat16", "float16") else "bfloat16"
         in_half = as_is
         if as_is.chosen.name == "reference" and half != act:
-            in_half = select(KernelSpec("attention", quant, half, half if quant == "none" else kv, None, shape), target)
-        fp8 = select(KernelSpec("attention", "fp8_tensor", half, "float8_e4m3fn", None, shape), target)
+            in_half = ATTENTION.select(KernelSpec("attention", quant, half, half if quant == "none" else kv, None,
+                                                  shape), target)
+        fp8 = ATTENTION.select(KernelSpec("attention", "fp8_tensor", half, "float8_e4m3fn", None, shape), target)
     except Exception as exc:  # the registry could not answer: say so, keep compiling
         pref["note"] = f"the kernel registry could not answer: {type(exc).__name__}: {exc}"
         return pref
@@ -402,12 +321,12 @@ def _target_preference(record: dict[str, Any], ctx: PassContext) -> dict[str, An
         pref["half_dtype"] = half
         pref["half_kernel"] = in_half.chosen.name
         pref["half_entry"] = in_half.chosen.entry(in_half.spec)
-    best = in_half.chosen.name
-    pref["vllm_switches"] = VLLM_SWITCHES.get(best)
+    pref["vllm_switches"] = ctx.engine.attention_switches(in_half.chosen.name)
     pref["fp8_kv_kernel"] = fp8.chosen.name
     pref["fp8_kv_entry"] = fp8.chosen.entry(fp8.spec)
-    if quant == "none" and fp8.chosen.name in VLLM_SWITCHES:
-        pref["fp8_kv_switches"] = f"--kv-cache-dtype fp8 {VLLM_SWITCHES[fp8.chosen.name]}"
+    fp8_switches = ctx.engine.attention_switches(fp8.chosen.name)
+    if quant == "none" and fp8_switches:
+        pref["fp8_kv_switches"] = f"--kv-cache-dtype fp8 {fp8_switches}"
     return pref
 
 
@@ -441,3 +360,6 @@ def describe_kept(record: dict[str, Any]) -> str:
         want = pref.get("note", "")
     return (f"kept vLLM's attention at {record['node']} ({record['op']}, {where}): {runs}. The KV cache and the "
             f"backend stay vLLM's. {want}.")
+
+
+PASS = Pass(NAME, run, reads=("target", "engine"))

@@ -63,12 +63,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-import rubin_compile.ops  # noqa: F401  (registers torch.ops.rubin.*)
-from rubin_compile.ops.gemm import FP8_DTYPES, FP8_OUT_DTYPES, FLOAT_DTYPES, GATED, GemmArgumentError, \
-    check_gemm_args, scale_kind
-from rubin_compile.passes.base import PassContext, PassResult, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, inherit_source, tensor_meta
-from rubin_compile.passes.match_moe.vllm_cpu import decode_mutating_call, is_call, op_name
+from rubin_compile.ops.gemm import FP8_OUT_DTYPES, GATED, GemmArgs, GemmArgumentError, scale_kind
+from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
+from rubin_compile.passes.fx import FLOAT_DTYPES, FP8_DTYPES, RESHAPES, call, called_op, decode_mutating_call, \
+    dtype_name, inherit_source, is_call, report_value, same_shape, schema_name, single_user, tensor_val
 
 NAME = "match_gemm"
 IDIOM = "linear"
@@ -81,8 +79,7 @@ CORES: dict[Any, str] = {
     aten.addmm.default: "aten.addmm",
     aten._scaled_mm.default: "aten._scaled_mm",
 }
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-_WEIGHT_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int) + _RESHAPES
+_WEIGHT_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int) + RESHAPES
 # Ops a router's logits pass through on their way to top-k (routing.py's idioms): anything else ends the search.
 _MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.baddbmm.default)
 
@@ -192,7 +189,7 @@ def _weight_of(b: torch.fx.Node) -> tuple[Optional[torch.fx.Node], str]:
         node = node.args[0]
     if not isinstance(node, torch.fx.Node) or node.op not in ("placeholder", "get_attr"):
         return None, ""
-    wv = tensor_meta(node)
+    wv = tensor_val(node)
     if len(views) == 1 and wv is not None and wv.dim() == 2 and (
             (is_call(views[0], aten.permute.default) and list(views[0].args[1]) == [1, 0])
             or is_call(views[0], aten.t.default)):
@@ -220,7 +217,7 @@ def _feeds_routing(node: torch.fx.Node, depth: int = 12) -> Optional[str]:
                 args = mc.args if mc is not None else dict(zip((a.name for a in target._schema.arguments), user.args),
                                                            **user.kwargs)
                 if any(args.get(k) is n for k in ("router_logits", "gating_output")):
-                    return op_name(target)
+                    return schema_name(target)
                 continue
             if user.op != "call_function" or user.target in _MATMULS or d + 1 >= depth:
                 continue
@@ -240,14 +237,14 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
             raise _NoMatch(f"addmm with beta={node.kwargs.get('beta', 1)}, alpha={node.kwargs.get('alpha', 1)}; "
                            "rubin.gemm adds the bias as it is")
         g = _Gemm(node, form, node.args[1], node.args[2])
-        c, cv, ov = node.args[0], tensor_meta(node.args[0]), tensor_meta(node)
+        c, cv, ov = node.args[0], tensor_val(node.args[0]), tensor_val(node)
         if cv is None or ov is None:
             raise _NoMatch("no fake tensor recorded on its inputs")
         if cv.dim() == 1 or (cv.dim() == 2 and cv.shape[0] == 1):
             g.bias = c
             if cv.dim() == 2:
                 g.extras["bias_view"] = True
-        elif _same_shape(cv, ov):
+        elif same_shape(cv, ov):
             g.residual, g.epilogue = c, "residual_add"  # addmm(residual, x, W.t()): the add is already fused
         else:
             raise _NoMatch(f"addmm's input of shape {tuple(cv.shape)} is neither a bias [N] nor a residual [M, N]")
@@ -256,22 +253,22 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
         rest = dict(zip(("bias", "scale_result", "out_dtype", "use_fast_accum"), node.args[4:]), **node.kwargs)
         if rest.get("scale_result") is not None:
             raise _NoMatch("_scaled_mm with scale_result (an FP8 output scale); rubin.gemm has none")
-        av, bv = tensor_meta(a), tensor_meta(b)
-        if av is None or bv is None or tensor_meta(sa) is None or tensor_meta(sb) is None:
+        av, bv = tensor_val(a), tensor_val(b)
+        if av is None or bv is None or tensor_val(sa) is None or tensor_val(sb) is None:
             raise _NoMatch("no fake tensor recorded on its inputs")
         out_dtype = rest.get("out_dtype") or av.dtype
         if out_dtype not in FP8_OUT_DTYPES:
             raise _NoMatch(f"_scaled_mm writes {out_dtype}; rubin.gemm's FP8 products return bf16 / fp16 / fp32")
         if av.dtype not in FP8_DTYPES or bv.dtype not in FP8_DTYPES:
             raise _NoMatch(f"_scaled_mm of {av.dtype} x {bv.dtype}; rubin.gemm takes FP8 e4m3 / e5m2 operands")
-        if scale_kind(tensor_meta(sa), av.shape[0], "a") is None or \
-                scale_kind(tensor_meta(sb), bv.shape[1], "b") is None:
-            raise _NoMatch(f"_scaled_mm scales {tuple(tensor_meta(sa).shape)} / {tuple(tensor_meta(sb).shape)} are not "
+        if scale_kind(tensor_val(sa), av.shape[0], "a") is None or \
+                scale_kind(tensor_val(sb), bv.shape[1], "b") is None:
+            raise _NoMatch(f"_scaled_mm scales {tuple(tensor_val(sa).shape)} / {tuple(tensor_val(sb).shape)} are not "
                            "per tensor, per row of a or per column of b (block scales are not rubin.gemm's yet)")
         g = _Gemm(node, form, a, b, bias=rest.get("bias"), a_scale=sa, b_scale=sb, out_dtype=out_dtype)
         if rest.get("use_fast_accum"):
             g.extras["use_fast_accum"] = True
-    av, bv = tensor_meta(g.a), tensor_meta(g.b)
+    av, bv = tensor_val(g.a), tensor_val(g.b)
     if av is None or bv is None:
         raise _NoMatch("no fake tensor recorded on its inputs")
     if av.dtype not in FLOAT_DTYPES + FP8_DTYPES:
@@ -287,18 +284,6 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
     return g
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shapes, symbolic sizes included, without adding a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
-
-
-def _single_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _other(add: torch.fx.Node, node: torch.fx.Node) -> Any:
     a, b = add.args[0], add.args[1]
     return b if a is node else a
@@ -307,20 +292,20 @@ def _other(add: torch.fx.Node, node: torch.fx.Node) -> Any:
 def _read_epilogue(g: _Gemm) -> None:
     """Fold a bias add, then one of the gated / residual epilogues, into ``g`` where nothing else reads
     what they consume; record in ``g.missed`` an epilogue that is there but cannot be folded."""
-    N = tensor_meta(g.b).shape[1]
-    out_dtype = g.out_dtype or tensor_meta(g.a).dtype
+    N = tensor_val(g.b).shape[1]
+    out_dtype = g.out_dtype or tensor_val(g.a).dtype
     cur = g.core
     # reshape back to [B, S, N] of a 3-D input
-    user = _single_user(cur)
-    if is_call(user, *_RESHAPES) and tensor_meta(user) is not None and tensor_meta(user).shape[-1] == N:
+    user = single_user(cur)
+    if is_call(user, *RESHAPES) and tensor_val(user) is not None and tensor_val(user).shape[-1] == N:
         g.view, cur = user, user
     if g.epilogue == "residual_add":  # addmm(residual, ...): nothing more to fold
         return
     # an unfused bias add
-    user = _single_user(cur)
+    user = single_user(cur)
     if g.bias is None and g.form == "aten.mm" and is_call(user, aten.add.Tensor) and not user.kwargs:
         bias = _other(user, cur)
-        bv = tensor_meta(bias)
+        bv = tensor_val(bias)
         if bv is not None and bv.dim() == 1 and bv.shape[0] == N and bv.dtype == out_dtype:
             g.bias, g.extras["bias_add"] = bias, user.name
             g.flow.append(user)
@@ -331,12 +316,12 @@ def _read_epilogue(g: _Gemm) -> None:
         return
     # residual add
     adds = [u for u in cur.users if is_call(u, aten.add.Tensor) and not u.kwargs and
-            tensor_meta(_other(u, cur)) is not None and _other(u, cur) is not cur and
-            _same_shape(tensor_meta(_other(u, cur)), tensor_meta(cur))]
+            tensor_val(_other(u, cur)) is not None and _other(u, cur) is not cur and
+            same_shape(tensor_val(_other(u, cur)), tensor_val(cur))]
     if not adds:
         return
     add = adds[0]
-    rv = tensor_meta(_other(add, cur))
+    rv = tensor_val(_other(add, cur))
     if len(cur.users) > 1:
         g.missed = (f"residual add {add.name} not folded: the product ({cur.name}) is also read by "
                     f"{', '.join(u.name for u in cur.users if u is not add)}")
@@ -353,7 +338,7 @@ def _read_epilogue(g: _Gemm) -> None:
 def _half(n: Any, cur: torch.fx.Node, N: int) -> Optional[int]:
     """0 if ``n`` is ``cur[..., :N/2]``, 1 if ``cur[..., N/2:]`` (a slice, or a getitem of a split at N/2);
     else None."""
-    last = tensor_meta(cur).dim() - 1
+    last = tensor_val(cur).dim() - 1
     half = N // 2
     if N % 2:
         return None
@@ -387,7 +372,7 @@ def _match_gated(g: _Gemm, cur: torch.fx.Node, N: int) -> Optional[str]:
         return None
     # The final mul reads the up half directly; the activation in between is decomposed.
     muls = [m for h in halves if _half(h, cur, N) == 1 for m in h.users if is_call(m, aten.mul.Tensor)]
-    low = tensor_meta(cur).dtype in (torch.bfloat16, torch.float16)
+    low = tensor_val(cur).dtype in (torch.bfloat16, torch.float16)
     extra_user = None
     for mul in muls:
         for epilogue, pattern, constants in _gated_patterns(low):
@@ -424,7 +409,7 @@ def _match_gated(g: _Gemm, cur: torch.fx.Node, N: int) -> Optional[str]:
 
 
 def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
-    av, bv = tensor_meta(g.a), tensor_meta(g.b)
+    av, bv = tensor_val(g.a), tensor_val(g.b)
     N = bv.shape[1]
     kwargs: dict[str, Any] = {}
     with graph.inserting_before(g.final):
@@ -432,7 +417,7 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
         if bias is not None and g.extras.get("bias_view"):
             bias = call(graph, aten.reshape.default, (bias, [N]))
         residual = g.residual
-        if residual is not None and tensor_meta(residual).dim() != 2:
+        if residual is not None and tensor_val(residual).dim() != 2:
             residual = call(graph, aten.reshape.default, (residual, [-1, N]))
         for name, value in (("bias", bias), ("residual", residual), ("a_scale", g.a_scale), ("b_scale", g.b_scale)):
             if value is not None:
@@ -445,7 +430,7 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
         out = new
         if g.view is not None and g.final is not g.core:
             shape = list(g.view.args[1])
-            shape[-1] = tensor_meta(new).shape[-1]
+            shape[-1] = tensor_val(new).shape[-1]
             out = call(graph, aten.reshape.default, (new, shape))
     added = [n for n in (bias, residual, new, out) if isinstance(n, torch.fx.Node) and n.name not in
              {getattr(x, "name", None) for x in (g.bias, g.residual)}]
@@ -460,17 +445,17 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
     M = av.shape[0]
     details: dict[str, Any] = {
         "form": g.form,
-        "M": M if isinstance(M, int) else str(M), "N": N, "K": bv.shape[0],
-        "dtype": str(av.dtype).replace("torch.", ""),
-        "out_dtype": str(tensor_meta(new).dtype).replace("torch.", ""),
+        "M": report_value(M), "N": N, "K": bv.shape[0],
+        "dtype": dtype_name(av.dtype),
+        "out_dtype": dtype_name(tensor_val(new).dtype),
         "bias": g.bias is not None,
         "epilogue": g.epilogue,
         "weight": g.weight.name,
         "b_layout": g.b_layout,
     }
     if g.a_scale is not None:
-        details["scales"] = (f"a {scale_kind(tensor_meta(g.a_scale), M, 'a')}, "
-                             f"b {scale_kind(tensor_meta(g.b_scale), N, 'b')}")
+        details["scales"] = (f"a {scale_kind(tensor_val(g.a_scale), M, 'a')}, "
+                             f"b {scale_kind(tensor_val(g.b_scale), N, 'b')}")
     details.update({k: v for k, v in g.extras.items() if k != "bias_view"})
     idiom = IDIOM if g.form != "aten._scaled_mm" else "fp8 linear"
     return Rewrite(node=new.name, canonical_op="rubin.gemm", source_idiom=f"{idiom} ({g.form})",
@@ -485,20 +470,19 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         if node._erased or node.op != "call_function":
             continue
         if node.target not in CORES:
-            mc = decode_mutating_call(node)
-            name = op_name(mc.op if mc is not None else node.target)
+            name = schema_name(called_op(node))
             if name in VLLM_LINEAR_OPS:
                 kept[name].append(node.name)
             continue
         try:
             g = _read_core(node)
             _read_epilogue(g)
-            av, bv = tensor_meta(g.a), tensor_meta(g.b)
+            av, bv = tensor_val(g.a), tensor_val(g.b)
             try:  # what rubin.gemm's fake implementation will check, before the graph is touched
-                bias = tensor_meta(g.bias)
-                check_gemm_args(av, bv, bias.reshape(-1) if bias is not None else None, g.epilogue,
-                                tensor_meta(g.residual).reshape(-1, bv.shape[1]) if g.residual is not None else None,
-                                tensor_meta(g.a_scale), tensor_meta(g.b_scale), g.out_dtype)
+                bias = tensor_val(g.bias)
+                GemmArgs(av, bv, bias.reshape(-1) if bias is not None else None, g.epilogue,
+                         tensor_val(g.residual).reshape(-1, bv.shape[1]) if g.residual is not None else None,
+                         tensor_val(g.a_scale), tensor_val(g.b_scale), g.out_dtype)
             except GemmArgumentError as e:
                 raise _NoMatch(f"its operands do not fit rubin.gemm: {e}") from None
         except _Policy as p:
@@ -517,6 +501,9 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     if result.changed:
         graph.lint()
     return result
+
+
+PASS = Pass(NAME, run)
 
 
 def _names(nodes: list[str]) -> str:

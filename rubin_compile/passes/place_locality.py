@@ -4,7 +4,7 @@ Decode MoE is bound by reading expert weights. On Rubin (sm_107) HBM is split in
 SM reads its own domain's memory faster, so the announcement's scheme gives each domain half of each GEMM's
 output columns, in its own memory, read only by its own SMs (about 1.2x on FC1 + FC2 for MiniMax M3 shapes;
 docs/pdl_locality.md has the cost model). For each ``rubin.moe`` node (and vLLM layer node) whose kernel has
-a split-N form (``Candidate.placements``), this pass writes the node's ``placement`` argument::
+a split-N form (``Kernel.placements``), this pass writes the node's ``placement`` argument::
 
     rubin.moe(..., impl="triton@sm107", placement="split_n:backfill:2:16")
 
@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.passes.base import Decision, PassContext, PassResult, bound_arguments, node_val
-from rubin_compile.passes.select_kernels import bound_kernel, op_name, set_argument
+from rubin_compile.ops.registry import Placement, bound_kernel
+from rubin_compile.passes.base import Decision, Pass, PassContext, PassResult
+from rubin_compile.passes.fx import bound_arguments, dotted_name, set_argument, tensor_val
 from rubin_compile.runtime import locality
 
 NAME = "place_locality"
@@ -36,8 +37,8 @@ NAME = "place_locality"
 def token_range(node: torch.fx.Node) -> tuple[Optional[int], Optional[int]]:
     """(lowest, highest) token count of the node's hidden states: equal for a static shape; from the shape
     environment's value range for a dynamic one (None where unbounded or unknown)."""
-    val = node_val(bound_arguments(node).get("hidden_states"))
-    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+    val = tensor_val(bound_arguments(node).get("hidden_states"))
+    if val is None or val.dim() != 2:
         return None, None
     t = val.shape[0]
     if isinstance(t, int):
@@ -50,22 +51,27 @@ def token_range(node: torch.fx.Node) -> tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-def decide(mode: str, target: Any, cand: Any, spec: Any, count: Optional[int], max_tokens: int,
+def domain_mode(option: str) -> str:
+    """The locality mode ``options.locality`` asks for: ``"auto"`` places in backfill mode (our Triton kernels
+    launch no clusters, so backfill's one limit does not bite); ``"default"`` / ``"backfill"`` as they are."""
+    return "backfill" if option == "auto" else option
+
+
+def decide(mode: str, target: Any, kernel: Any, spec: Any, count: Optional[int], max_tokens: int,
            tokens: tuple[Optional[int], Optional[int]]) -> tuple[Optional[str], str, dict[str, Any]]:
     """(placement or None, why, details) for one MoE node."""
     if mode == "off":
         return None, "options locality='off'", {}
     if not target.is_cuda:
         return None, f"target {target.name} has no GPU: one domain", {}
-    if mode == "auto":
-        if target.locality_domains is None:
-            return None, (f"locality='auto': {target.name} has uniform memory (no HBM locality domains), where a "
-                          "split only adds a fork and a join; force it with locality='default' or 'backfill'"), {}
-        mode = "backfill"
+    if mode == "auto" and target.locality_domains is None:
+        return None, (f"locality='auto': {target.name} has uniform memory (no HBM locality domains), where a "
+                      "split only adds a fork and a join; force it with locality='default' or 'backfill'"), {}
+    mode = domain_mode(mode)
     if not target.green_contexts:
         return None, f"target {target.name} has no green contexts", {}
-    if "split_n" not in cand.placements:
-        return None, f"kernel {cand.name} has no split-N form", {}
+    if "split_n" not in kernel.placements:
+        return None, f"kernel {kernel.name} has no split-N form", {}
     lo, hi = tokens
     if lo is not None and lo > max_tokens:
         return None, f"T >= {lo} > locality_max_tokens={max_tokens}: not decode-sized", {}
@@ -95,7 +101,7 @@ def decide(mode: str, target: Any, cand: Any, spec: Any, count: Optional[int], m
     else:
         details["shards"] = "views of the weights (uniform memory: no copy)"
     when = f"T <= {max_tokens}" if details["tokens"] == "per call" else f"T in [{lo}, {hi}]"
-    return f"split_n:{plan.mode}:{n}:{max_tokens}", f"decode-sized MoE ({when}) on {target.name}", details
+    return Placement(plan.mode, n, max_tokens).encode(), f"decode-sized MoE ({when}) on {target.name}", details
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -103,26 +109,28 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     opts = ctx.options
     placed = 0
     for node in list(graph.nodes):
-        bound = bound_kernel(node, ctx)
-        if bound is None or bound[0] != "moe":
+        bound = bound_kernel(node, ctx.target)
+        if bound is None or bound.op.name != "moe":
             continue
-        op, cand, target, spec = bound
         args = bound_arguments(node)
         if "placement" not in args:
             continue
-        placement, why, details = decide(opts.locality, target, cand, spec, opts.domains, opts.locality_max_tokens,
-                                         token_range(node))
+        placement, why, details = decide(opts.locality, bound.target, bound.kernel, bound.spec, opts.domains,
+                                         opts.locality_max_tokens, token_range(node))
         if (args.get("placement") or "") != (placement or ""):
             set_argument(node, "placement", placement or "")
             result.changed = True
         placed += placement is not None
-        result.decisions.append(Decision(node.name, f"rubin.{op_name(node)}", placement or "whole (current stream)",
+        result.decisions.append(Decision(node.name, dotted_name(node.target), placement or "whole (current stream)",
                                          why, details))
     target = ctx.target
-    if target is not None and target.locality_domains is not None and opts.locality != "off":
-        mode = "backfill" if opts.locality == "auto" else opts.locality
+    if target.locality_domains is not None and opts.locality != "off":
+        mode = domain_mode(opts.locality)
         result.notes.append(f"{target.name} domains ({mode}): {locality.plan(target, mode, opts.domains).describe()}")
     if result.decisions:
         result.notes.append(f"{placed} of {len(result.decisions)} MoE node(s) split over locality domains "
                             f"(locality={opts.locality!r})")
     return result
+
+
+PASS = Pass(NAME, run, reads=("options", "target"))

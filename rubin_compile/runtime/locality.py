@@ -29,10 +29,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rubin_compile import target as target_mod
 from rubin_compile.ops.weights import VersionedCache
-from rubin_compile.target import Target
+from rubin_compile.target import Target, locality_mode
 
-MODES = ("default", "backfill")  # "strict" is read as "default" (FlashInfer's and the announcement's word)
 SM_GRANULARITY_SM90 = 8  # cuDevSmResourceSplitByCount: groups of a multiple of 8 SMs on sm_90 and newer
 
 
@@ -40,32 +40,11 @@ class LocalityError(RuntimeError):
     """Locality domains cannot be made on this machine (the message says why and what to do)."""
 
 
-def normalize_mode(mode: str) -> str:
-    mode = str(mode).strip().lower()
-    if mode == "strict":
-        return "default"
-    if mode not in MODES:
-        raise ValueError(f"unknown locality mode {mode!r}; use one of {MODES} ('strict' = 'default')")
-    return mode
-
-
 # ------------------------------------------------------------------------------------------------
-# the split-N placement string (rubin.moe's ``placement`` argument)
+# split-N: each domain's share of a GEMM's output columns (the placement itself: ops/registry.py Placement)
 # ------------------------------------------------------------------------------------------------
 
-PLACEMENT_PREFIX = "split_n"
 SPLIT_N_ALIGN = 128  # each domain's share of I and of H is a multiple of this (FP8 scale blocks, tiles)
-
-
-def parse_placement(placement: str) -> Optional[tuple[str, int, int]]:
-    """``"split_n:<mode>:<domains>:<max_tokens>"`` -> (mode, domains, max_tokens); ``""`` -> None."""
-    if not placement:
-        return None
-    parts = placement.split(":")
-    if len(parts) != 4 or parts[0] != PLACEMENT_PREFIX or not parts[2].isdigit() or not parts[3].isdigit():
-        raise ValueError(f"rubin.moe: placement {placement!r} is not '' or "
-                         f"'{PLACEMENT_PREFIX}:<default|backfill>:<domains>:<max_tokens>'")
-    return parts[1], int(parts[2]), int(parts[3])
 
 
 def split_bounds(n: int, parts: int, align: int = SPLIT_N_ALIGN) -> Optional[list[tuple[int, int]]]:
@@ -110,7 +89,7 @@ class DomainPlan:
 def plan(target: Target, mode: str = "backfill", count: Optional[int] = None) -> DomainPlan:
     """The domains ``target`` would run with in ``mode`` (``count``: how many; default the target's
     locality-domain count, else 2)."""
-    mode = normalize_mode(mode)
+    mode = locality_mode(mode)
     if not target.is_cuda:
         return DomainPlan(1, mode, (0,), 0, False, "CPU: one domain, the current stream")
     ld = target.locality_domains
@@ -133,7 +112,7 @@ def green_context_split(sm_count: int, n: int, mode: str, granularity: int = SM_
     if share < granularity:
         raise ValueError(f"cannot split {sm_count} SMs into {n} green-context domains of at least {granularity}")
     counts = [share] * n
-    if normalize_mode(mode) == "backfill":
+    if locality_mode(mode) == "backfill":
         counts[-1] += sm_count - share * n
     return tuple(counts)
 
@@ -181,7 +160,7 @@ _LOCK = threading.Lock()
 
 def get(device: torch.device, mode: str, count: int) -> Domains:
     """The (cached) ``Domains`` of ``device`` in ``mode`` with ``count`` domains."""
-    mode = normalize_mode(mode)
+    mode = locality_mode(mode)
     key = (device.type, device.index if device.index is not None else 0, mode, count)
     with _LOCK:
         dom = _LIVE.get(key)
@@ -196,8 +175,6 @@ def _create(device: torch.device, mode: str, count: int) -> Domains:
         return Domains(DomainPlan(1, mode, (0,), 0, False, "CPU: one domain, the current stream"), device, (None,))
     index = device.index if device.index is not None else torch.cuda.current_device()
     device = torch.device("cuda", index)
-    from rubin_compile import target as target_mod
-
     here = target_mod.detect(index)
     if here.locality_domains is not None and count == here.locality_domains.count:
         return _flashinfer_domains(device, mode, here)
@@ -241,7 +218,7 @@ def _green_context_domains(device: torch.device, mode: str, count: int, here: Ta
     resource = _check(driver.cuDeviceGetDevResource(cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
                       "cuDeviceGetDevResource(SM)")
     # One split of the whole device: cuDevSmResourceSplitByCount returns disjoint groups of the even
-    # share and what is left (two independent GreenContext.create calls would overlap, CONTEXT.md). In
+    # share and what is left (two independent GreenContext.create calls overlap: seen on the H200, torch 2.11). In
     # backfill mode the last domain is "what is left": the share plus the remainder.
     backfill = counts[-1] != counts[0]
     got, _, rest = _check(driver.cuDevSmResourceSplitByCount(count - 1 if backfill else count, resource, 0, counts[0]),

@@ -2,13 +2,14 @@
 
 import pytest
 
-from rubin_compile.options import PIPELINE, RubinOptions, RubinOptionsError
+from rubin_compile.options import RubinOptions, RubinOptionsError
+from rubin_compile.passes import PASS_NAMES
 
 
 def test_defaults_run_the_whole_pipeline():
     opts = RubinOptions.resolve({}, environ={})
     assert opts.dump_dir is None and opts.strict is False
-    assert opts.enabled_passes() == PIPELINE
+    assert opts.enabled_passes() == PASS_NAMES
 
 
 def test_env_maps_onto_options_and_explicit_options_win():

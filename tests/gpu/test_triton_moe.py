@@ -255,9 +255,10 @@ def test_pdl_inside_cuda_graph(tmoe):
 
 
 def test_registry_and_op(tmoe):
-    from rubin_compile.kernels import registry
+    from rubin_compile.ops.moe import MOE
+    from rubin_compile.target import detect
 
-    assert registry.implementation("moe", "triton") is tmoe.fused_moe
+    assert MOE.kernel("triton").unavailable_here(detect()) is None
     x, tw, ids, kw = _inputs(3, 16, 512, 384, 4, torch.bfloat16)
     got = torch.ops.rubin.moe(x, kw["w13"], kw["w2"], tw, ids, impl="triton")
     _check(got, _reference(x, tw, ids, kw), TOL[torch.bfloat16])

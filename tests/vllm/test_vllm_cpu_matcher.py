@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager, set_call_kwarg
-from rubin_compile.ops.vllm_moe import cpu_pack_unsupported_reason, pack_cpu_moe_weight, unpack_cpu_moe_weight
+from rubin_compile.integrations.vllm.layer_ops import cpu_pack_unsupported_reason
+from rubin_compile.ops.moe import pack_cpu_weight, unpack_cpu_weight
 
 CPU_MOE = "_C::cpu_fused_moe"
 RUBIN_MOE = "rubin::moe"
@@ -131,7 +132,7 @@ def test_mixed_dtypes_left_unchanged(make_layer, vllm_config):
 
 def test_strict_mode_fails_clearly(make_layer, vllm_config):
     from tests.vllm.harness import _caused_by
-    from rubin_compile.passes.manager import RubinStrictError
+    from rubin_compile.passes.base import RubinStrictError
 
     layer = make_layer(activation="gelu")
     x, logits = fresh_inputs(layer, torch.float32)
@@ -201,11 +202,11 @@ def test_whole_pipeline_binds_vllm_kernel_to_weights_as_stored(make_layer, vllm_
     """With every pass on (as vLLM runs rubin), the rewritten call reads the prepacked weights as stored
     (no copy of them in the graph) and select_kernels binds vLLM's own CPU kernel to it: the result equals
     the same block compiled without rubin (same kernel on the same weights)."""
-    from rubin_compile.options import PIPELINE
+    from rubin_compile.passes import PASS_NAMES
 
     layer = make_layer(dtype=dtype, intermediate_size=48)
     x, logits = fresh_inputs(layer, dtype)
-    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PIPELINE)})
+    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PASS_NAMES)})
     (rewrite,) = rec.match_moe()["rewrites"]
     assert rewrite["details"]["weight_layout"].startswith("vllm_cpu:vec")
     (plan,) = [pl for p in rec.report["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
@@ -232,7 +233,7 @@ def test_cpu_weight_packing_matches_vllm(dtype):
 
     w = torch.randn(3, 96, 80).to(dtype)
     packed = cpu_prepack_moe_weight(w, "vec")
-    assert torch.equal(packed, pack_cpu_moe_weight(w))
-    assert torch.equal(unpack_cpu_moe_weight(packed), w)
+    assert torch.equal(packed, pack_cpu_weight(w))
+    assert torch.equal(unpack_cpu_weight(packed), w)
     assert cpu_pack_unsupported_reason("vec", dtype, 96, 80) is None
     assert "multiple of the 16-row" in cpu_pack_unsupported_reason("vec", dtype, 40, 80)

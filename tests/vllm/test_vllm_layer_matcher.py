@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rubin_compile.ops.moe import moe_reference
-from rubin_compile.ops.vllm_moe import layer_expert_weights
+from rubin_compile.integrations.vllm.layer_ops import layer_expert_weights
 from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager
 
 VLLM_MOE = "vllm::moe_forward"
@@ -70,12 +70,12 @@ def test_whole_pipeline_runs_vllm_cpu_kernel_on_the_layer_weights(make_layer, vl
     """Every pass on: select_kernels reads E / H / I / k / activation / weight layout the matcher took off
     the layer, and binds vLLM's own CPU kernel to its prepacked weights (no copy per call); the result
     equals the block compiled without rubin."""
-    from rubin_compile.options import PIPELINE
+    from rubin_compile.passes import PASS_NAMES
 
     dtype = torch.bfloat16
     layer = make_layer(dtype=dtype, op_form=True, intermediate_size=40, shared=shared)
     x, logits = fresh_inputs(layer, dtype)
-    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PIPELINE)})
+    run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PASS_NAMES)})
     (plan,) = [pl for p in rec.report["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
     assert plan["impl"] == "vllm_cpu@cpu", plan
     assert plan["spec"]["weight_layout"] == "vllm_cpu:vec" and plan["spec"]["shape"]["I"] == 64  # vLLM padded 40
@@ -203,7 +203,7 @@ def test_layer_not_found_left_unchanged(make_layer, vllm_config):
 
 
 def test_strict_mode_fails_clearly(make_layer, vllm_config):
-    from rubin_compile.passes.manager import RubinStrictError
+    from rubin_compile.passes.base import RubinStrictError
     from tests.vllm.harness import _caused_by
 
     layer = make_layer(op_form=True, activation="gelu")

@@ -1,54 +1,21 @@
 """Fused mixture-of-experts Triton kernels for ``rubin.moe`` (decode at the HBM roofline, and prefill).
 
-The op (see ``rubin_compile/ops/moe.py``)::
+Contract: ``run(args, launch)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 / fp32 activations with
+unquantised, FP8 per-tensor / per-expert or FP8 128x128 block-scaled weights, with no host synchronisation
+(capturable in a CUDA graph); ``launch.pdl`` launches every kernel with Programmatic Dependent Launch, bitwise
+identical to without; ``launch.placement`` runs decode-sized calls split-N over locality domains, also bitwise
+identical. FP8 weights with in-kernel FP8 activations (``a_fp8``, the default for FP8) are within 6e-2 of the
+float64 reference, everything else within the tolerances of tests/gpu/test_triton_moe.py.
 
-    out[t] = sum_j w[t, j] * (act(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)) @ w2[e].T,   e = ids[t, j]
-
-Decode is bound by reading the routed experts' weights, so the floor is (bytes of the distinct experts
-routed) / (HBM bandwidth). The design keeps every other cost off that path:
-
-* **FC1 kernel** (``_moe_fc1_kernel``): one program per (group of slots sharing an expert, N tile of I).
-  It streams its expert's gate rows and up rows across K = H once, multiplies them with all of the
-  group's token rows (``tl.dot``, rows padded to ``BM``), applies the activation in registers and writes
-  the small ``[T*k, I]`` intermediate. No separate activation launch.
-* **FC2 kernel** (``_moe_fc2_kernel``): one program per (group, N tile of H). It streams ``w2`` once,
-  scales each row by its top-k weight, writes the weighted row to a per-slot buffer and bumps a counter
-  per (token, N tile); the program that brings the counter to ``k`` sums the ``k`` rows **in slot order**
-  and writes the output. The top-k reduction is therefore fused and deterministic (no float atomics):
-  results do not depend on which program finishes first, so PDL on and off are bitwise identical.
-* **Grouping without a sort launch** (decode, ``T*k <= 64``): program ``s`` of axis 0 takes slot ``s``;
-  it is the group's leader if no earlier slot routes to the same expert, else it exits. The leader
-  gathers every slot of its expert, so each expert's weights are read once however many tokens chose it.
-* **Grouped mode** (``64 < T*k <= 4096``): one single-program launch (``_moe_route_kernel``) sorts the
-  slots by expert in registers and writes a group table; FC1/FC2 then take one program per routed expert.
-* **Prefill** (many tokens): the same kernels over ``BM``-row blocks of tokens sorted by expert (a
-  grouped GEMM with ``tl.dot`` on the tensor cores), routed by a few capturable torch ops.
-
-PDL (sm_90+, ``pdl=True``): every kernel calls ``gdc_wait()`` before it reads anything the previous
-kernel writes and never inside a pipelined loop (Triton issue 11905), and calls
-``gdc_launch_dependents()`` after its last read of inputs. Before its wait, FC2 does only index math on
-routing data that was complete before FC1 passed its own wait (FC1 triggers only after that wait), and
-starts pulling its first weight bytes into L2 (``cp.async.bulk.prefetch.L2``); FC1 cannot prefetch
-before its wait because which experts it needs is written by the router kernel before it.
-
-Options at the FC1 -> FC2 boundary and for small I (config fields; see docs/kernels/triton_moe.md):
-``fc1.split_k`` splits FC1 over K (FC2 reduces the float32 partials in order as it loads them),
-``w2_l2`` has FC1 pull its expert's w2 into L2, ``early_launch`` lets FC2's programs start (and
-prefetch) right after FC1's wait, ``chain`` uses PDL between our kernels for calls with ``pdl=False``.
-
-Tiles come in two orientations: plain (acc [tokens, BN], mma.sync for 16-row token tiles, wgmma from 64)
-and swapped (``swap``: acc [BN, tokens] = W[BN, BK] . X^T, so the weight tile is the wgmma's M side even
-when a group has a handful of tokens).
-
-FP8 (e4m3) weights: per-tensor / per-expert scales are applied to the accumulator; 128x128 block scales
-are applied per K tile (``BK`` divides the scale block). With ``a_fp8`` (the default for FP8 weights)
-each token's K tile is quantised to e4m3 in-kernel (its amax / 448) and the unconverted weights go to
-the FP8 tensor cores with swapped tiles (relative error ~4e-2 against float64). Without it activations
-stay 16-bit and the weights are converted in registers (W8A16, error ~3e-3), which measured no faster
-than bf16 on the H200: the conversion, not memory, bounds it.
-
-Configurations are data (``moe_configs/<GPU name>.json``, written by ``tune_moe.py`` on the GPU); a
-heuristic covers shapes not in the table. Nothing is tuned at import.
+Why this shape: decode is bound by reading the routed experts' weights, so the floor is (bytes of the distinct
+experts routed) / (HBM bandwidth), and every launch, pass over memory or host decision costs a fraction of it.
+So FC1 applies the activation in its epilogue, FC2 applies the routed weights and sums the top-k rows of each
+token in slot order in its epilogue (deterministic, no float atomics), decode needs no routing launch at all
+(slot mode: program ``s`` serves slot ``s``'s expert unless an earlier slot has it), and each expert's weights
+are read once however many tokens chose it. A call's launch plan (``MoEPlan``) is built once per call shape.
+The design, the byte counts, the options at the FC1 -> FC2 boundary and the measurements are in
+docs/kernels/triton_moe.md; configurations are data (``moe_configs/<GPU name>.json``, written by tune_moe.py on
+the GPU, a heuristic for shapes it does not cover; nothing is tuned at import).
 """
 
 from __future__ import annotations
@@ -65,8 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.ops.moe import FP8_DTYPES, check_moe_args
-from rubin_compile.runtime.locality import parse_placement, split_bounds, split_n_unsupported
+from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
+from rubin_compile.ops.moe import MoEArgs
+from rubin_compile.ops.registry import Launch, Placement
+from rubin_compile.runtime import locality
 
 try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -738,15 +707,15 @@ def route_groups_torch(flat_ids: torch.Tensor, E: int, cap: int):
     return order.to(i32), e.to(i32), gstart.to(i32), gcount.to(i32)
 
 
-def _scale_args(scale: Optional[torch.Tensor], block_shape, E: int):
-    """(tensor, stride_e, stride_n, stride_k, W_SCALE) for the kernels."""
+def _scale_args(scale: Optional[torch.Tensor], block_scaled: bool):
+    """(tensor, stride_e, stride_n, stride_k) of a weight scale for the kernels."""
     if scale is None:
-        return None, 0, 0, 0, 0
+        return None, 0, 0, 0
     s = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
-    if block_shape is not None:
-        return s, s.stride(0), s.stride(1), s.stride(2), 2
+    if block_scaled:
+        return s, s.stride(0), s.stride(1), s.stride(2)
     s = s.reshape(-1)
-    return s, (0 if s.numel() == 1 else s.stride(0)), 0, 0, 1
+    return s, (0 if s.numel() == 1 else s.stride(0)), 0, 0
 
 
 def _pf_chunk(prefetch: int, cfg: GemmConfig) -> int:
@@ -764,44 +733,310 @@ def _clamp_bk(cfg: GemmConfig, block_shape, k_extent: int) -> GemmConfig:
     return cfg if bk == cfg.BK else replace(cfg, BK=bk)
 
 
-def fused_moe(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    w13_bias: Optional[torch.Tensor] = None,
-    w2_bias: Optional[torch.Tensor] = None,
-    w13_scale: Optional[torch.Tensor] = None,
-    w2_scale: Optional[torch.Tensor] = None,
-    block_shape: Optional[Sequence[int]] = None,
-    *,
-    pdl: bool = False,
-    placement: str = "",
-    config: Optional[MoEConfig] = None,
-    out: Optional[torch.Tensor] = None,
-    domains: Any = None,
-) -> torch.Tensor:
-    """``rubin.moe`` on the GPU with the fused Triton kernels (same arguments and result as the reference).
+# ------------------------------------------------------------------------------------------------
+# the launch plan: what one call shape runs, built once
+# ------------------------------------------------------------------------------------------------
 
-    Parameters beyond the op's: ``pdl`` launches every kernel with programmatic dependent launch
-    (sm_90+; results are bitwise identical either way); ``placement`` (``"split_n:<mode>:<domains>:<max
-    tokens>"``, written by passes/place_locality.py) runs calls of at most that many tokens split over
-    locality domains (see ``_launch_split_n``; ``domains`` overrides the live ones, for tests); ``config``
-    overrides the tuned/heuristic choice;
-    ``out`` ([T, H], hidden_states' dtype, contiguous rows) receives the result (the tests poison it).
-    No host synchronisation: safe to capture in a CUDA graph. ``topk_ids`` outside [0, E) are not
-    checked on the device (that would need a sync); the reference op reports them.
-    """
-    T, H, E, I, k = check_moe_args(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-        w2_scale, block_shape,
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """How every call of one shape runs: routing mode, grids, the two GEMMs' tiles, buffer shapes and the
+    kernels' compile-time arguments. Built once per (shape, dtypes, config, device, launch) by ``plan_call``
+    and cached; a call then allocates its buffers and launches (``run_whole``, or ``run_split_n`` -- the same
+    plan over locality domains, each domain running FC1 / FC2 on its share of the output columns)."""
+
+    T: int
+    H: int
+    E: int
+    I: int  # noqa: E741
+    k: int
+    config: MoEConfig  # after _fit_mode
+    fc1: GemmConfig  # BK clamped to K and the scale block; no L2 prefetch in the interpreter
+    fc2: GemmConfig  # also fitted to shared memory after a K-split FC1
+    route: int  # 0: slot mode (no routing launch); 1: route tables (group expert / start / count)
+    groups: int  # G: programs on axis 0 of FC1 and FC2
+    cap: int  # rows per group (route tables)
+    route_kernel: bool  # route tables by the single-program kernel (else capturable torch ops)
+    split: int  # FC1 programs along K (1: unsplit)
+    kch: int  # K range per FC1 program, a multiple of fc1.BK
+    act: int  # 0 silu, 1 gelu_tanh
+    w_scale: int  # 0 none, 1 per tensor / per expert, 2 block scales
+    block: tuple[int, int]  # the scale block (1, 1 when not block-scaled)
+    gdc: bool  # the kernels contain the PDL instructions (sm_90+, Triton >= 3.4, not the interpreter)
+    first_pdl: bool  # the call's first kernel is launched with PDL (Launch.pdl)
+    chain_pdl: bool  # our later kernels are launched with PDL (Launch.pdl or config.chain)
+    a_fp8: bool
+    dot_prec: str
+    x_dtype: torch.dtype
+
+    @property
+    def S(self) -> int:
+        return self.T * self.k
+
+    @property
+    def common(self) -> dict[str, Any]:
+        """Compile-time arguments both GEMM kernels take."""
+        return dict(W_SCALE=self.w_scale, A_FP8=self.a_fp8, DOT_PREC=self.dot_prec, ROUTE=self.route,
+                    SLOT_P2=SLOT_MAX, GDC=self.gdc)
+
+    def _pdl(self, on: bool) -> dict[str, Any]:
+        return {"launch_pdl": True} if on else {}
+
+    # buffers and routing -------------------------------------------------------------------------
+
+    def routing(self, ids: torch.Tensor) -> tuple:
+        """(sorted_slots, group_expert, group_start, group_count) for this call, launching the routing kernel
+        (or torch ops) where the plan has route tables; slot mode needs none (``ids`` stand in, unread)."""
+        if self.route == 0:
+            return ids, ids, ids, ids
+        dev, i32, S, G = ids.device, torch.int32, self.S, self.groups
+        if not self.route_kernel:
+            return route_groups_torch(ids, self.E, self.cap)
+        sorted_slots = torch.empty(S, dtype=i32, device=dev)
+        gexp, gcount = torch.empty(G, dtype=i32, device=dev), torch.empty(G, dtype=i32, device=dev)
+        gstart = torch.empty(G + 1, dtype=i32, device=dev)
+        s_p2 = triton.next_power_of_2(S)
+        scratch = torch.empty(s_p2, dtype=i32, device=dev)
+        _moe_route_kernel[(1,)](
+            ids, S, G, self.cap, sorted_slots, gexp, gstart, gcount, scratch,
+            S_P2=s_p2, G_P2=triton.next_power_of_2(G), GDC=self.gdc,
+            num_warps=4 if s_p2 <= 1024 else 8, **self._pdl(self.first_pdl),
+        )
+        return sorted_slots, gexp, gstart, gcount
+
+    def intermediate(self, dev: torch.device) -> torch.Tensor:
+        """FC1's output: [1, S, I] in the activations' dtype; float32 partial (gate, up) products
+        [split, S, 2I] when FC1 is split over K."""
+        if self.split > 1:
+            return torch.empty((self.split, self.S, 2 * self.I), dtype=torch.float32, device=dev)
+        return torch.empty((1, self.S, self.I), dtype=self.x_dtype, device=dev)
+
+    # the two GEMMs -------------------------------------------------------------------------------
+
+    def launch_fc1(self, c: "_Call", w: torch.Tensor, n_up: int, i_len: int, b: Optional[torch.Tensor],
+                   sc: tuple, inter_v: torch.Tensor, cnt: torch.Tensor, cnt_numel: int, w2_l2: bool,
+                   pdl: bool) -> None:
+        """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v``."""
+        fc1, H, elt = self.fc1, self.H, w.element_size()
+        pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
+        if self.split > 1:
+            pf1 = 0  # a program's K range of a weight row is not one contiguous run
+        # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
+        nt1 = triton.cdiv(i_len, fc1.BN)
+        w2_l2_bytes = w2_chunk = 0
+        if w2_l2:
+            threads = 32 * fc1.num_warps
+            w2_chunk = triton.cdiv(triton.cdiv(H * self.I * elt, nt1 * self.split * threads), 16) * 16
+            w2_l2_bytes = w2_chunk * threads
+        x, out = c.args.hidden_states, c.out
+        bb = b if b is not None else out
+        scale, s_e, s_n, s_k = sc
+        _moe_fc1_kernel[(self.groups, nt1, self.split)](
+            x, w, bb, scale if scale is not None else out, c.ids, *c.routes, inter_v, cnt, c.args.w2,
+            self.S, self.k, H, i_len, n_up, cnt_numel, self.kch,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
+            s_e, s_n, s_k, inter_v.stride(1), inter_v.stride(0), c.args.w2.stride(0), *self.block,
+            ACT=self.act, HAS_BIAS=b is not None, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0,
+            PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=self.split,
+            EARLY=bool(self.config.early_launch and pdl), W2_L2=w2_l2_bytes, W2_CHUNK=max(16, w2_chunk),
+            num_warps=fc1.num_warps, num_stages=fc1.num_stages, **self.common, **self._pdl(pdl),
+        )
+
+    def launch_fc2(self, c: "_Call", w: torch.Tensor, h_len: int, b: Optional[torch.Tensor], sc: tuple,
+                   part_v: torch.Tensor, out_v: torch.Tensor, cnt: torch.Tensor, pdl: bool) -> None:
+        """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first."""
+        fc2, inter, I, elt = self.fc2, c.inter, self.I, w.element_size()
+        pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
+        bb = b if b is not None else c.out
+        scale, s_e, s_n, s_k = sc
+        _moe_fc2_kernel[(self.groups, triton.cdiv(h_len, fc2.BN))](
+            inter, w, bb, scale if scale is not None else c.out, c.ids, c.tw, *c.routes, part_v, out_v, cnt,
+            self.S, self.k, h_len, I,
+            inter.stride(1), inter.stride(0), w.stride(0), w.stride(1), w.stride(2),
+            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
+            s_e, s_n, s_k, part_v.stride(0), out_v.stride(0), *self.block,
+            HAS_BIAS=b is not None, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0,
+            PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=self.config.fused_sum, SWAP=fc2.swap,
+            SPLIT1=self.split, ACT=self.act, num_warps=fc2.num_warps, num_stages=fc2.num_stages,
+            **self.common, **self._pdl(pdl),
+        )
+
+    # the two ways to run it ----------------------------------------------------------------------
+
+    def run_whole(self, c: "_Call") -> None:
+        """FC1 then FC2 (and the top-k sum, unless FC2 fuses it) on the current stream."""
+        args, dev = c.args, c.out.device
+        nt2 = triton.cdiv(self.H, self.fc2.BN)
+        cnt = torch.empty((self.T, nt2), dtype=torch.int32, device=dev) if self.config.fused_sum else c.out
+        w2, elt = args.w2, args.w2.element_size()
+        w2_l2 = bool(self.config.w2_l2 and self.config.mode != "prefill" and not _INTERPRET and (
+            w2.stride(2) == 1 and w2.stride(1) == self.I and (self.H * self.I * elt) % 16 == 0
+            and w2.data_ptr() % 16 == 0))
+        self.launch_fc1(c, args.w13, self.I, self.I, args.w13_bias, c.s13, c.inter, cnt,
+                        self.T * nt2 if self.config.fused_sum else 0, w2_l2, c.fc1_pdl)
+        self.launch_fc2(c, w2, self.H, args.w2_bias, c.s2, c.part, c.out, cnt, self.chain_pdl)
+        if not self.config.fused_sum:
+            block = min(1024, triton.next_power_of_2(self.H))
+            _moe_sum_kernel[(self.T, triton.cdiv(self.H, block))](
+                c.part, c.out, self.H, self.k, c.part.stride(0), c.out.stride(0), BLOCK=block, GDC=self.gdc,
+                num_warps=4, **self._pdl(self.chain_pdl),
+            )
+
+    def run_split_n(self, c: "_Call", dom: locality.Domains) -> None:
+        """The split-N form: domain d runs FC1 on its share of I (gate rows with their up rows) and FC2 on its
+        share of H, each on its own stream over its own weight shard; a cross-domain join sits between them,
+        since each FC2 reads every domain's part of the intermediate.
+
+        Streams: fork from the current stream, FC1_d on stream d, every stream waits for every FC1, FC2_d on
+        stream d, the current stream waits for every FC2. All of it is stream-ordered (events), so a CUDA graph
+        captures it as a fork / join. Every buffer is allocated before the fork on the current stream and used
+        only before the join, so the caching allocator never hands it out while a domain stream still reads it.
+        """
+        args, dev, n, I, H = c.args, c.out.device, dom.count, self.I, self.H
+        ib, hb = locality.split_bounds(I, n), locality.split_bounds(H, n)
+        local = dom.plan.localized_memory
+        w13s = locality.shards(args.w13, dom, "w13", ib, up=I)
+        w2s = locality.shards(args.w2, dom, "w2", hb)
+        b13s = locality.shards(args.w13_bias, dom, "b13", ib, up=I) if args.w13_bias is not None else None
+        b2s = locality.shards(args.w2_bias, dom, "b2", hb) if args.w2_bias is not None else None
+        if self.w_scale == 2:  # block scales: rows in units of the scale block
+            sbn = self.block[0]
+            blk = lambda bounds: [(lo // sbn, -(-hi // sbn)) for lo, hi in bounds]  # noqa: E731
+            sc13 = [_scale_args(s, True) for s in locality.shards(c.s13[0], dom, "s13", blk(ib), up=I // sbn)]
+            sc2 = [_scale_args(s, True) for s in locality.shards(c.s2[0], dom, "s2", blk(hb))]
+        else:  # per-tensor / per-expert scales (or none) are shared
+            sc13, sc2 = [c.s13] * n, [c.s2] * n
+        cnts = [torch.empty((self.T, triton.cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev)
+                for lo, hi in hb]
+
+        def fc1(d: int) -> None:
+            lo, hi = ib[d]
+            self.launch_fc1(c, w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
+                            c.inter[:, :, lo:], cnts[d], cnts[d].numel(), False, False)
+
+        def fc2(d: int) -> None:
+            lo, hi = hb[d]
+            self.launch_fc2(c, w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], c.part[:, lo:], c.out[:, lo:],
+                            cnts[d], False)
+
+        if any(st is None for st in dom.streams):  # sequential domains (interpreter, tests): same order, one stream
+            for d in range(n):
+                fc1(d)
+            for d in range(n):
+                fc2(d)
+            return
+        cur = torch.cuda.current_stream(dev)
+        ev = dom.events(1 + 2 * n)
+        fork, done1, done2 = ev[0], ev[1:1 + n], ev[1 + n:]
+        fork.record(cur)
+        for d, s in enumerate(dom.streams):
+            s.wait_event(fork)
+            with torch.cuda.stream(s):
+                fc1(d)
+            done1[d].record(s)
+        for d, s in enumerate(dom.streams):
+            for o in range(n):
+                if o != d:
+                    s.wait_event(done1[o])
+            with torch.cuda.stream(s):
+                fc2(d)
+            done2[d].record(s)
+        for d in range(n):
+            cur.wait_event(done2[d])
+
+
+@dataclass
+class _Call:
+    """One call's tensors: its arguments, flattened routing, routing tables, buffers and kernel-ready scales."""
+
+    args: MoEArgs
+    out: torch.Tensor
+    ids: torch.Tensor
+    tw: torch.Tensor
+    routes: tuple  # sorted_slots, group_expert, group_start, group_count
+    inter: torch.Tensor
+    part: torch.Tensor
+    s13: tuple
+    s2: tuple
+    fc1_pdl: bool  # FC1's launch: the first kernel of the call unless the routing kernel ran before it
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_call(T: int, H: int, E: int, I: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,  # noqa: E741
+              block_shape: Optional[tuple[int, int]], activation: str, config: MoEConfig, has_pdl: bool,
+              pdl: bool, split_n: bool, interpret: bool) -> MoEPlan:
+    """The launch plan of one call shape (see ``MoEPlan``); ``config`` is the chosen one (table or heuristic),
+    ``split_n`` whether the call runs over locality domains (whose split-K form is not per domain: FC1 then
+    runs unsplit over K)."""
+    config = _fit_mode(config, T, k)
+    gdc = has_pdl and not interpret and gdc_wait is not None
+    S = T * k
+    fp8 = w_dtype in FP8_DTYPES
+    fc1 = _clamp_bk(config.fc1, block_shape, H)
+    fc2 = _clamp_bk(config.fc2, block_shape, I)
+    if interpret:
+        fc1, fc2 = replace(fc1, prefetch=0), replace(fc2, prefetch=0)
+    if split_n:
+        fc1 = replace(fc1, split_k=1)  # split-K's partial layout is per whole call
+    # routing
+    cap = config.cap if (config.mode == "prefill" and config.cap > 0) else (1 << 30)
+    route_kernel = False
+    if config.mode == "slot" and S <= SLOT_MAX:
+        route, groups = 0, S
+    elif S <= ROUTE_KERNEL_MAX:
+        route, route_kernel = 1, True
+        groups = min(E, S) if cap >= S else S // cap + min(E, S)
+    else:
+        route, cap = 1, min(cap, S)
+        groups = S // cap + min(E, S)
+    # split K: chunks of whole BK tiles; no empty chunk
+    kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
+    split = triton.cdiv(H, kch)
+    if split > 1:  # FC2 then pipelines 2 x split float32 tiles per K step: fewer stages where they would not fit
+        fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)
+    w_scale = (2 if block_shape is not None else 1) if fp8 else 0
+    return MoEPlan(
+        T=T, H=H, E=E, I=I, k=k, config=config, fc1=fc1, fc2=fc2, route=route, groups=groups, cap=cap,
+        route_kernel=route_kernel, split=split, kch=kch, act=0 if activation == "silu" else 1, w_scale=w_scale,
+        block=(int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1),
+        gdc=gdc, first_pdl=pdl and gdc, chain_pdl=(pdl or config.chain) and gdc,
+        a_fp8=bool(config.a_fp8 and fp8 and not interpret),
+        dot_prec="ieee" if x_dtype == torch.float32 else "tf32", x_dtype=x_dtype,
     )
-    dtype = hidden_states.dtype
+
+
+def _domains_for(placement: Placement, args: MoEArgs, dev: torch.device, domains: Optional[locality.Domains]):
+    """The domains a decode-sized call with ``placement`` runs over. ``domains`` (tests): use these."""
+    why = locality.split_n_unsupported(args.T, args.I, args.H, placement.domains, args.block_shape)
+    if why is not None:  # place_locality checks this at compile time; a hand-written placement lands here
+        raise ValueError(f"rubin.moe: placement {placement.encode()!r}: {why}")
+    if domains is not None:
+        return domains
+    if _INTERPRET or dev.type != "cuda":  # no streams to split over: the same kernels, one after another
+        return locality.sequential(placement.domains, dev)
+    return locality.get(dev, placement.mode, placement.domains)
+
+
+def run(args: MoEArgs, launch: Launch = Launch(), *, config: Optional[MoEConfig] = None,
+        out: Optional[torch.Tensor] = None, domains: Optional[locality.Domains] = None) -> torch.Tensor:
+    """``rubin.moe`` on the GPU with the fused Triton kernels (the registered adapter; same result as the
+    reference).
+
+    ``launch.pdl`` launches every kernel with programmatic dependent launch (sm_90+; results are bitwise
+    identical either way); ``launch.placement`` (written by passes/place_locality.py) runs calls of at most its
+    ``max_tokens`` tokens split over locality domains (``MoEPlan.run_split_n``; ``domains`` overrides the live
+    ones, for tests); ``config`` overrides the tuned / heuristic choice; ``out`` ([T, H], hidden_states'
+    dtype, contiguous rows) receives the result (the tests poison it). No host synchronisation: safe to
+    capture in a CUDA graph. ``topk_ids`` outside [0, E) are not checked on the device (that would need a
+    sync); the reference op reports them.
+    """
+    x = args.hidden_states
+    T, H, E, I, k = args.T, args.H, args.E, args.I, args.k
+    dtype = x.dtype
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NotImplementedError(f"rubin.moe[triton]: hidden_states dtype {dtype} is not supported (bf16, fp16, fp32)")
-    dev = hidden_states.device
+    dev = x.device
     if out is None:
         out = torch.empty((T, H), dtype=dtype, device=dev)
     elif out.shape != (T, H) or out.dtype != dtype or out.stride(1) != 1:
@@ -810,216 +1045,34 @@ def fused_moe(
         return out.zero_()
     name, num_sms, has_pdl = _device_facts(dev)
     if config is None:
-        config, _ = lookup_config(T, E, H, I, k, w13.dtype, block_shape, name, num_sms)
-    config = _fit_mode(config, T, k)
-    gdc = has_pdl and not _INTERPRET and gdc_wait is not None
-    # ``pdl``: every kernel, the first included (it may then start while the previous kernel in the stream
-    # finishes). ``config.chain``: the edges between our own kernels use PDL even when ``pdl`` is off; every
-    # read of a predecessor's output sits behind a gdc_wait, so this is always safe.
-    first = {"launch_pdl": True} if (pdl and gdc) else {}
-    chained = {"launch_pdl": True} if ((pdl or config.chain) and gdc) else {}
-    S = T * k
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    tw = topk_weights.reshape(-1)
-    if not tw.is_contiguous():
-        tw = tw.contiguous()
-    fp8 = w13.dtype in FP8_DTYPES
-    a_fp8 = bool(config.a_fp8 and fp8 and not _INTERPRET)
-    dot_prec = "ieee" if dtype == torch.float32 else "tf32"
-    act = 0 if activation == "silu" else 1
-    fc1 = _clamp_bk(config.fc1, block_shape, H)
-    fc2 = _clamp_bk(config.fc2, block_shape, I)
-    if _INTERPRET:
-        fc1, fc2 = replace(fc1, prefetch=0), replace(fc2, prefetch=0)
-    i32 = torch.int32
-
-    # routing
-    if config.mode == "slot" and S <= SLOT_MAX:
-        route, G = 0, S
-        sorted_slots = gexp = gstart = gcount = ids  # unused
+        config, _ = lookup_config(T, E, H, I, k, args.w13.dtype, args.block_shape, name, num_sms)
+    placed = launch.placement is not None and launch.placement.applies(T)
+    dom = _domains_for(launch.placement, args, dev, domains) if placed else None
+    plan = plan_call(T, H, E, I, k, dtype, args.w13.dtype, args.block_shape, args.activation, config, has_pdl,
+                     launch.pdl, placed, _INTERPRET)
+    ids = args.topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    tw = args.topk_weights.reshape(-1)
+    tw = tw if tw.is_contiguous() else tw.contiguous()
+    routes = plan.routing(ids)
+    block_scaled = plan.w_scale == 2
+    call = _Call(args, out, ids, tw, routes, plan.intermediate(dev), torch.empty((plan.S, H), dtype=dtype, device=dev),
+                 _scale_args(args.w13_scale, block_scaled), _scale_args(args.w2_scale, block_scaled),
+                 fc1_pdl=plan.chain_pdl if plan.route_kernel else plan.first_pdl)
+    if dom is not None:
+        if not plan.config.fused_sum:
+            raise ValueError("rubin.moe[triton]: split-N needs the fused top-k sum (config.fused_sum)")
+        plan.run_split_n(call, dom)
     else:
-        route = 1
-        cap = config.cap if (config.mode == "prefill" and config.cap > 0) else (1 << 30)
-        if S <= ROUTE_KERNEL_MAX:
-            G = min(E, S) if cap >= S else S // cap + min(E, S)
-            sorted_slots = torch.empty(S, dtype=i32, device=dev)
-            gexp = torch.empty(G, dtype=i32, device=dev)
-            gstart = torch.empty(G + 1, dtype=i32, device=dev)
-            gcount = torch.empty(G, dtype=i32, device=dev)
-            s_p2 = triton.next_power_of_2(S)
-            scratch = torch.empty(s_p2, dtype=i32, device=dev)
-            _moe_route_kernel[(1,)](
-                ids, S, G, cap, sorted_slots, gexp, gstart, gcount, scratch,
-                S_P2=s_p2, G_P2=triton.next_power_of_2(G), GDC=gdc,
-                num_warps=4 if s_p2 <= 1024 else 8, **first,
-            )
-            first = chained  # FC1 follows our own routing kernel
-        else:
-            cap = min(cap, S)
-            sorted_slots, gexp, gstart, gcount = route_groups_torch(ids, E, cap)
-            G = gexp.numel()
-
-    domains = _placement_domains(placement, dev, T, I, H, block_shape, domains)
-    if domains is not None:
-        fc1 = replace(fc1, split_k=1)  # split-K's partial layout is per whole call (see _launch_split_n)
-    # split K: chunks of whole BK tiles; no empty chunk
-    kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
-    split = triton.cdiv(H, kch)
-    if split > 1:  # float32 partial (gate, up) products per K range; FC2 reduces them
-        inter = torch.empty((split, S, 2 * I), dtype=torch.float32, device=dev)
-        # FC2 then pipelines 2 x split float32 tiles per K step: fewer stages where they would not fit
-        fc2 = fit_smem(fc2, "fc2", hidden_states.element_size(), w13.element_size(), split1=split)
-    else:
-        inter = torch.empty((1, S, I), dtype=dtype, device=dev)
-    part = torch.empty((S, H), dtype=dtype, device=dev)
-    s13, s13e, s13n, s13k, wsc = _scale_args(w13_scale, block_shape, E)
-    s2, s2e, s2n, s2k, _ = _scale_args(w2_scale, block_shape, E)
-    sbn, sbk = (int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1)
-    elt = w13.element_size()
-    common = dict(W_SCALE=wsc, A_FP8=a_fp8, DOT_PREC=dot_prec, ROUTE=route, SLOT_P2=SLOT_MAX, GDC=gdc)
-
-    def launch_fc1(w, n_up, i_len, b, sc, inter_v, cnt, cnt_numel, w2_l2, launch):
-        """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v``."""
-        pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
-        if split > 1:
-            pf1 = 0  # a program's K range of a weight row is not one contiguous run
-        # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
-        nt1 = triton.cdiv(i_len, fc1.BN)
-        w2_l2_bytes = w2_chunk = 0
-        if w2_l2:
-            threads = 32 * fc1.num_warps
-            w2_chunk = triton.cdiv(triton.cdiv(H * I * elt, nt1 * split * threads), 16) * 16
-            w2_l2_bytes = w2_chunk * threads
-        bb = b if b is not None else out
-        _moe_fc1_kernel[(G, nt1, split)](
-            hidden_states, w, bb, sc if sc is not None else out, ids, sorted_slots, gexp, gstart, gcount,
-            inter_v, cnt, w2,
-            S, k, H, i_len, n_up, cnt_numel, kch,
-            hidden_states.stride(0), hidden_states.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
-            s13e, s13n, s13k, inter_v.stride(1), inter_v.stride(0), w2.stride(0), sbn, sbk,
-            ACT=act, HAS_BIAS=b is not None, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0,
-            PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=split,
-            EARLY=bool(config.early_launch and launch), W2_L2=w2_l2_bytes, W2_CHUNK=max(16, w2_chunk),
-            num_warps=fc1.num_warps, num_stages=fc1.num_stages, **common, **launch,
-        )
-
-    def launch_fc2(w, h_len, b, sc, part_v, out_v, cnt, launch):
-        """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first."""
-        pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
-        bb = b if b is not None else out
-        _moe_fc2_kernel[(G, triton.cdiv(h_len, fc2.BN))](
-            inter, w, bb, sc if sc is not None else out, ids, tw, sorted_slots, gexp, gstart, gcount,
-            part_v, out_v, cnt,
-            S, k, h_len, I,
-            inter.stride(1), inter.stride(0), w.stride(0), w.stride(1), w.stride(2),
-            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
-            s2e, s2n, s2k, part_v.stride(0), out_v.stride(0), sbn, sbk,
-            HAS_BIAS=b is not None, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0,
-            PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=config.fused_sum, SWAP=fc2.swap,
-            SPLIT1=split, ACT=act, num_warps=fc2.num_warps, num_stages=fc2.num_stages, **common, **launch,
-        )
-
-    if domains is not None:
-        _launch_split_n(domains, launch_fc1, launch_fc2, T, H, I, inter, part, out, w13, w2, w13_bias, w2_bias,
-                        s13, s2, wsc == 2, sbn, fc2, config, dev)
-        return out
-    nt2 = triton.cdiv(H, fc2.BN)
-    cnt = torch.empty((T, nt2), dtype=i32, device=dev) if config.fused_sum else out
-    w2_l2 = bool(config.w2_l2 and config.mode != "prefill" and not _INTERPRET and (
-        w2.stride(2) == 1 and w2.stride(1) == I and (H * I * elt) % 16 == 0 and w2.data_ptr() % 16 == 0))
-    launch_fc1(w13, I, I, w13_bias, s13, inter, cnt, T * nt2 if config.fused_sum else 0, w2_l2, first)
-    launch_fc2(w2, H, w2_bias, s2, part, out, cnt, chained)
-    if not config.fused_sum:
-        block = min(1024, triton.next_power_of_2(H))
-        _moe_sum_kernel[(T, triton.cdiv(H, block))](
-            part, out, H, k, part.stride(0), out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **chained,
-        )
+        plan.run_whole(call)
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# split-N over locality domains
-# ------------------------------------------------------------------------------------------------
-
-def _placement_domains(placement: str, dev: torch.device, T: int, I: int, H: int, block_shape, domains=None):
-    """The ``Domains`` to split this call over, or None to run it whole (no placement, or more tokens than
-    the placement's threshold). ``domains`` (tests): use these instead of the placement's live ones."""
-    parsed = parse_placement(placement)
-    if parsed is None:
-        return None
-    mode, parts, max_tokens = parsed
-    if T > max_tokens:
-        return None
-    why = split_n_unsupported(T, I, H, parts, block_shape)
-    if why is not None:  # place_locality checks this at compile time; a hand-written placement lands here
-        raise ValueError(f"rubin.moe: placement {placement!r}: {why}")
-    from rubin_compile.runtime import locality
-
-    if domains is not None:
-        return domains
-    if _INTERPRET or dev.type != "cuda":  # no streams to split over: the same kernels, one after another
-        return locality.sequential(parts, dev)
-    return locality.get(dev, mode, parts)
-
-
-def _launch_split_n(dom, launch_fc1, launch_fc2, T, H, I, inter, part, out, w13, w2, b13, b2, s13, s2,
-                    block_scaled, sbn, fc2, config, dev):
-    """The split-N form: domain d runs FC1 on its share of I (gate rows with their up rows) and FC2 on its
-    share of H, each on its own stream over its own weight shard; a cross-domain join sits between them,
-    since each FC2 reads every domain's part of the intermediate.
-
-    Streams: fork from the current stream, FC1_d on stream d, every stream waits for every FC1, FC2_d on
-    stream d, the current stream waits for every FC2. All of it is stream-ordered (events), so a CUDA graph
-    captures it as a fork / join. Every buffer is allocated before the fork on the current stream and used
-    only before the join, so the caching allocator never hands it out while a domain stream still reads it.
-    """
-    from rubin_compile.runtime import locality
-
-    n = dom.count
-    ib, hb = split_bounds(I, n), split_bounds(H, n)
-    local = dom.plan.localized_memory
-    w13s = locality.shards(w13, dom, "w13", ib, up=I)
-    w2s = locality.shards(w2, dom, "w2", hb)
-    b13s = locality.shards(b13, dom, "b13", ib, up=I) if b13 is not None else None
-    b2s = locality.shards(b2, dom, "b2", hb) if b2 is not None else None
-    if block_scaled:  # block scales: rows in units of the scale block
-        blk = lambda bounds: [(lo // sbn, -(-hi // sbn)) for lo, hi in bounds]  # noqa: E731
-        sc13 = locality.shards(s13, dom, "s13", blk(ib), up=I // sbn)
-        sc2 = locality.shards(s2, dom, "s2", blk(hb))
-    else:  # per-tensor / per-expert scales (or none) are shared
-        sc13 = [s13] * n
-        sc2 = [s2] * n
-    if not config.fused_sum:
-        raise ValueError("rubin.moe[triton]: split-N needs the fused top-k sum (config.fused_sum)")
-    cnts = [torch.empty((T, triton.cdiv(hi - lo, fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb]
-    if any(st is None for st in dom.streams):  # sequential domains (interpreter, tests): same order, one stream
-        for d, (lo, hi) in enumerate(ib):
-            launch_fc1(w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
-                       inter[:, :, lo:], cnts[d], cnts[d].numel(), False, {})
-        for d, (lo, hi) in enumerate(hb):
-            launch_fc2(w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], part[:, lo:], out[:, lo:], cnts[d], {})
-        return
-    cur = torch.cuda.current_stream(dev)
-    ev = dom.events(1 + 2 * n)
-    fork, done1, done2 = ev[0], ev[1:1 + n], ev[1 + n:]
-    fork.record(cur)
-    for d, s in enumerate(dom.streams):
-        (lo, hi) = ib[d]
-        s.wait_event(fork)
-        with torch.cuda.stream(s):
-            launch_fc1(w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
-                       inter[:, :, lo:], cnts[d], cnts[d].numel(), False, {})
-        done1[d].record(s)
-    for d, s in enumerate(dom.streams):
-        (lo, hi) = hb[d]
-        for o in range(n):
-            if o != d:
-                s.wait_event(done1[o])
-        with torch.cuda.stream(s):
-            launch_fc2(w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], part[:, lo:], out[:, lo:], cnts[d], {})
-        done2[d].record(s)
-    for d in range(n):
-        cur.wait_event(done2[d])
+def fused_moe(*op_args, pdl: bool = False, placement: str = "", config: Optional[MoEConfig] = None,
+              out: Optional[torch.Tensor] = None, domains: Optional[locality.Domains] = None,
+              **op_kwargs) -> torch.Tensor:
+    """``run`` called like the op: its data arguments (positionally or by name, as ``MoEArgs`` takes them),
+    ``pdl`` and ``placement`` as the op's strings; ``config`` / ``out`` / ``domains`` as in ``run``. The
+    benchmarks, the tuner and the GPU tests call the kernels this way."""
+    return run(MoEArgs(*op_args, **op_kwargs), Launch.decode(pdl, placement), config=config, out=out,
+               domains=domains)

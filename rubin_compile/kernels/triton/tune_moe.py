@@ -26,6 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from rubin_compile.kernels.triton import moe as moe_kernels
+from rubin_compile.ops.moe import moe_reference
+
 SHAPES = {
     "qwen3-30b-a3b": dict(E=128, k=8, H=2048, I=768),
     "mixtral-8x7b": dict(E=8, k=2, H=4096, I=14336),
@@ -160,9 +163,7 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 30) -> float:
 
 
 def _fits(g, which, wfmt) -> bool:
-    from rubin_compile.kernels.triton.moe import SMEM_LIMIT, smem_estimate
-
-    return smem_estimate(g, which, 2, 2 if wfmt == "bf16" else 1) <= SMEM_LIMIT
+    return moe_kernels.smem_estimate(g, which, 2, 2 if wfmt == "bf16" else 1) <= moe_kernels.SMEM_LIMIT
 
 
 def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool = False):
@@ -283,8 +284,7 @@ def describe(cfg) -> str:
 def _warm_one(job):
     """Worker: compile one (shape, format, T, config) by running it once on small inputs."""
     H, I, k, T, wfmt, cfg_json, pdl = job
-    import rubin_compile.kernels.triton.moe as moe
-
+    moe = moe_kernels
     torch.cuda.set_device(0)
     E = 4
     w = make_weights(E, H, I, wfmt, seed=1)
@@ -317,9 +317,7 @@ def _warm_key(H, I, k, T, wfmt, cfg, pdl):
 
 def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps: int, workers: int, log,
          merge: bool = False) -> dict:
-    import rubin_compile.kernels.triton.moe as moe
-    from rubin_compile.ops.moe import moe_reference
-
+    moe = moe_kernels
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth_gbs()
     log(f"{name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")

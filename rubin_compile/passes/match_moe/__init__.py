@@ -2,33 +2,26 @@
 
 Each matcher is a module of this package with ``IDIOM`` (a short name for reports) and
 ``match(graph, ctx) -> (list[Rewrite], list[Unchanged])``; its docstring quotes the source idiom it
-recognises. Matchers run in the order below; each leaves alone what it does not fully recognise, with the
-reason recorded.
+recognises. Matchers run in the order of ``MATCHERS``; each leaves alone what it does not fully recognise,
+with the reason recorded.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from rubin_compile.passes.base import PassContext, PassResult
+from rubin_compile.passes.base import Pass, PassContext, PassResult
+from rubin_compile.passes.match_moe import expert_loop, hf_grouped_mm, vllm_cpu, vllm_layer
 
 NAME = "match_moe"
 
 # Order matters only where idioms could overlap; the specific vLLM forms go first.
-MATCHERS: tuple[str, ...] = (
-    "vllm_cpu",
-    "vllm_layer",
-    "hf_grouped_mm",
-    "expert_loop",
-)
+MATCHERS = (vllm_cpu, vllm_layer, hf_grouped_mm, expert_loop)
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
-    for module_name in MATCHERS:
-        matcher = importlib.import_module(f"{__name__}.{module_name}")
+    for matcher in MATCHERS:
         rewrites, unchanged = matcher.match(graph, ctx)
         result.rewrites.extend(rewrites)
         result.unchanged.extend(unchanged)
@@ -36,3 +29,6 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     if result.changed:
         graph.lint()
     return result
+
+
+PASS = Pass(NAME, run, reads=("engine",))

@@ -1,38 +1,12 @@
-"""Building canonical nodes in a post-grad FX graph, with the fake values Inductor needs on them."""
+"""Building a ``rubin.moe`` node in a post-grad FX graph (the matchers of this package share it)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.fx.node import map_aggregate
 
-import rubin_compile.ops  # noqa: F401  (registers torch.ops.rubin.*)
-
-
-def call(graph: torch.fx.Graph, target: Callable, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
-    """Insert ``target(*args, **kwargs)`` at the graph's current insertion point and give it a fake
-    ``meta["val"]`` computed from its inputs' values (Inductor lowers from these)."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    vals: list[Any] = []
-
-    def to_val(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            v = a.meta.get("val")
-            vals.append(v)
-            return v
-        return a
-
-    fargs = map_aggregate(args, to_val)
-    fkwargs = map_aggregate(kwargs, to_val)
-    if all(v is not None for v in vals):
-        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-        if fake_mode is not None:
-            with fake_mode:
-                node.meta["val"] = target(*fargs, **fkwargs)
-    return node
+from rubin_compile.passes.fx import call
 
 
 def emit_moe(
@@ -50,7 +24,8 @@ def emit_moe(
     block_shape: Optional[Sequence[int]] = None,
     weight_layout: str = "plain",
 ) -> torch.fx.Node:
-    """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one)."""
+    """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one); arguments that are
+    their defaults are left out, so the dump reads like the call a person would write."""
     kwargs: dict[str, Any] = {"activation": activation}
     for name, value in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("w13_scale", w13_scale),
                         ("w2_scale", w2_scale)):
@@ -61,18 +36,3 @@ def emit_moe(
     if weight_layout != "plain":
         kwargs["weight_layout"] = weight_layout
     return call(graph, torch.ops.rubin.moe.default, (hidden_states, w13, w2, topk_weights, topk_ids), kwargs)
-
-
-def tensor_meta(node: Any) -> Optional[torch.Tensor]:
-    """The fake tensor on a node, or None."""
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def inherit_source(new_nodes: list[torch.fx.Node], origin: torch.fx.Node) -> None:
-    """Give nodes a rewrite created the source line of the node they stand for, so dumps keep saying
-    which line of the model they come from."""
-    trace = origin.meta.get("stack_trace")
-    if trace:
-        for n in new_nodes:
-            n.meta.setdefault("stack_trace", trace)

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, emit_moe, inherit_source, tensor_meta
+from rubin_compile.passes.fx import call, dtype_name, inherit_source, report_value, single_user, tensor_val
+from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing
 
 IDIOM = "expert loop"
@@ -95,17 +96,12 @@ class _Expert:
     activation: Optional[str] = None
 
 
-def _single_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _mask_weight(eq: torch.fx.Node) -> tuple[Optional[torch.fx.Node], Optional[torch.fx.Node], str]:
     """From ``ids == e``: the (w * mask) node and the per-token weight ``sum(-1, keepdim)``; or a reason."""
-    masked = _single_user(eq)
+    masked = single_user(eq)
     if masked is None or masked.target not in (aten.mul.Tensor, aten.where.self):
         return None, None, "the expert mask (ids == e) is not used only to mask the top-k weights"
-    summed = _single_user(masked)
+    summed = single_user(masked)
     if summed is None or summed.target != aten.sum.dim_IntList or list(summed.args[1]) not in ([-1], [1]) \
             or not (len(summed.args) > 2 and summed.args[2] or summed.kwargs.get("keepdim")):
         return None, None, "the masked top-k weights are not summed over k (keepdim) alone"
@@ -148,7 +144,7 @@ def _sum_tree(terms: list[torch.fx.Node]) -> tuple[Optional[torch.fx.Node], list
     seen = set()
     while frontier:
         n = frontier.pop()
-        user = _single_user(n)
+        user = single_user(n)
         if user is None or user.target != aten.add.Tensor or len(user.args) != 2:
             if root is not None and root is not n:
                 return None, [], "the expert outputs are not combined by one sum"
@@ -194,7 +190,7 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
 def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.Node]):
     """Rewrite one unrolled expert loop; return the Rewrite, or the reason it was left alone."""
     topk = ids.args[0]
-    num_experts = tensor_meta(topk.args[0]).shape[-1] if tensor_meta(topk.args[0]) is not None else None
+    num_experts = tensor_val(topk.args[0]).shape[-1] if tensor_val(topk.args[0]) is not None else None
     experts: dict[int, _Expert] = {}
     topk_weights = None
     for eq in eqs:
@@ -214,11 +210,11 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
                 "tokens routed elsewhere would be dropped, which rubin.moe does not express")
     x_common = None
     for ex in experts.values():
-        term = _single_user(ex.weight)
+        term = single_user(ex.weight)
         if term is None or term.target != aten.mul.Tensor:
             return f"expert {ex.index}: its routing weight has another user besides weight * output"
         body_out = term.args[1] if term.args[0] is ex.weight else term.args[0]
-        val = tensor_meta(body_out)
+        val = tensor_val(body_out)
         if val is None:
             return "no shape information on the graph"
         activation, m, why = _match_body(body_out, val.dtype)
@@ -240,15 +236,15 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     if len(acts) != 1:
         return f"the experts use different activations {sorted(acts)}"
     ordered = [experts[e] for e in range(num_experts)]
-    x_val, w_val, out_val = tensor_meta(x_common), tensor_meta(topk_weights), tensor_meta(ordered[0].term)
-    weight_dtypes = {tensor_meta(n).dtype for ex in ordered for n in (ex.w_gate, ex.w_up, ex.w_down)}
+    x_val, w_val, out_val = tensor_val(x_common), tensor_val(topk_weights), tensor_val(ordered[0].term)
+    weight_dtypes = {tensor_val(n).dtype for ex in ordered for n in (ex.w_gate, ex.w_up, ex.w_down)}
     if weight_dtypes != {x_val.dtype} or out_val.dtype != x_val.dtype:
         return (f"mixed dtypes: hidden states {x_val.dtype}, weights {sorted(map(str, weight_dtypes))}, "
                 f"weighted output {out_val.dtype} (rubin.moe computes and returns the hidden states' dtype)")
     root, adds, why = _sum_tree([ex.term for ex in ordered])
     if root is None:
         return why
-    num_inter = tensor_meta(ordered[0].w_gate).shape[0]
+    num_inter = tensor_val(ordered[0].w_gate).shape[0]
     hidden = x_val.shape[1]
     with graph.inserting_before(root):
         # One concatenation per stacked weight ([g0, u0, g1, u1, ...] rows, then a view), made once and
@@ -273,8 +269,8 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     routing = describe_routing(topk_weights, ids)  # upstream of the loop, untouched by the rewrite
     return Rewrite(
         node=moe.name, canonical_op="rubin.moe", source_idiom=IDIOM, replaced=sorted(replaced),
-        details={"T": x_shape[0], "H": x_shape[1], "E": num_experts, "I": num_inter,
-                 "k": tensor_meta(ids).shape[-1], "dtype": str(x_val.dtype).replace("torch.", ""),
+        details={"T": report_value(x_shape[0]), "H": report_value(x_shape[1]), "E": num_experts, "I": num_inter,
+                 "k": tensor_val(ids).shape[-1], "dtype": dtype_name(x_val.dtype),
                  "activation": moe.kwargs["activation"], "routing": routing,
                  "weights": (f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
                              f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)")},
@@ -282,5 +278,5 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
 
 
 def _mb(ordered, num_inter: int, hidden: int) -> str:
-    elt = tensor_meta(ordered[0].w_gate).element_size()
+    elt = tensor_val(ordered[0].w_gate).element_size()
     return f"{len(ordered) * 3 * num_inter * hidden * elt / 1e6:.3g}"

@@ -63,16 +63,19 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from rubin_compile.ops.moe import ACTIVATIONS, MoEArgumentError, check_moe_args
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, emit_moe, inherit_source, tensor_meta
-from rubin_compile.passes.match_moe.routing import describe_routing, getitem_of, is_call, strip_converts
+from rubin_compile.passes.fx import RESHAPES, call, dtype_name, getitem_of, inherit_source, is_call, report_value, \
+    single_user, strip_converts, tensor_val
+from rubin_compile.passes.match_moe.emit import emit_moe
+from rubin_compile.passes.match_moe.routing import describe_routing
 
 IDIOM = "hf grouped_mm"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SIZE_OPS = (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
 _FALLBACK = "transformers.grouped_mm_fallback.default"
 
@@ -177,27 +180,23 @@ class _Block:
     aux: list[torch.fx.Node] = field(default_factory=list)
 
 
-def _single_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
-    users = list(node.users)
-    if len(users) != 1:
+def _sole_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
+    """The only user of ``node``; ``_NoMatch`` naming ``what`` and its users otherwise."""
+    user = single_user(node)
+    if user is None:
+        users = list(node.users)
         raise _NoMatch(f"{what} ({node.name}) has {len(users)} users ({', '.join(u.name for u in users)}) "
                        "where the idiom has one: a user outside the experts block, or not this idiom")
-    return users[0]
-
-
-def _dims(v: torch.Tensor) -> tuple:
-    return tuple(d if isinstance(d, int) else str(d) for d in v.shape)
+    return user
 
 
 def _same(a: Any, b: Any) -> bool:
     """Sizes equal without adding guards (sizes may be symbolic under dynamic shapes)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return bool(statically_known_true(a == b))
 
 
 def _view_input(node: Any, what: str) -> torch.fx.Node:
-    if not is_call(node, *_VIEWS):
+    if not is_call(node, *RESHAPES):
         raise _NoMatch(f"{what} ({getattr(node, 'name', node)}) is not a reshape/view")
     return node.args[0]
 
@@ -213,8 +212,8 @@ def _match_bookkeeping(b: _Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.No
                        "(transformers 5.x counts tokens per expert with histc)")
     given = dict(zip(("bins", "min", "max"), histc.args[1:]), **histc.kwargs)
     bins, lo, hi = given.get("bins", 100), given.get("min", 0), given.get("max", 0)
-    hval = tensor_meta(histc.args[0])
-    b.histc_input = str(hval.dtype).replace("torch.", "") if hval is not None else None
+    hval = tensor_val(histc.args[0])
+    b.histc_input = dtype_name(hval.dtype) if hval is not None else None
     sort = getitem_of(strip_converts(histc.args[0]), 0, aten.sort.default, aten.sort.stable)
     if sort is None:
         raise _NoMatch("histc does not count the sorted expert ids (sort(...)[0])")
@@ -231,12 +230,12 @@ def _match_bookkeeping(b: _Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.No
     if perm is None:
         raise _NoMatch("the sort permutation is unused; hidden states are not gathered by it")
     b.topk_ids = _view_input(sort.args[0], "the sorted expert ids")
-    ids_val = tensor_meta(b.topk_ids)
+    ids_val = tensor_val(b.topk_ids)
     if ids_val is None or ids_val.dim() != 2:
         raise _NoMatch("the sorted expert ids are not a reshape of a [T, k] top-k index tensor")
-    if not (_same(bins, tensor_meta(b.w13).shape[0]) and lo == 0 and _same(hi, bins - 1)):
+    if not (_same(bins, tensor_val(b.w13).shape[0]) and lo == 0 and _same(hi, bins - 1)):
         raise _NoMatch(f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..E-1 "
-                       f"for E={tensor_meta(b.w13).shape[0]}")
+                       f"for E={tensor_val(b.w13).shape[0]}")
     b.flow += [sort.args[0], sort, ids_g, perm, offs, histc]
     b.flow += [n for n in _converts_between(histc.args[0], ids_g)]
     return ids_g, perm
@@ -259,7 +258,7 @@ def _match_weight(b: _Block, weight: Any, which: str) -> tuple[torch.fx.Node, bo
     if is_call(weight, aten.transpose.int) and sorted(a % 3 for a in weight.args[1:3]) == [1, 2]:
         b.aux.append(weight)
         return weight.args[0], False
-    if tensor_meta(weight) is None or tensor_meta(weight).dim() != 3:
+    if tensor_val(weight) is None or tensor_val(weight).dim() != 3:
         raise _NoMatch(f"the {which} weight of the grouped mm ({getattr(weight, 'name', weight)}) "
                        "is not [E, K, N]")
     return weight, True
@@ -269,7 +268,7 @@ def _match_bias(
     b: _Block, out: torch.fx.Node, ids_g: torch.fx.Node, what: str
 ) -> tuple[torch.fx.Node, Optional[torch.fx.Node]]:
     """``out + bias[ids_g]`` after a grouped mm (``has_bias=True``): (node after it, bias [E, N])."""
-    user = _single_user(out, f"the {what} grouped mm output")
+    user = _sole_user(out, f"the {what} grouped mm output")
     if is_call(user, aten.add.Tensor):
         other = user.args[1] if user.args[0] is out else user.args[0]
         if is_call(other, aten.index.Tensor) and len(other.args[1]) == 1 and other.args[1][0] is ids_g:
@@ -282,7 +281,7 @@ def _match_bias(
 
 def _split_gate_up(b: _Block, h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     """``gate, up = h.chunk(2, dim=-1)``: an aten.split into two halves (or two slices)."""
-    val = tensor_meta(h)
+    val = tensor_val(h)
     two_i = val.shape[-1]
     users = list(h.users)
     # One split, or (seen with biased experts, where Inductor does not merge them) one split per half.
@@ -326,7 +325,7 @@ def _match_activation(b: _Block, gate: torch.fx.Node, up: torch.fx.Node, act_out
     """``act_out = act(gate) * up`` with act one of rubin.moe's activations."""
     from torch._inductor.pattern_matcher import Match
 
-    gval = tensor_meta(gate)
+    gval = tensor_val(gate)
     low = gval is not None and gval.dtype in (torch.bfloat16, torch.float16)
     name_of = getattr(act_out, "name", act_out)
     extra_user = False
@@ -352,7 +351,7 @@ def _match_activation(b: _Block, gate: torch.fx.Node, up: torch.fx.Node, act_out
 
 def _match_combine(b: _Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     """``(y * w[perm].unsqueeze(-1))[inv_perm].view(T, k, H).sum(1)`` [``.to(hidden.dtype)``]."""
-    mul = _single_user(y, "the down grouped mm output")
+    mul = _sole_user(y, "the down grouped mm output")
     if not is_call(mul, aten.mul.Tensor):
         raise _NoMatch(f"the down projection output feeds {mul.name} ({mul.target}), not the multiplication by "
                        "the routing weights")
@@ -366,7 +365,7 @@ def _match_combine(b: _Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     b.topk_weights = _view_input(gathered.args[0], "the flattened routing weights")
     b.flow += [mul, sw, gathered, gathered.args[0]]
 
-    unperm = _single_user(mul, "the weighted expert output")
+    unperm = _sole_user(mul, "the weighted expert output")
     if not (is_call(unperm, aten.index.Tensor) and len(unperm.args[1]) == 1):
         raise _NoMatch("the weighted expert output is not put back in token order (weighted_out[inv_perm])")
     inv = unperm.args[1][0]
@@ -378,20 +377,20 @@ def _match_combine(b: _Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     b.flow += [unperm, inv]
     b.aux += [inv.args[0], inv.args[2]]
 
-    view = _single_user(unperm, "the expert output in token order")
-    if not is_call(view, *_VIEWS):
+    view = _sole_user(unperm, "the expert output in token order")
+    if not is_call(view, *RESHAPES):
         raise _NoMatch("the expert output in token order is not viewed as [T, k, H]")
-    total = _single_user(view, "the [T, k, H] expert outputs")
+    total = _sole_user(view, "the [T, k, H] expert outputs")
     keepdim = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
     if not (is_call(total, aten.sum.dim_IntList) and list(total.args[1]) in ([1], [-2]) and not keepdim):
         raise _NoMatch("the [T, k, H] expert outputs are not summed over k")
     b.flow += [view, total]
     b.final = total
-    hidden_dtype = tensor_meta(b.hidden).dtype
-    if tensor_meta(total).dtype != hidden_dtype:
-        cast = _single_user(total, "the summed expert outputs")
-        if not (is_call(cast, prims.convert_element_type.default) and tensor_meta(cast).dtype == hidden_dtype):
-            raise _NoMatch(f"the block returns {tensor_meta(total).dtype}, not the hidden states' {hidden_dtype}")
+    hidden_dtype = tensor_val(b.hidden).dtype
+    if tensor_val(total).dtype != hidden_dtype:
+        cast = _sole_user(total, "the summed expert outputs")
+        if not (is_call(cast, prims.convert_element_type.default) and tensor_val(cast).dtype == hidden_dtype):
+            raise _NoMatch(f"the block returns {tensor_val(total).dtype}, not the hidden states' {hidden_dtype}")
         b.flow.append(cast)
         b.final = cast
 
@@ -411,12 +410,12 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     b.w13, b.w13_transposed = _match_weight(b, wt1, "gate_up")
     b.w2, b.w2_transposed = _match_weight(b, wt2, "down")
     ids_g, perm = _match_bookkeeping(b, offs)
-    k = tensor_meta(b.topk_ids).shape[1]
+    k = tensor_val(b.topk_ids).shape[1]
 
     # hidden_states[perm // k] (.to(weight.dtype): a cast here means mixed dtypes)
     if is_call(x1, prims.convert_element_type.default):
-        raise _NoMatch(f"mixed dtypes: the hidden states ({tensor_meta(x1.args[0]).dtype}) are cast to the "
-                       f"expert weights' dtype ({tensor_meta(x1).dtype}) before the grouped mm; rubin.moe computes "
+        raise _NoMatch(f"mixed dtypes: the hidden states ({tensor_val(x1.args[0]).dtype}) are cast to the "
+                       f"expert weights' dtype ({tensor_val(x1).dtype}) before the grouped mm; rubin.moe computes "
                        "in one dtype")
     if is_call(x1, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         raise _NoMatch("the gathered hidden states are masked before the grouped mm: transformers' "
@@ -437,23 +436,23 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     h1, b.w13_bias = _match_bias(b, fc1, ids_g, "gate_up")
     gate, up = _split_gate_up(b, h1)
     _match_activation(b, gate, up, x2)
-    if _single_user(x2, "the activation output") is not fc2:
+    if _sole_user(x2, "the activation output") is not fc2:
         raise _NoMatch("the activation output does not feed the down grouped mm")
     b.flow.append(fc2)
     y, b.w2_bias = _match_bias(b, fc2, ids_g, "down")
     _match_combine(b, y, perm)
 
     # dtypes: one compute dtype for hidden states and weights (and biases)
-    hv, w13v, w2v = tensor_meta(b.hidden), tensor_meta(b.w13), tensor_meta(b.w2)
-    biases = [tensor_meta(x).dtype for x in (b.w13_bias, b.w2_bias) if x is not None]
+    hv, w13v, w2v = tensor_val(b.hidden), tensor_val(b.w13), tensor_val(b.w2)
+    biases = [tensor_val(x).dtype for x in (b.w13_bias, b.w2_bias) if x is not None]
     if len({hv.dtype, w13v.dtype, w2v.dtype, *biases}) != 1:
         raise _NoMatch(f"mixed dtypes: hidden states {hv.dtype}, gate_up {w13v.dtype}, down {w2v.dtype}, "
                        f"biases {biases}; rubin.moe computes in the hidden states' dtype")
     w13c = w13v.transpose(1, 2) if b.w13_transposed else w13v
     w2c = w2v.transpose(1, 2) if b.w2_transposed else w2v
     try:  # what rubin.moe's fake implementation will check, before the graph is touched
-        check_moe_args(hv, w13c, w2c, tensor_meta(b.topk_weights), tensor_meta(b.topk_ids), b.activation,
-                       tensor_meta(b.w13_bias), tensor_meta(b.w2_bias), None, None, None)
+        MoEArgs(hv, w13c, w2c, tensor_val(b.topk_weights), tensor_val(b.topk_ids), b.activation,
+                tensor_val(b.w13_bias), tensor_val(b.w2_bias))
     except MoEArgumentError as e:
         raise _NoMatch(f"the matched operands do not fit rubin.moe: {e}") from None
 
@@ -503,14 +502,14 @@ def _rewrite(graph: torch.fx.Graph, b: _Block) -> Rewrite:
         if n in doomed and not n.users:
             replaced.append(n.name)
             graph.erase_node(n)
-    hv, w13v = tensor_meta(b.hidden), tensor_meta(b.w13)
+    hv, w13v = tensor_val(b.hidden), tensor_val(b.w13)
     E = w13v.shape[0]
-    inter = tensor_meta(b.w2).shape[2 if not b.w2_transposed else 1]
+    inter = tensor_val(b.w2).shape[2 if not b.w2_transposed else 1]
     details: dict[str, Any] = {
         "form": b.form,
         "module": _module_path(b.fc1),
-        "T": _dims(hv)[0], "H": _dims(hv)[1], "E": E, "I": inter, "k": tensor_meta(b.topk_ids).shape[1],
-        "dtype": str(hv.dtype).replace("torch.", ""),
+        "T": report_value(hv.shape[0]), "H": report_value(hv.shape[1]), "E": E, "I": inter,
+        "k": tensor_val(b.topk_ids).shape[1], "dtype": dtype_name(hv.dtype),
         "activation": b.activation,
         "bias": b.w13_bias is not None,
         "histc_input": b.histc_input,

@@ -29,40 +29,13 @@ decomposes, is recognised with Inductor's pattern matcher from a traced ``torch.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Optional
 
 import torch
 
+from rubin_compile.passes.fx import dtype_name, getitem_of, is_call, scalar, strip_converts, tensor_val
+
 aten = torch.ops.aten
-prims = torch.ops.prims
-
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_CONVERTS = (prims.convert_element_type.default, aten._to_copy.default)
-
-
-def is_call(node: Any, *targets: Any) -> bool:
-    """``node`` is a call_function node of one of ``targets``."""
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def strip_converts(node: Any) -> Any:
-    """The node under any chain of dtype conversions (``.to(dtype)`` / ``.float()``) on top of it."""
-    while is_call(node, *_CONVERTS) and not set(node.kwargs) - {"dtype"}:
-        node = node.args[0]
-    return node
-
-
-def getitem_of(node: Any, index: int, *targets: Any) -> Optional[torch.fx.Node]:
-    """For ``node = getitem(op(...), index)`` with op in ``targets``: the op node; else None."""
-    if is_call(node, operator.getitem) and node.args[1] == index and is_call(node.args[0], *targets):
-        return node.args[0]
-    return None
-
-
-def scalar(node: Any) -> Optional[float]:
-    """A Python number, or None."""
-    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,9 +117,9 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
         "router_bias": False, "score_correction_bias": False, "group_limited": False, "scale": None,
         "per_expert_scale": False, "top_k": None, "num_experts": None, "weights_dtype": None,
     }
-    wval = topk_weights.meta.get("val") if isinstance(topk_weights, torch.fx.Node) else None
-    if isinstance(wval, torch.Tensor):
-        info["weights_dtype"] = str(wval.dtype).replace("torch.", "")
+    wval = tensor_val(topk_weights)
+    if wval is not None:
+        info["weights_dtype"] = dtype_name(wval.dtype)
     topk = getitem_of(topk_ids, 1, aten.topk.default)
     if topk is None:
         info["why"] = f"topk_ids ({getattr(topk_ids, 'name', topk_ids)}) is not the indices output of aten.topk"

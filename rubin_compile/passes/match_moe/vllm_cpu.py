@@ -39,90 +39,32 @@ through ``getitem`` at positions that depend on the version), which the pattern 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops.vllm_moe import CPU_PACK_ROWS, cpu_pack_unsupported_reason
+from rubin_compile.ops.moe import ACTIVATIONS, CPU_PACK_ROWS
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, emit_moe, inherit_source, tensor_meta
-from rubin_compile.passes.match_moe.routing import describe_routing, getitem_of, softmax_input, strip_converts
+from rubin_compile.passes.fx import (
+    MutatingCall,
+    call,
+    decode_mutating_call,
+    dtype_name,
+    getitem_of,
+    inherit_source,
+    is_call,
+    schema_name,
+    strip_converts,
+    tensor_val,
+)
+from rubin_compile.passes.match_moe.emit import emit_moe
+from rubin_compile.passes.match_moe.routing import describe_routing, softmax_input
 
 IDIOM = "vllm _C.cpu_fused_moe"
 
 OP_NAME = "_C::cpu_fused_moe"
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 aten = torch.ops.aten
-_AF = torch.ops.higher_order.auto_functionalized
-_AF2 = torch.ops.higher_order.auto_functionalized_v2
-
-
-# --------------------------------------------------------------------------------------------------
-# auto_functionalized / auto_functionalized_v2, read back into "op called with these arguments"
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MutatingCall:
-    """A mutating custom op as it appears, functionalized, in a post-grad graph."""
-
-    node: torch.fx.Node  # the auto_functionalized(_v2) node
-    op: torch._ops.OpOverload
-    version: int  # 1 or 2
-    args: dict[str, Any]  # every argument by schema name; a mutated one is the tensor passed in
-    result_index: dict[str, int]  # mutated argument -> getitem index of its value after the call
-    view_args: list[str] = field(default_factory=list)  # mutated arguments passed as views of a larger base
-
-    def other_users(self, keep: set[int]) -> list[torch.fx.Node]:
-        """Users that read something other than the results at ``keep`` (unused ``getitem``s aside)."""
-        return [u for u in self.node.users
-                if not is_call(u, operator.getitem) or (u.args[1] not in keep and u.users)]
-
-
-def is_call(node: Any, *targets: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def op_name(op: Any) -> Optional[str]:
-    """``"namespace::name"`` of an OpOverload, without importing the library that defines it."""
-    schema = getattr(op, "_schema", None)
-    return getattr(schema, "name", None)
-
-
-def decode_mutating_call(node: torch.fx.Node) -> Optional[MutatingCall]:
-    """Read an ``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node; None for anything else."""
-    if not is_call(node, _AF, _AF2) or not node.args or not isinstance(node.args[0], torch._ops.OpOverload):
-        return None
-    op = node.args[0]
-    schema = op._schema
-    returns = len(schema.returns)
-    first = returns if returns > 1 else 1  # auto_functionalized returns (*outs, *mutated) or (out, *mutated)
-    args: dict[str, Any] = {}
-    result_index: dict[str, int] = {}
-    view_args: list[str] = []
-    mutable = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if node.target is _AF:
-        for a in schema.arguments:
-            args[a.name] = node.kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-        for i, name in enumerate(mutable):
-            result_index[name] = first + i
-    else:
-        bases = node.kwargs.get("_all_bases", [])
-        for a in schema.arguments:
-            if a.name in mutable:
-                idx = node.kwargs.get(f"_{a.name}_base_index")
-                if idx is None:
-                    args[a.name] = None
-                    continue
-                args[a.name] = bases[idx]
-                result_index[a.name] = first + idx
-                if f"_{a.name}_size" in node.kwargs or f"_{a.name}_slice_dim" in node.kwargs:
-                    view_args.append(a.name)
-            else:
-                args[a.name] = node.kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-    return MutatingCall(node, op, 1 if node.target is _AF else 2, args, result_index, view_args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,9 +77,9 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
     unchanged: list[Unchanged] = []
     for node in list(graph.nodes):
         mc = decode_mutating_call(node)
-        if mc is None or op_name(mc.op) != OP_NAME:
+        if mc is None or schema_name(mc.op) != OP_NAME:
             continue
-        reason = unsupported_reason(mc)
+        reason = unsupported_reason(mc, ctx)
         if reason is not None:
             unchanged.append(Unchanged(node.name, IDIOM, reason))
             continue
@@ -145,7 +87,7 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
     return rewrites, unchanged
 
 
-def unsupported_reason(mc: MutatingCall) -> Optional[str]:
+def unsupported_reason(mc: MutatingCall, ctx: PassContext) -> Optional[str]:
     """Why this ``cpu_fused_moe`` call cannot become ``rubin.moe`` (None if it can)."""
     a = mc.args
     if "output" in mc.view_args:
@@ -160,15 +102,15 @@ def unsupported_reason(mc: MutatingCall) -> Optional[str]:
     if act not in ACTIVATIONS:
         hint = " (erf GELU, not the tanh approximation)" if act == "gelu" else ""
         return f"act={act!r}{hint}: rubin.moe implements {list(ACTIVATIONS)}"
-    vals = {n: tensor_meta(a[n]) for n in ("input", "w13", "w2", "topk_weights", "topk_id", "output")}
+    vals = {n: tensor_val(a[n]) for n in ("input", "w13", "w2", "topk_weights", "topk_id", "output")}
     missing = [n for n, v in vals.items() if v is None]
     if missing:
         return f"no fake tensor recorded for {missing}"
     x, w13, w2 = vals["input"], vals["w13"], vals["w2"]
-    dtypes = {n: tensor_meta(a[n]).dtype for n in ("input", "w13", "w2", "w13_bias", "w2_bias")
-              if tensor_meta(a[n]) is not None}
+    dtypes = {n: tensor_val(a[n]).dtype for n in ("input", "w13", "w2", "w13_bias", "w2_bias")
+              if tensor_val(a[n]) is not None}
     if len(set(dtypes.values())) != 1:
-        return "mixed dtypes: " + ", ".join(f"{n} {str(d).replace('torch.', '')}" for n, d in dtypes.items())
+        return "mixed dtypes: " + ", ".join(f"{n} {dtype_name(d)}" for n, d in dtypes.items())
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         return f"shapes input {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are not [T, H], [E, 2I, H], [E, H, I]"
     if tuple(vals["output"].shape) != tuple(x.shape):
@@ -178,7 +120,7 @@ def unsupported_reason(mc: MutatingCall) -> Optional[str]:
     for name, w in (("w13", w13), ("w2", w2)):
         if not all(isinstance(s, int) for s in w.shape):
             return f"{name} has a symbolic shape {tuple(w.shape)}"
-        reason = cpu_pack_unsupported_reason(a["isa"], w.dtype, w.shape[1], w.shape[2])
+        reason = ctx.engine.cpu_weights_unsupported(a["isa"], w.dtype, w.shape[1], w.shape[2])
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -210,11 +152,11 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
     if not out.users and is_call(out, aten.empty.memory_format, aten.empty_like.default):
         replaced.append(out.name)
         graph.erase_node(out)
-    xv, w13v = tensor_meta(x), tensor_meta(a["w13"])
+    xv, w13v = tensor_val(x), tensor_val(a["w13"])
     E, two_i, H = w13v.shape
     details = {
-        "E": int(E), "H": int(H), "I": int(two_i) // 2, "k": int(tensor_meta(ids).shape[-1]),
-        "dtype": str(xv.dtype).replace("torch.", ""),
+        "E": int(E), "H": int(H), "I": int(two_i) // 2, "k": int(tensor_val(ids).shape[-1]),
+        "dtype": dtype_name(xv.dtype),
         "activation": a["act"],
         "isa": a["isa"],
         "weight_layout": f"vllm_cpu:{a['isa']} (vLLM CPU prepacked, {CPU_PACK_ROWS}-row blocks), as stored: no copy",
@@ -241,5 +183,5 @@ def _read_cpu_router(routing: dict[str, Any], topk_weights: torch.fx.Node, topk_
     logits = strip_converts(topk.args[0]) if topk is not None else None
     if is_call(logits, operator.getitem) and isinstance(logits.args[0], torch.fx.Node):
         producer = decode_mutating_call(logits.args[0])
-        if producer is not None and op_name(producer.op) == "_C::onednn_mm":
+        if producer is not None and schema_name(producer.op) == "_C::onednn_mm":
             routing["router"] = "linear (vLLM CPU _C.onednn_mm)"

@@ -14,9 +14,11 @@ The idiom, as vLLM 0.32 builds it on GPUs (``vllm/model_executor/layers/fused_mo
 (``auto_functionalized_v2(..., _hidden_states_base_index=0, _all_bases=[x])`` when Inductor's v2 is on.)
 ``L`` is a graph input holding vLLM's hoisted ``LayerName`` (torch >= 2.11), or a string. The layer's weights
 and routing settings are not in the graph: the rewrite keeps ``L`` and lets the new op find the layer at run
-time, as vLLM's op does (ops/vllm_moe.py), so no weight becomes a graph constant. At compile time the
+time, as vLLM's op does (integrations/vllm/layer_ops.py), so no weight becomes a graph constant. At compile time the
 matcher reads the layer from the forward context vLLM compiles under (or vLLM's current config) to check
-that rubin reproduces it and to record E, H, I, k, dtype and the routing in the report.
+that rubin reproduces it and to record E, H, I, k, dtype and the routing in the report. Everything it knows of
+vLLM's layers it asks the engine adapter on the pass context (integrations/vllm/engine.py); this module
+imports nothing of vLLM.
 
 Left alone, with the reason: quantised methods, expert / data parallel layers, LoRA, activations
 ``rubin.moe`` lacks, weight layouts rubin does not undo (FlashInfer / AITER shuffles), a read of the
@@ -33,10 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops import vllm_moe
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.match_moe.emit import call, inherit_source
-from rubin_compile.passes.match_moe.vllm_cpu import MutatingCall, decode_mutating_call, op_name
+from rubin_compile.passes.fx import MutatingCall, bound_arguments, call, decode_mutating_call, inherit_source, schema_name
 
 IDIOM = "vllm.moe_forward (layer op)"
 
@@ -50,14 +50,14 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
         mc = _read_call(node)
         if mc is None:
             continue
-        shared = OPS[op_name(mc.op)]
-        layer, reason = _find_layer(mc)
+        shared = OPS[schema_name(mc.op)]
+        layer, reason = _find_layer(mc, ctx)
         if reason is None:
-            reason = _graph_reason(mc, shared) or vllm_moe.layer_unsupported_reason(layer, shared)
+            reason = _graph_reason(mc, shared) or ctx.engine.moe_layer_unsupported(layer, shared)
         if reason is not None:
             unchanged.append(Unchanged(node.name, IDIOM, reason))
             continue
-        rewrites.append(_rewrite(graph, mc, layer, shared))
+        rewrites.append(_rewrite(graph, mc, layer, shared, ctx))
     return rewrites, unchanged
 
 
@@ -65,53 +65,34 @@ def _read_call(node: torch.fx.Node) -> Optional[MutatingCall]:
     """``moe_forward`` under auto_functionalized(_v2), or a plain ``moe_forward_shared`` call."""
     mc = decode_mutating_call(node)
     if mc is not None:
-        return mc if op_name(mc.op) in OPS else None
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) in OPS:
-        schema = node.target._schema
-        args = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value if a.has_default_value() else None))
-                for i, a in enumerate(schema.arguments)}
-        return MutatingCall(node, node.target, 0, args, {})
+        return mc if schema_name(mc.op) in OPS else None
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and schema_name(node.target) in OPS:
+        return MutatingCall(node, node.target, 0, bound_arguments(node), {})
     return None
 
 
-def _layer_name(mc: MutatingCall) -> tuple[Optional[str], Optional[str]]:
+def _layer_name(mc: MutatingCall, ctx: PassContext) -> tuple[Optional[str], Optional[str]]:
     """(name, None) or (None, why not)."""
     ln = mc.args["layer_name"]
     if isinstance(ln, torch.fx.Node):
         val = ln.meta.get("val")
         if val is None:
             return None, f"layer_name input {ln.name} has no recorded value"
-        name = vllm_moe.layer_name_value(val)
-    else:
-        name = vllm_moe.layer_name_value(ln)
+        ln = val
+    name = ctx.engine.layer_name(ln)
     if not isinstance(name, str):
-        return None, f"layer_name is a {type(name).__name__}"
+        return None, f"layer_name is a {type(ln).__name__}"
     if name == "from_forward_context":
         return None, ("the layer is resolved from the forward context's call order (VLLM_USE_LAYERNAME=0 or "
                       "torch < 2.11); rubin needs the layer's name")
     return name, None
 
 
-def _find_layer(mc: MutatingCall) -> tuple[Any, Optional[str]]:
-    name, reason = _layer_name(mc)
+def _find_layer(mc: MutatingCall, ctx: PassContext) -> tuple[Any, Optional[str]]:
+    name, reason = _layer_name(mc, ctx)
     if reason is not None:
         return None, reason
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if is_forward_context_available():
-        layer = get_forward_context().no_compile_layers.get(name)
-        if layer is not None:
-            return layer, None
-    try:  # outside a forward (e.g. a graph compiled ahead of its first run): vLLM's current config
-        from vllm.config import get_current_vllm_config
-
-        layer = get_current_vllm_config().compilation_config.static_forward_context.get(name)
-    except AssertionError:
-        layer = None
-    if layer is None:
-        return None, (f"layer {name!r} is not in vLLM's forward context at compile time, so its settings "
-                      "cannot be checked")
-    return layer, None
+    return ctx.engine.find_layer(name)
 
 
 def _graph_reason(mc: MutatingCall, shared: bool) -> Optional[str]:
@@ -127,11 +108,10 @@ def _graph_reason(mc: MutatingCall, shared: bool) -> Optional[str]:
     return None
 
 
-def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layer: Any, shared: bool) -> Rewrite:
-    vllm_moe.define_ops()
+def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layer: Any, shared: bool, ctx: PassContext) -> Rewrite:
     a = mc.args
     node = mc.node
-    target = (torch.ops.rubin.vllm_moe_layer_shared if shared else torch.ops.rubin.vllm_moe_layer).default
+    target = ctx.engine.moe_layer_op(shared)
     with graph.inserting_before(node):
         new = call(graph, target, (a["hidden_states"], a["router_logits"], a["shared_experts_input"],
                                    a["input_ids"], a["layer_name"]))
@@ -147,9 +127,8 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layer: Any, shared: bool) 
             replaced.append(user.name)
             graph.erase_node(user)
     graph.erase_node(node)
-    details = vllm_moe.layer_details(layer)
-    new.meta["rubin_vllm_layer"] = dict(details)  # E, I, k, activation ... for select_kernels (not in the graph)
-    details["op"] = op_name(mc.op)
+    details = ctx.engine.moe_layer_details(layer)
+    details["op"] = schema_name(mc.op)
     details["auto_functionalized"] = f"v{mc.version}" if mc.version else "none"
     return Rewrite(new.name, "rubin.vllm_moe_layer_shared" if shared else "rubin.vllm_moe_layer",
                    IDIOM, replaced, details)

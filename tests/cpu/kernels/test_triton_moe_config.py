@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rubin_compile.kernels import registry
-from rubin_compile.ops.moe import moe_reference
+from rubin_compile.ops.moe import MOE, MoEArgs, moe_reference
+from rubin_compile.ops.registry import Launch, Placement
+from rubin_compile.target import detect
 
 ROOT = Path(__file__).resolve().parents[3]
 PKG = "rubin_compile.kernels.triton"
@@ -42,17 +43,19 @@ def tmoe():
 # ------------------------------------------------------------------ registry
 
 
-def test_registry_names_the_provider():
-    assert registry.PROVIDERS["triton"] == PKG
+def test_the_kernel_is_registered_from_its_package():
+    kernel = MOE.kernel("triton")
+    assert kernel.module == PKG and kernel.placements == ("split_n",) and kernel.pdl is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_registry_says_cannot_run_without_cuda():
     code = (
-        "from rubin_compile.kernels import registry\n"
+        "from rubin_compile.ops.moe import MOE\n"
+        "from rubin_compile.ops.registry import KernelUnavailableError\n"
         "try:\n"
-        "    registry.implementation('moe', 'triton')\n"
-        "except registry.KernelUnavailableError as e:\n"
+        "    MOE.run('triton', None)\n"
+        "except KernelUnavailableError as e:\n"
         "    print('REFUSED', e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -62,9 +65,17 @@ def test_registry_says_cannot_run_without_cuda():
     assert "cannot run on this machine" in r.stdout and "CUDA" in r.stdout
 
 
-def test_interpreter_import_exposes_the_implementation(tmoe):
-    pkg = sys.modules[PKG]
-    assert pkg.IMPLEMENTATIONS == {"moe": tmoe.fused_moe}
+def test_the_registered_adapter_runs_the_kernels_with_the_launch(tmoe, monkeypatch):
+    """The adapter hands the op's arguments and launch settings to kernels/triton/moe.py's ``run`` unchanged
+    (here under the interpreter, where the kernel counts as runnable)."""
+    kernel = MOE.kernel("triton")
+    assert kernel.unavailable_here(detect()) is None
+    calls = []
+    monkeypatch.setattr(tmoe, "run", lambda args, launch: calls.append((args, launch)) or "ran")
+    args = MoEArgs(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3), torch.rand(2, 2),
+                   torch.randint(0, 4, (2, 2)))
+    launch = Launch(True, Placement("backfill", 2, 16))
+    assert kernel.run(args, launch) == "ran" and calls == [(args, launch)]
 
 
 # ------------------------------------------------------------------ configs

@@ -108,17 +108,16 @@ def test_kernel_spec_for_selection():
     """What select_kernels reads from a rubin.attention node; the registry accepts it for every target."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from rubin_compile.kernels import registry
-    from rubin_compile.ops.attention import kernel_spec
+    from rubin_compile.ops.attention import ATTENTION, attention_spec
     from rubin_compile.target import resolve
 
     q, k, v = make(dtype=torch.bfloat16)
     gm = make_fx(lambda q, k, v: torch.ops.rubin.attention(q, k, v, is_causal=True), tracing_mode="fake")(q, k, v)
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.rubin.attention.default]
-    spec = kernel_spec(node)
+    spec = attention_spec(node)
     assert (spec.op, spec.quant, spec.act_dtype, spec.weight_dtype, spec.activation) == (
         "attention", "none", "bfloat16", "bfloat16", "causal")
     assert spec.dim("D") == 8 and spec.dim("Hq") == 4 and spec.dim("Hkv") == 2
     for name in ("cpu", "sm90", "sm107"):
-        assert registry.select(spec, resolve(name)).chosen.name  # a candidate, never an exception
-    assert registry.select(spec, resolve("cpu")).chosen.name == "reference"
+        assert ATTENTION.select(spec, resolve(name)).chosen.name  # a kernel, never an exception
+    assert ATTENTION.select(spec, resolve("cpu")).chosen.name == "reference"

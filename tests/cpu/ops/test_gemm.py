@@ -121,8 +121,7 @@ def test_kernel_spec_for_selection(fp8):
     """What select_kernels reads from a rubin.gemm node; the registry accepts it for every target."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from rubin_compile.kernels import registry
-    from rubin_compile.ops.gemm import kernel_spec
+    from rubin_compile.ops.gemm import GEMM, gemm_spec
     from rubin_compile.target import resolve
 
     a, b, _, _ = make(M=16, K=32, N=64, dtype=torch.bfloat16)
@@ -137,10 +136,10 @@ def test_kernel_spec_for_selection(fp8):
 
     gm = make_fx(fn, tracing_mode="fake")(a, b, sa, sb)
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.rubin.gemm.default]
-    spec = kernel_spec(node)
+    spec = gemm_spec(node)
     assert spec.op == "gemm" and spec.quant == ("fp8_tensor" if fp8 else "none")
     assert spec.act_dtype == ("float8_e4m3fn" if fp8 else "bfloat16") and spec.activation == "silu_and_mul"
     assert (spec.dim("M"), spec.dim("N"), spec.dim("K")) == (16, 64, 32)
     for name in ("cpu", "sm90", "sm107"):
-        assert registry.select(spec, resolve(name)).chosen.name
-    assert registry.select(spec, resolve("cpu")).chosen.name == "reference"
+        assert GEMM.select(spec, resolve(name)).chosen.name
+    assert GEMM.select(spec, resolve("cpu")).chosen.name == "reference"

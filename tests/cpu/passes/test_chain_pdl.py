@@ -7,8 +7,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rubin_compile.kernels import registry
-from rubin_compile.kernels.registry import KernelUnavailableError
+from rubin_compile.ops.moe import MOE
+from rubin_compile.ops.registry import KernelUnavailableError, canonical_form
+from rubin_compile.passes.base import Engine
 from rubin_compile.options import RubinOptions
 from rubin_compile.passes import chain_pdl, select_kernels
 from rubin_compile.passes.base import PassContext
@@ -94,10 +95,10 @@ def test_pdl_capable_targets(target):
 
 
 def test_a_kernel_that_is_not_pdl_safe_stays_off_even_when_forced():
-    spec = registry.example_spec("moe", "none")
-    reason = registry.candidate("moe", "reference").pdl_unsupported(spec)
+    spec = MOE.example_spec("none")
+    reason = MOE.kernel("reference").pdl_unsupported(spec)
     assert reason == REFERENCE_NO_PDL
-    assert registry.candidate("moe", "triton").pdl_unsupported(spec) is None
+    assert MOE.kernel("triton").pdl_unsupported(spec) is None
     for target in (SM90, SM107):
         for cudagraphs in (True, False):
             assert chain_pdl.decide("on", target, reason, cudagraphs) == (False, REFERENCE_NO_PDL)
@@ -134,8 +135,13 @@ def _select_then_pdl(graph, **options):
     return chain_pdl.run(graph, ctx)
 
 
+def _is_moe(node):
+    form = canonical_form(node)
+    return form is not None and form[0].name == "moe"
+
+
 def _moe_node(graph):
-    (node,) = [n for n in graph.nodes if select_kernels.canonical_op(n) == "moe"]
+    (node,) = [n for n in graph.nodes if _is_moe(n)]
     return node
 
 
@@ -240,21 +246,18 @@ def test_sm90_pdl_on_without_graphs_and_mode_reduce_overhead(rubin_run, monkeypa
     assert d["decision"] == "pdl on" and "run under CUDA graphs" in d["reason"]
 
 
-def test_inside_vllm_the_execution_mode_comes_from_vllm(monkeypatch):
-    """Source "vllm": vLLM's cudagraph_mode where its config is in scope, else vLLM's default (CUDA graphs);
-    never the backend's cudagraphs option."""
-    import sys
-    import types
+def test_the_execution_mode_comes_from_the_engine():
+    """chain_pdl asks the engine adapter whether the graph runs under CUDA graphs (inside vLLM: vLLM's
+    cudagraph_mode, tests/cpu/integrations/test_vllm_engine.py); without an engine, the options say it."""
 
-    ctx = PassContext(options=RubinOptions.resolve({"cudagraphs": False}, environ={}), source="vllm")
-    fake = types.ModuleType("vllm.config")
-    fake.get_current_vllm_config_or_none = lambda: None
-    monkeypatch.setitem(sys.modules, "vllm.config", fake)
-    graphs, how = chain_pdl.runs_under_cudagraphs(ctx)
-    assert graphs is True and "assuming vLLM's default CUDA graphs" in how
-    for mode, expected in (("NONE", False), ("FULL_AND_PIECEWISE", True), ("PIECEWISE", True)):
-        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode)))
-        fake.get_current_vllm_config_or_none = lambda cfg=cfg: cfg
-        assert chain_pdl.runs_under_cudagraphs(ctx) == (expected, f"vLLM cudagraph_mode={mode}")
-    backend_ctx = PassContext(options=RubinOptions.resolve({"cudagraphs": True}, environ={}), source="backend")
-    assert chain_pdl.runs_under_cudagraphs(backend_ctx) == (True, "options cudagraphs=True")
+    class UnderGraphs(Engine):
+        def runs_under_cudagraphs(self, options):
+            return True, "the engine replays CUDA graphs"
+
+    opts = RubinOptions.resolve({"target": "sm90", "cudagraphs": False}, environ={})
+    graph = _cuda_moe_graph()
+    select_kernels.run(graph, PassContext(options=opts))
+    result = chain_pdl.run(graph, PassContext(options=opts, engine=UnderGraphs()))
+    assert result.decisions[0].decision == "pdl on"
+    assert any("the engine replays CUDA graphs" in n for n in result.notes)
+    assert Engine().runs_under_cudagraphs(opts) == (False, "options cudagraphs=False")

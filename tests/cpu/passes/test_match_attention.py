@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rubin_compile.options import RubinOptions
 from rubin_compile.passes import match_attention
+from rubin_compile.integrations.vllm.engine import BACKEND_KERNELS, VllmEngine
 from rubin_compile.passes.base import PassContext
 from tests.conftest import assert_close_to_eager, count_ops
 from tests.cpu.passes import hf_models
@@ -239,17 +240,17 @@ def test_device_form_near_misses(build, reason):
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                     reason="the expected preferences come from FlashInfer's declarations (tests/run.sh installs it)")
 def test_kept_vllm_attention_note_per_target(target, query, kv_cache, expect):
-    """A recorded vLLM attention layer (as read_vllm_attention builds it from the layer object) and what the
-    kernel registry says the target would run: on Blackwell / Rubin trtllm-gen, whose FP8 attention needs an
+    """A recorded vLLM attention layer (as read_vllm_attention builds it from the layer object, through the
+    vLLM engine adapter) and what the kernel registry says the target would run: on Blackwell / Rubin trtllm-gen, whose FP8 attention needs an
     FP8 KV cache and the FlashInfer backend; FA3 on Hopper (FP8 KV on FA2: FA3 wants an FP8 query)."""
     record = {"node": "auto_functionalized_1", "op": "vllm::unified_attention_with_output",
               "layer": "model.layers.0.self_attn.attn", "backend": "FLASH_ATTN",
-              "kernel": match_attention.VLLM_BACKEND_KERNELS["FLASH_ATTN"], "query_dtype": query,
+              "kernel": BACKEND_KERNELS["FLASH_ATTN"], "query_dtype": query,
               "kv_cache_dtype": kv_cache, "kv_cache_torch_dtype": "float8_e4m3fn" if kv_cache == "fp8" else query,
               "num_heads": 32, "num_kv_heads": 8, "head_size": 128}
     options = RubinOptions.resolve({"target": target})
     record["target_preference"] = match_attention._target_preference(
-        record, PassContext(options=options, target=options.resolved_target()))
+        record, PassContext(options=options, target=options.resolved_target(), engine=VllmEngine()))
     note = match_attention.describe_kept(record)
     assert note.startswith("kept vLLM's attention at auto_functionalized_1") and "stay vLLM's" in note
     for text in expect:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rubin_compile.kernels import registry
+from rubin_compile.ops.moe import MOE
 from rubin_compile.options import RubinOptions
 from rubin_compile.passes import place_locality
 from rubin_compile.passes.manager import PassManager
@@ -86,13 +86,13 @@ def test_sm107_off_and_flashinfer_kernel_have_no_placement(rubin_run):
 
 def test_kernel_without_split_n_form_runs_whole():
     """sm107's default MoE kernel is a FlashInfer one, which has no split-N form (no placements)."""
-    spec = registry.example_spec("moe", "none")
+    spec = MOE.example_spec("none")
     for name in ("flashinfer_trtllm", "flashinfer_cutlass", "reference"):
-        cand = registry.candidate("moe", name)
-        assert "split_n" not in cand.placements
-        assert place_locality.decide("backfill", resolve("sm107"), cand, spec, None, 16, (4, 4)) == (
+        kernel = MOE.kernel(name)
+        assert "split_n" not in kernel.placements
+        assert place_locality.decide("backfill", resolve("sm107"), kernel, spec, None, 16, (4, 4)) == (
             None, f"kernel {name} has no split-N form", {})
-    assert registry.candidate("moe", "triton").placements == ("split_n",)
+    assert MOE.kernel("triton").placements == ("split_n",)
 
 
 @cpu_only
@@ -183,7 +183,7 @@ class _Spec:
 
 
 def test_decide_edge_cases():
-    triton = registry.candidate("moe", "triton")
+    triton = MOE.kernel("triton")
     spec = _Spec(E=8, H=256, I=256)
     sm107, sm90 = resolve("sm107"), resolve("sm90")
     assert place_locality.decide("backfill", resolve("cpu"), triton, spec, None, 16, (4, 4)) == (

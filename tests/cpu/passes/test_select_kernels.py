@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rubin_compile.kernels.registry import KernelUnavailableError
+from rubin_compile.ops.registry import KernelUnavailableError, canonical_form
 from rubin_compile.options import RubinOptions
 from rubin_compile.passes import select_kernels
 from rubin_compile.passes.base import PassContext
@@ -66,8 +66,13 @@ def _select(graph, **options):
     return select_kernels.run(graph, PassContext(options=opts, target=opts.resolved_target()))
 
 
+def _is_moe(node):
+    form = canonical_form(node)
+    return form is not None and form[0].name == "moe"
+
+
 def _impl(graph):
-    (node,) = [n for n in graph.nodes if select_kernels.canonical_op(n) == "moe"]
+    (node,) = [n for n in graph.nodes if _is_moe(n)]
     return node.kwargs.get("impl", "reference")
 
 
@@ -176,7 +181,7 @@ def test_uuid_follows_the_target_and_forced_kernels():
 
 def test_impl_given_positionally_is_replaced_in_place():
     graph = _moe_graph()
-    (node,) = [n for n in graph.nodes if select_kernels.canonical_op(n) == "moe"]
+    (node,) = [n for n in graph.nodes if _is_moe(n)]
     node.args = (*node.args, "silu", None, None, None, None, None, "reference")  # as an emitter might
     node.kwargs = {}
     _select(graph, target="sm90")

@@ -1,5 +1,5 @@
-"""runtime/locality.py without a GPU: domain plans per target, placement strings, split bounds, and the
-weight-shard cache (copies with localised memory, views without)."""
+"""runtime/locality.py without a GPU: domain plans per target, locality modes, split bounds, and the
+weight-shard cache (copies with localised memory, views without). Placement strings: tests/cpu/ops/test_registry.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from rubin_compile.runtime import locality
 from rubin_compile.runtime.locality import DomainPlan
-from rubin_compile.target import resolve
+from rubin_compile.target import locality_mode, resolve
 
 HBM = "HBM locality domains (FlashInfer locality_domain, CUDA 13.4)"
 GREEN = "green contexts (SM partitions)"
@@ -17,7 +17,7 @@ GREEN = "green contexts (SM partitions)"
 def test_plan_cpu_is_one_domain():
     for mode in ("default", "backfill", "strict"):
         p = locality.plan(resolve("cpu"), mode)
-        assert p == DomainPlan(1, locality.normalize_mode(mode), (0,), 0, False, "CPU: one domain, the current stream")
+        assert p == DomainPlan(1, locality_mode(mode), (0,), 0, False, "CPU: one domain, the current stream")
 
 
 def test_plan_sm90_green_contexts():
@@ -67,26 +67,16 @@ def test_green_context_split():
         locality.green_context_split(15, 2, "default")
 
 
-def test_normalize_mode():
-    assert locality.normalize_mode("strict") == "default"
-    assert locality.normalize_mode(" Strict ") == "default"
-    assert locality.normalize_mode("BACKFILL") == "backfill"
-    assert locality.normalize_mode("default") == "default"
+def test_locality_mode():
+    assert locality_mode("strict") == "default"
+    assert locality_mode(" Strict ") == "default"
+    assert locality_mode("BACKFILL") == "backfill"
+    assert locality_mode("default") == "default"
     for bad in ("auto", "off", "whole", ""):
         with pytest.raises(ValueError, match=rf"unknown locality mode {bad!r}; use one of \('default', 'backfill'\)"):
-            locality.normalize_mode(bad)
+            locality_mode(bad)
     with pytest.raises(ValueError, match="unknown locality mode 'auto'"):
         locality.plan(resolve("sm90"), "auto")
-
-
-def test_parse_placement():
-    assert locality.parse_placement("") is None
-    assert locality.parse_placement("split_n:backfill:2:16") == ("backfill", 2, 16)
-    assert locality.parse_placement("split_n:default:4:128") == ("default", 4, 128)
-    for bad in ("split_n:backfill:2", "split_m:backfill:2:16", "split_n:backfill:two:16",
-                "split_n:backfill:2:-1", "split_n:backfill:2:16:1", "backfill"):
-        with pytest.raises(ValueError, match=r"is not '' or 'split_n:<default\|backfill>:<domains>:<max_tokens>'"):
-            locality.parse_placement(bad)
 
 
 def test_split_bounds():

@@ -32,7 +32,9 @@ where ``W13``/``W2`` are the layer's expert weights as stored, with their ``rubi
 
 ``layer_unsupported_reason`` says, at compile time, when a layer is one these ops cannot reproduce
 (quantised, expert/data parallel, LoRA, an activation ``rubin.moe`` lacks, ...); the matcher then leaves
-the vLLM op alone. The ops are defined only once vLLM is imported (their schema names vLLM's type).
+the vLLM op alone. The ops are defined only once vLLM is imported (their schema names vLLM's type); they
+are registered as forms of ``rubin.moe`` (``MOE.add_form``), so selection binds them to rubin.moe's kernels
+with a spec read off the layer they name.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops.moe import CPU_PACK_ROWS, pack_cpu_weight, run_kernel, unpack_cpu_weight
+from rubin_compile.integrations import after_import
+from rubin_compile.ops.moe import CPU_PACK_ROWS, MOE, MoEArgs, WeightLayout, pack_cpu_weight
+from rubin_compile.ops.nodes import bound_arguments, dtype_name, static_size, val_dtype
+from rubin_compile.ops.registry import KernelSpec, Launch
 
 # vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as
-# [N / 16, K, 16]: 16 output rows interleaved along K (rubin.moe's "vllm_cpu:<isa>" weight layout).
-# Measured against the kernel for fp32 / bf16 / fp16 and isa "vec" (and "amx" on a CPU without AMX);
-# ``cpu_pack_unsupported_reason`` re-checks it per shape.
-pack_cpu_moe_weight = pack_cpu_weight
-unpack_cpu_moe_weight = unpack_cpu_weight
+# [N / 16, K, 16]: 16 output rows interleaved along K (rubin.moe's "vllm_cpu:<isa>" weight layout, packed by
+# ops/moe.py:pack_cpu_weight). Measured against the kernel for fp32 / bf16 / fp16 and isa "vec" (and "amx" on
+# a CPU without AMX); ``cpu_pack_unsupported_reason`` re-checks it per shape.
 
 GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActivation value -> rubin.moe's
 
@@ -57,7 +60,7 @@ GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActiva
 @functools.lru_cache(maxsize=None)
 def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
     """None if vLLM's ``prepack_moe_weight(isa)`` packs an ``[n, k]`` ``dtype`` matrix the way
-    ``unpack_cpu_moe_weight`` expects (checked by running it once on random data); else why not."""
+    ``ops/moe.py:unpack_cpu_weight`` expects (checked by running it once on random data); else why not."""
     if n % CPU_PACK_ROWS:
         return f"N={n} is not a multiple of the {CPU_PACK_ROWS}-row packing block"
     prepack = getattr(getattr(torch.ops, "_C", None), "prepack_moe_weight", None)
@@ -73,7 +76,7 @@ def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) ->
             prepack(w, packed, isa)
         except RuntimeError as exc:
             return f"prepack_moe_weight(isa={isa!r}) failed on this machine: {exc}"
-        if not torch.equal(pack_cpu_moe_weight(w), packed):
+        if not torch.equal(pack_cpu_weight(w), packed):
             return (
                 f"weights prepacked for isa={isa!r} ({dtype}) are not in the {CPU_PACK_ROWS}-row block "
                 "layout rubin knows how to unpack"
@@ -188,7 +191,7 @@ def layer_details(layer: Any) -> dict[str, Any]:
         "I": int(two_i) // 2,
         "I_unpadded": cfg.intermediate_size_per_partition_unpadded,
         "k": router.top_k,
-        "dtype": str(experts.w13_weight.dtype).replace("torch.", ""),
+        "dtype": dtype_name(experts.w13_weight.dtype),
         "weight_layout": layer_weight_layout(layer),
         "activation": layer.activation.value,
         "routing": {
@@ -235,17 +238,37 @@ def run_layer(
         input_ids=input_ids,
     )
     w13, w2, b13, b2, layout = layer_expert_weights(layer)
-    fused = run_kernel(impl, (hidden_states, w13, w2, topk_weights, topk_ids,
-                              GATED_ACTIVATIONS[layer.activation.value], b13, b2, None, None, None), layout,
-                       pdl, placement)
-    return shared_out, fused
+    args = MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value], b13,
+                   b2, weight_layout=WeightLayout.decode(layout))
+    return shared_out, MOE.run(impl, args, Launch.decode(pdl, placement))
 
 
 def find_layer(name: str) -> Any:
-    """The MoE layer named ``name``, as vLLM's ``moe_forward`` finds it (the forward context)."""
+    """The MoE layer named ``name``, as vLLM's ``moe_forward`` finds it at run time (the forward context)."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import get_layer_from_name
 
     return get_layer_from_name(name)
+
+
+def compile_time_layer(name: str) -> tuple[Any, Optional[str]]:
+    """(the layer called ``name``, None) from vLLM's forward context or, outside a forward (a graph compiled
+    ahead of its first run), vLLM's current config; (None, why) when it is in neither."""
+    layer = None
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            layer = get_forward_context().no_compile_layers.get(name)
+        if layer is None:
+            from vllm.config import get_current_vllm_config
+
+            layer = get_current_vllm_config().compilation_config.static_forward_context.get(name)
+    except (ImportError, AssertionError, AttributeError):
+        layer = None
+    if layer is None:
+        return None, (f"layer {name!r} is not in vLLM's forward context at compile time, so its settings "
+                      "cannot be checked")
+    return layer, None
 
 
 def layer_name_value(layer_name: Any) -> str:
@@ -328,11 +351,28 @@ def define_ops() -> None:
     _defined = True
 
 
-def _define_when_vllm_is_imported() -> None:
-    from rubin_compile.integrations import after_import
+def layer_spec(node: torch.fx.Node) -> KernelSpec:
+    """The ``KernelSpec`` of a ``rubin.vllm_moe_layer*`` node, for selection: its weights live on the vLLM layer,
+    not in the graph, and the matcher only rewrites unquantised layers (``layer_unsupported_reason``), so the
+    weights have the activations' dtype. E, I, k, the activation and the weight layout are read off the layer
+    the node names (absent when it cannot be found, as on a graph built by hand)."""
+    args = bound_arguments(node)
+    hidden = args["hidden_states"].meta.get("val") if isinstance(args["hidden_states"], torch.fx.Node) else None
+    dtype = val_dtype(args["hidden_states"])
+    ln = args["layer_name"]
+    value = ln.meta.get("val") if isinstance(ln, torch.fx.Node) else ln
+    name = layer_name_value(value) if value is not None else None
+    layer = compile_time_layer(name)[0] if isinstance(name, str) else None
+    details = layer_details(layer) if layer is not None else {}
+    sizes = {"T": static_size(hidden, 0), "E": details.get("E"), "H": static_size(hidden, 1), "I": details.get("I"),
+             "k": details.get("k")}
+    return KernelSpec(op="moe", quant="none", act_dtype=dtype, weight_dtype=dtype,
+                      shape=tuple((k, v) for k, v in sizes.items() if v is not None), node=node.name,
+                      activation=details.get("activation"), weight_layout=details.get("weight_layout", "plain"))
 
-    # vllm.utils.torch_utils defines and registers LayerName, the only vLLM name the schema needs.
-    after_import("vllm.utils.torch_utils", define_ops)
 
-
-_define_when_vllm_is_imported()
+# rubin.moe's kernels run these ops (selection binds their impl argument); their specs come from the layer.
+MOE.add_form("rubin::vllm_moe_layer", layer_spec)
+MOE.add_form("rubin::vllm_moe_layer_shared", layer_spec)
+# vllm.utils.torch_utils defines and registers LayerName, the only vLLM name the schema needs.
+after_import("vllm.utils.torch_utils", define_ops)

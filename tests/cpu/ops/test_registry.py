@@ -1,5 +1,6 @@
-"""The kernel registry: the selection table of docs/kernels/selection.md, FlashInfer's declarations,
-rejection reasons, forced kernels, and the clear error when a plan's kernel cannot run here."""
+"""The canonical ops' kernel registry (ops/registry.py) with every kernel registered (kernels/): the selection
+table of docs/kernels/selection.md, FlashInfer's declarations, rejection reasons, forced kernels, and the clear
+error when a plan's kernel cannot run here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from rubin_compile import target as T
 from rubin_compile.kernels import flashinfer as fi
-from rubin_compile.kernels import registry as R
+from rubin_compile.ops import moe as moe_op
+from rubin_compile.ops import registry as R
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "kernels" / "selection.md"
 TARGETS = {"sm_90": "sm90", "sm_100": "sm100", "sm_103": "sm103", "sm_107": "sm107", "cpu": "cpu"}
@@ -24,6 +26,14 @@ PACKAGES = {"flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl", 
             "triton": "triton"}
 missing = [pip for module, pip in PACKAGES.items() if importlib.util.find_spec(module) is None]
 needs_packages = pytest.mark.skipif(bool(missing), reason=f"the selection table assumes {missing} installed (tests/run.sh)")
+
+
+def example_spec(op: str, quant: str) -> R.KernelSpec:
+    return R.op_of(op).example_spec(quant)
+
+
+def select(spec: R.KernelSpec, target: T.Target, **kwargs) -> R.Selection:
+    return R.op_of(spec.op).select(spec, target, **kwargs)
 
 
 def documented_table() -> dict[tuple[str, str, str], tuple[str, str]]:
@@ -66,13 +76,13 @@ def test_the_document_covers_every_op_target_and_dtype():
 
 
 @needs_packages
-@pytest.mark.parametrize("op", R.CANONICAL_OPS)
+@pytest.mark.parametrize("op", list(R.CANONICAL_OPS))
 def test_selection_matches_the_documented_table(op):
     for (doc_op, target, quant), (kernel, runs) in documented_table().items():
         if doc_op != op:
             continue
-        spec = R.example_spec(op, quant)
-        chosen = R.select(spec, T.resolve(target)).chosen
+        spec = example_spec(op, quant)
+        chosen = select(spec, T.resolve(target)).chosen
         assert (chosen.name, chosen.entry(spec)) == (kernel, runs), (op, target, quant)
 
 
@@ -115,9 +125,9 @@ def test_rules_copied_from_flashinfer_code_still_match_its_source():
 
 
 def test_cpu_chooses_the_reference_and_says_why_for_the_others():
-    sel = R.select(R.example_spec("moe", "none"), T.resolve("cpu"))
+    sel = select(example_spec("moe", "none"), T.resolve("cpu"))
     assert sel.chosen.name == "reference" and sel.impl == "reference"
-    assert {k for k, _ in sel.rejected} == {c.name for c in R.candidates("moe")} - {"reference"}
+    assert {k for k, _ in sel.rejected} == {k.name for k in moe_op.MOE.kernels()} - {"reference"}
     reasons = dict(sel.rejected)
     assert "layout 'plain'; vllm_cpu reads only 'vllm_cpu:<isa>'" in reasons.pop("vllm_cpu")
     assert all("no CUDA GPU" in reason for reason in reasons.values())
@@ -126,30 +136,30 @@ def test_cpu_chooses_the_reference_and_says_why_for_the_others():
 def test_weight_layout_gates_the_candidates():
     """vLLM's CPU-prepacked weights: only the kernels that read that layout (vLLM's own CPU kernel, and the
     reference, which unpacks a copy) are candidates; on a GPU target the plan says why the others lost."""
-    packed = dataclasses.replace(R.example_spec("moe", "none"), weight_layout="vllm_cpu:vec")
-    cpu = R.select(packed, T.resolve("cpu"))
+    packed = dataclasses.replace(example_spec("moe", "none"), weight_layout="vllm_cpu:vec")
+    cpu = select(packed, T.resolve("cpu"))
     if importlib.util.find_spec("vllm"):
         assert cpu.impl == "vllm_cpu@cpu" and "reference" in cpu.outranked
     else:
         assert cpu.impl == "reference" and "package vllm is not installed" in dict(cpu.rejected)["vllm_cpu"]
-    gpu = R.select(packed, T.resolve("sm90"))
+    gpu = select(packed, T.resolve("sm90"))
     assert gpu.impl == "reference"
     reasons = dict(gpu.rejected)
     assert "weights stored in layout 'vllm_cpu:vec'; triton reads only 'plain'" in reasons["triton"]
     assert "runs on the CPU, not on sm90" in reasons["vllm_cpu"]
     misaligned = dataclasses.replace(packed, shape=(("E", 8), ("H", 64), ("I", 40), ("k", 2)))
-    assert "multiples of 32; got I=40" in dict(R.select(misaligned, T.resolve("cpu")).rejected)["vllm_cpu"]
+    assert "multiples of 32; got I=40" in dict(select(misaligned, T.resolve("cpu")).rejected)["vllm_cpu"]
     assert "weights vllm_cpu:vec" in packed.describe()
 
 
 def test_shape_dtype_and_cc_reasons():
     spec = R.KernelSpec("moe", "none", "bfloat16", "bfloat16", None, (("E", 6), ("H", 32), ("I", 24), ("k", 2)), "silu")
-    sel = R.select(spec, T.resolve("sm107"))
+    sel = select(spec, T.resolve("sm107"))
     reasons = dict(sel.rejected)
     if importlib.util.find_spec("flashinfer"):
         assert "shape limit: I=24 must be a multiple of 128" in reasons["flashinfer_trtllm"]
         assert "cc [90] only, not on sm107" in reasons["flashinfer_cutedsl"]
-    fp32 = R.select(dataclasses.replace(R.example_spec("moe", "none"), act_dtype="float32", weight_dtype="float32"),
+    fp32 = select(dataclasses.replace(example_spec("moe", "none"), act_dtype="float32", weight_dtype="float32"),
                     T.resolve("sm90"))
     assert "activations in float32 are not supported" in dict(fp32.rejected)["triton"]
 
@@ -157,7 +167,7 @@ def test_shape_dtype_and_cc_reasons():
 def test_missing_packages_reject_their_candidates(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton") else real(name, *a))
-    sel = R.select(R.example_spec("moe", "fp8_tensor"), T.resolve("sm100"))
+    sel = select(example_spec("moe", "fp8_tensor"), T.resolve("sm100"))
     reasons = dict(sel.rejected)
     assert reasons["flashinfer_trtllm"] == "package flashinfer-python is not installed"
     assert reasons["triton"] == "package triton is not installed"
@@ -166,24 +176,24 @@ def test_missing_packages_reject_their_candidates(monkeypatch):
 
 @needs_packages
 def test_forced_kernel_that_cannot_run_is_rejected_with_its_reason():
-    sel = R.select(R.example_spec("moe", "none"), T.resolve("sm107"), forced="flashinfer_cutedsl")
+    sel = select(example_spec("moe", "none"), T.resolve("sm107"), forced="flashinfer_cutedsl")
     assert sel.forced == "flashinfer_cutedsl" and "cc [90] only" in sel.forced_reason
     assert sel.chosen.name == "flashinfer_trtllm"
-    ok = R.select(R.example_spec("moe", "none"), T.resolve("sm107"), forced="triton")
+    ok = select(example_spec("moe", "none"), T.resolve("sm107"), forced="triton")
     assert ok.chosen.name == "triton" and ok.forced_reason is None and ok.impl == "triton@sm107"
 
 
 def test_unknown_kernel_names_list_the_valid_ones():
     with pytest.raises(R.UnknownKernelError, match=r"unknown kernel 'cutlass' for rubin.moe.*flashinfer_cutlass"):
-        R.candidate("moe", "cutlass")
+        moe_op.MOE.kernel("cutlass")
 
 
 def test_a_declaration_that_fails_becomes_a_reason():
     def broken(target, spec):
         raise ImportError("no such module")
 
-    cand = R.Candidate("moe", "reference", broken, {"*": 0})
-    assert cand.check(T.resolve("sm90"), R.example_spec("moe", "none")) == "could not check support: ImportError: no such module"
+    kernel = R.Kernel("moe", "reference", broken, {"*": 0})
+    assert kernel.check(T.resolve("sm90"), example_spec("moe", "none")) == "could not check support: ImportError: no such module"
 
 
 def test_impl_strings():
@@ -194,7 +204,35 @@ def test_impl_strings():
 
 
 def test_reference_runs_everywhere():
-    assert R.implementation("moe", "reference") is importlib.import_module("rubin_compile.kernels.reference").moe_reference
+    kernel = moe_op.MOE.kernel("reference")
+    assert kernel.run is moe_op.reference and kernel.unavailable_here(T.detect()) is None
+    assert kernel.module == "rubin_compile.kernels.reference"
+
+
+def test_kernels_register_onto_their_op_once():
+    with pytest.raises(ValueError, match="kernel 'reference' is registered twice"):
+        moe_op.MOE.add_kernel(R.Kernel("moe", "reference", lambda t, s: None, {"*": 0}, module="elsewhere"))
+    with pytest.raises(ValueError, match="is for rubin.gemm, not rubin.moe"):
+        moe_op.MOE.add_kernel(R.Kernel("gemm", "another", lambda t, s: None, {"*": 0}))
+
+
+def test_launch_settings_a_kernel_does_not_take_are_dropped():
+    """The op's contract: a kernel without PDL or placements runs without them (not a TypeError)."""
+    launch = R.Launch(True, R.Placement("backfill", 2, 16))
+    assert moe_op.MOE.kernel("reference").launch_for(launch) == R.Launch()
+    assert moe_op.MOE.kernel("triton").launch_for(launch) == launch
+
+
+def test_placement_strings():
+    assert R.Placement.decode("") is None
+    assert R.Placement.decode("split_n:backfill:2:16") == R.Placement("backfill", 2, 16)
+    assert R.Placement.decode("split_n:strict:4:128") == R.Placement("default", 4, 128)
+    assert R.Placement("backfill", 2, 16).encode() == "split_n:backfill:2:16"
+    for bad in ("split_n", "split_k:default:2:16", "split_n:default:two:16", "split_n:default:2"):
+        with pytest.raises(ValueError, match=r"is not '' or 'split_n:<default\|backfill>:<domains>:<max_tokens>'"):
+            R.Placement.decode(bad)
+    with pytest.raises(ValueError, match="unknown locality mode 'sideways'"):
+        R.Placement.decode("split_n:sideways:2:16")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -203,7 +241,7 @@ def test_a_plan_for_a_gpu_raises_a_clear_error_here(impl, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernel, planned = R.parse_impl(impl)
     with pytest.raises(R.KernelUnavailableError) as err:
-        R.implementation("moe", impl)
+        moe_op.MOE.run(impl, None)
     message = str(err.value)
     assert f"compiled for target {planned} with kernel {kernel!r}" in message
     assert "cannot run on this machine (target cpu)" in message
@@ -211,14 +249,14 @@ def test_a_plan_for_a_gpu_raises_a_clear_error_here(impl, monkeypatch):
 
 def test_unknown_kernel_at_run_time_is_a_clear_error():
     with pytest.raises(R.KernelUnavailableError, match=r"rubin.moe: unknown kernel 'nope'"):
-        R.implementation("moe", "nope@sm90")
+        moe_op.MOE.run("nope@sm90", None)
 
 
 def test_priorities_are_per_target_and_format():
-    cutedsl = R.candidate("moe", "flashinfer_cutedsl")
-    assert cutedsl.rank(T.resolve("sm107"), R.example_spec("moe", "nvfp4")) == 50
-    assert cutedsl.rank(T.resolve("sm100"), R.example_spec("moe", "nvfp4")) == 30
-    assert cutedsl.rank(T.resolve("sm90"), R.example_spec("moe", "none")) == 5
+    cutedsl = moe_op.MOE.kernel("flashinfer_cutedsl")
+    assert cutedsl.rank(T.resolve("sm107"), example_spec("moe", "nvfp4")) == 50
+    assert cutedsl.rank(T.resolve("sm100"), example_spec("moe", "nvfp4")) == 30
+    assert cutedsl.rank(T.resolve("sm90"), example_spec("moe", "none")) == 5
 
 
 @needs_packages
@@ -226,28 +264,28 @@ def test_a_plan_for_another_gpu_names_why_this_gpu_cannot_run_it(monkeypatch):
     """An sm_100 plan executed on an H200: the trtllm-gen MoE is not declared for cc 90."""
     monkeypatch.setattr(T, "detect", lambda device_index=0: T.resolve("sm90"))
     with pytest.raises(R.KernelUnavailableError) as err:
-        R.implementation("moe", "flashinfer_trtllm@sm100")
+        moe_op.MOE.run("flashinfer_trtllm@sm100", None)
     assert "compiled for target sm100 with kernel 'flashinfer_trtllm'" in str(err.value)
     assert "(target sm90)" in str(err.value) and "not on sm90 (cc 90)" in str(err.value)
     # runnable on this GPU, but no adapter from rubin.moe to it yet: still a clear error, not a crash
     with pytest.raises(R.KernelUnavailableError, match=r"no adapter from rubin.moe to flashinfer_cutlass yet"):
-        R.implementation("moe", "flashinfer_cutlass@sm90")
+        moe_op.MOE.run("flashinfer_cutlass@sm90", None)
 
 
 def test_compiling_for_this_machine_never_chooses_a_kernel_it_cannot_run(monkeypatch):
-    """On the machine itself (target "auto" on an H200), a candidate without an adapter in this version,
-    or whose package / GPU is missing here, is rejected with that reason; plans for other targets are not
-    filtered (they follow the declarations, as docs/kernels/selection.md documents)."""
+    """On the machine itself (target "auto" on an H200), a kernel without an adapter in this version, or whose
+    package / GPU is missing here, is rejected with that reason; plans for other targets are not filtered (they
+    follow the declarations, as docs/kernels/selection.md documents)."""
     sm90 = T.resolve("sm90")
     monkeypatch.setattr(T, "detect", lambda device_index=0: sm90)
-    attention = R.example_spec("attention", "none")
-    here = R.select(attention, sm90, runs_here=True)
-    plan = R.select(attention, sm90)
+    attention = example_spec("attention", "none")
+    here = select(attention, sm90, runs_here=True)
+    plan = select(attention, sm90)
     assert here.chosen.name == "torch"
     if importlib.util.find_spec("flashinfer"):  # without it, fa3 is rejected for the missing package first
         assert dict(here.rejected)["flashinfer_fa3"].startswith("this version of rubin_compile has no adapter")
         assert plan.chosen.name == "flashinfer_fa3"
-    moe = R.example_spec("moe", "none")
-    moe_here = R.select(moe, sm90, runs_here=True)
-    if not torch.cuda.is_available():  # the Triton provider refuses to import without a GPU
+    moe = example_spec("moe", "none")
+    moe_here = select(moe, sm90, runs_here=True)
+    if not torch.cuda.is_available():  # the Triton kernels cannot run without a GPU
         assert moe_here.chosen.name == "reference" and "triton" in dict(moe_here.rejected)

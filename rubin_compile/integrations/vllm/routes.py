@@ -31,7 +31,9 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from rubin_compile.integrations import after_import
+from rubin_compile.integrations.vllm.engine import VllmEngine
 from rubin_compile.options import RubinOptions
+from rubin_compile.passes.manager import PassManager
 
 OptionsLike = Union[None, RubinOptions, Mapping[str, Any]]
 
@@ -59,10 +61,8 @@ class VllmPass(CustomGraphPass):
     def options(self) -> RubinOptions:
         return RubinOptions.resolve(self._options)
 
-    def manager(self):
-        from rubin_compile.passes.manager import PassManager
-
-        return PassManager(self.options(), source="vllm")
+    def manager(self) -> PassManager:
+        return PassManager(self.options(), source="vllm", engine=VllmEngine(route="pass"))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         manager = self.manager()
@@ -111,8 +111,6 @@ def backend_route_cache_key(options: OptionsLike = None) -> dict[str, Any]:
     --------
     >>> LLM(model, compilation_config={"mode": 2, "backend": "rubin"}, **backend_route_cache_key())
     """
-    from rubin_compile.passes.manager import PassManager
-
     uuid = PassManager(RubinOptions.resolve(options), source="backend").uuid()
     return {"additional_config": {"rubin_uuid": uuid}}
 
