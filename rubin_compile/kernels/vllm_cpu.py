@@ -2,7 +2,7 @@
 
 vLLM's CPU build prepacks each MoE layer's expert weights once, at load time, for its kernel
 (``_C.prepack_moe_weight(w, isa)``). When a matcher rewrites such a layer it hands ``rubin.moe`` the
-weights as stored, with ``weight_layout="vllm_cpu:<isa>"``; this kernel reads that layout directly, so
+weights as stored, with ``weight_layout="vllm_cpu:<isa>[:vnni]"``; this kernel reads that layout directly, so
 the rewritten graph does what vLLM's own layer does, with no copy of the weights per call. Every other
 kernel reads plain weights and is rejected for this layout with that reason (the reference unpacks a
 copy, so a forced reference still computes the same result, slowly).
@@ -67,7 +67,7 @@ def _runnable(here: Target) -> Optional[str]:
 @MOE.register_kernel("vllm_cpu", supports=_supports, priority={"cpu": 40, "*": 0}, runnable=_runnable,
                      entry=lambda spec: "vllm torch.ops._C.cpu_fused_moe", layouts=("vllm_cpu",))
 def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
-    """``rubin.moe`` with vLLM's CPU kernel; ``args.weight_layout`` must be ``"vllm_cpu:<isa>"``."""
+    """``rubin.moe`` with vLLM's CPU kernel; ``args.weight_layout`` must be ``"vllm_cpu:<isa>[:vnni]"``."""
     if not args.weight_layout.cpu_packed:
         raise ValueError(f"rubin.moe[vllm_cpu]: weight_layout {args.weight_layout.encode()!r} is not vLLM's CPU "
                          "layout 'vllm_cpu:<isa>'; plain weights run on the other kernels")

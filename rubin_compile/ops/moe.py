@@ -48,8 +48,12 @@ weights as the model stores them instead of copying them on every call:
 * ``"plain"``: row-major ``[E, N, K]`` as written above.
 * ``"vllm_cpu:<isa>"``: what vLLM's CPU build stores after ``_C.prepack_moe_weight(w, isa)``: each
   ``[N, K]`` matrix as ``[N / 16, K, 16]`` (16 output rows interleaved along K; ``unpack_cpu_weight``
-  undoes it). ``<isa>`` ("vec", "amx", ...) is the one vLLM packed for and its kernel runs with; the
-  matchers check, per shape and dtype, that vLLM's packing for that isa is the 16-row one.
+  undoes it). ``<isa>`` ("vec", "amx", ...) is the one vLLM packed for and its kernel runs with.
+* ``"vllm_cpu:<isa>:vnni"``: the same with K in pairs, ``[N / 16, K / 2, 16, 2]``: what vLLM writes for isa
+  "amx" with bf16 / fp16 weights on a CPU that has AMX (its tiles take 16-bit values in pairs).
+
+  Which of the two vLLM wrote depends on the isa, the dtype and the machine; the matchers find it out per shape
+  and dtype by running vLLM's packing once (integrations/vllm/layer_ops.py) and name it in the layout.
 """
 
 from __future__ import annotations
@@ -84,22 +88,29 @@ def _fail(msg: str) -> None:
 @dataclass(frozen=True)
 class WeightLayout:
     """How ``w13`` / ``w2`` are stored (see the module docstring): ``family`` "plain" or "vllm_cpu" (with the
-    ``isa`` vLLM packed for). The op schema keeps the string form, ``encode()``."""
+    ``isa`` vLLM packed for, and ``vnni`` when K is in pairs). The op schema keeps the string form, ``encode()``."""
 
     family: str = "plain"
     isa: Optional[str] = None
+    vnni: bool = False
 
     @staticmethod
     def decode(text: str) -> "WeightLayout":
         if text == "plain":
             return PLAIN
-        family, _, isa = text.partition(":")
-        if family != "vllm_cpu" or not isa:
-            _fail(f"weight_layout={text!r} is not 'plain' or 'vllm_cpu:<isa>'")
-        return WeightLayout(family, isa)
+        parts = text.split(":")
+        if parts[0] != "vllm_cpu" or len(parts) not in (2, 3) or not parts[1] or parts[2:] not in ([], ["vnni"]):
+            _fail(f"weight_layout={text!r} is not 'plain', 'vllm_cpu:<isa>' or 'vllm_cpu:<isa>:vnni'")
+        return WeightLayout(parts[0], parts[1], len(parts) == 3)
 
     def encode(self) -> str:
-        return self.family if self.isa is None else f"{self.family}:{self.isa}"
+        if self.isa is None:
+            return self.family
+        return f"{self.family}:{self.isa}" + (":vnni" if self.vnni else "")
+
+    def describe(self) -> str:
+        """What the layout is, for reports: "16-row blocks", "16-row blocks, K in pairs (VNNI)"."""
+        return f"{CPU_PACK_ROWS}-row blocks" + (", K in pairs (VNNI)" if self.vnni else "")
 
     @property
     def cpu_packed(self) -> bool:
@@ -109,15 +120,20 @@ class WeightLayout:
 PLAIN = WeightLayout()
 
 
-def pack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
-    """Plain ``[E, N, K]`` -> the ``"vllm_cpu:<isa>"`` layout (what ``_C.prepack_moe_weight`` writes)."""
+def pack_cpu_weight(w: torch.Tensor, vnni: bool = False) -> torch.Tensor:
+    """Plain ``[E, N, K]`` -> the ``"vllm_cpu:<isa>"`` layout (``vnni``: ``"vllm_cpu:<isa>:vnni"``), what
+    ``_C.prepack_moe_weight`` writes."""
     E, N, K = w.shape
+    if vnni:
+        return w.reshape(E, N // CPU_PACK_ROWS, CPU_PACK_ROWS, K // 2, 2).permute(0, 1, 3, 2, 4).reshape(E, N, K)
     return w.reshape(E, N // CPU_PACK_ROWS, CPU_PACK_ROWS, K).permute(0, 1, 3, 2).reshape(E, N, K)
 
 
-def unpack_cpu_weight(w: torch.Tensor) -> torch.Tensor:
-    """The ``"vllm_cpu:<isa>"`` layout -> plain ``[E, N, K]`` (a copy)."""
+def unpack_cpu_weight(w: torch.Tensor, vnni: bool = False) -> torch.Tensor:
+    """The ``"vllm_cpu:<isa>"`` layout (``vnni``: with K in pairs) -> plain ``[E, N, K]`` (a copy)."""
     E, N, K = w.shape
+    if vnni:
+        return w.reshape(E, N // CPU_PACK_ROWS, K // 2, CPU_PACK_ROWS, 2).permute(0, 1, 3, 2, 4).reshape(E, N, K)
     return w.reshape(E, N // CPU_PACK_ROWS, K, CPU_PACK_ROWS).permute(0, 1, 3, 2).reshape(E, N, K)
 
 
@@ -289,7 +305,8 @@ def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
     x = args.hidden_states
     w13, w2 = args.w13, args.w2
     if args.weight_layout.cpu_packed:
-        w13, w2 = unpack_cpu_weight(w13), unpack_cpu_weight(w2)
+        vnni = args.weight_layout.vnni
+        w13, w2 = unpack_cpu_weight(w13, vnni), unpack_cpu_weight(w2, vnni)
     dtype = x.dtype
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out = torch.zeros(T, H, dtype=acc_dtype, device=x.device)

@@ -71,7 +71,7 @@ class KernelSpec:
     shape:
         Named sizes: MoE ``E, H, I, k`` (``T`` when static); GEMM ``M, N, K``; attention ``D`` (head dim).
     weight_layout:
-        How the weights are stored (``rubin.moe``'s ``weight_layout``: ``"plain"``, ``"vllm_cpu:<isa>"``).
+        How the weights are stored (``rubin.moe``'s ``weight_layout``: ``"plain"``, ``"vllm_cpu:<isa>[:vnni]"``).
     """
 
     op: str

@@ -146,10 +146,10 @@ class Engine:
         """The engine's settings that make it run registry kernel ``kernel`` for attention, if any."""
         return None
 
-    def cpu_weights_unsupported(self, isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
-        """Why expert weights the engine's CPU build prepacked for ``isa`` are not in rubin.moe's
-        ``"vllm_cpu:<isa>"`` layout (None when they are)."""
-        return "no inference engine to check its CPU weight layout against"
+    def cpu_weight_layout(self, isa: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[str], Optional[str]]:
+        """(rubin.moe's weight layout of expert weights the engine's CPU build prepacked for ``isa``, None), or
+        (None, why they are in no layout rubin knows). ``w13`` / ``w2`` may be fake tensors."""
+        return None, "no inference engine to check its CPU weight layout against"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager, set_call_kwarg
-from rubin_compile.integrations.vllm.layer_ops import cpu_pack_unsupported_reason
+from rubin_compile.integrations.vllm.layer_ops import cpu_pack_unsupported_reason, cpu_weight_layout, \
+    layer_expert_weights
 from rubin_compile.ops.moe import pack_cpu_weight, unpack_cpu_weight
 
 CPU_MOE = "_C::cpu_fused_moe"
@@ -208,15 +209,16 @@ def test_whole_pipeline_binds_vllm_kernel_to_weights_as_stored(make_layer, vllm_
     x, logits = fresh_inputs(layer, dtype)
     run, rec = compile_layer(layer, vllm_config, x, logits, options={"passes": list(PASS_NAMES)})
     (rewrite,) = rec.match_moe()["rewrites"]
-    assert rewrite["details"]["weight_layout"].startswith("vllm_cpu:vec")
+    layout = layer_expert_weights(layer)[4]  # vllm_cpu:vec, or vllm_cpu:amx:vnni for bf16 on a CPU with AMX
+    assert layout.startswith("vllm_cpu:") and rewrite["details"]["weight_layout"].startswith(layout + " ")
     (plan,) = [pl for p in rec.report["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
     assert plan["impl"] == "vllm_cpu@cpu", plan
     rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
-    assert "layout 'vllm_cpu:vec'" in rejected["triton"]
+    assert f"layout '{layout}'" in rejected["triton"]
     assert rec.after["aten::clone"] == rec.before["aten::clone"]  # no copy of the weights was added
     from rubin_compile.debug.report import render_markdown
 
-    assert "weights vllm_cpu:vec | vllm_cpu (cpu)" in render_markdown(rec.report)
+    assert f"weights {layout} | vllm_cpu (cpu)" in render_markdown(rec.report)
     inputs = [fresh_inputs(layer, dtype) for _ in range(2)]
     got = [run(*i) for i in inputs]
     plain, _ = compile_layer(layer, vllm_config, x, logits, options={"passes": []})
@@ -227,13 +229,23 @@ def test_whole_pipeline_binds_vllm_kernel_to_weights_as_stored(make_layer, vllm_
 # ---- the weight layout the rewrite undoes ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("isa", ["vec", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cpu_weight_packing_matches_vllm(dtype):
+def test_cpu_weight_packing_matches_vllm(dtype, isa):
+    """vLLM's packing, on this machine, is the layout cpu_weight_layout names, and rubin unpacks it exactly
+    (isa "amx" with 16-bit weights keeps K in pairs on a CPU with AMX; 16-row blocks everywhere else)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    w = torch.randn(3, 96, 80).to(dtype)
-    packed = cpu_prepack_moe_weight(w, "vec")
-    assert torch.equal(packed, pack_cpu_weight(w))
-    assert torch.equal(unpack_cpu_weight(packed), w)
-    assert cpu_pack_unsupported_reason("vec", dtype, 96, 80) is None
-    assert "multiple of the 16-row" in cpu_pack_unsupported_reason("vec", dtype, 40, 80)
+    w = torch.randn(3, 96, 64).to(dtype)
+    packed = cpu_prepack_moe_weight(w, isa)
+    layout, reason = cpu_weight_layout(isa, dtype, 96, 64)
+    assert reason is None and layout in (f"vllm_cpu:{isa}", f"vllm_cpu:{isa}:vnni")
+    vnni = layout.endswith(":vnni")
+    assert torch.equal(packed, pack_cpu_weight(w, vnni))
+    assert torch.equal(unpack_cpu_weight(packed, vnni), w)
+    if isa == "vec" or dtype == torch.float32:
+        assert not vnni  # the 16-row layout whatever the CPU
+    assert cpu_pack_unsupported_reason(isa, dtype, 96, 64) is None
+    # shapes vLLM's packing would abort the process on are refused before it runs
+    assert "needs N" in cpu_pack_unsupported_reason(isa, dtype, 48, 64) and "got N=48" in \
+        cpu_pack_unsupported_reason(isa, dtype, 48, 64)

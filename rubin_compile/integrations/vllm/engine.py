@@ -4,7 +4,7 @@ objects, what a pass needs to know of a graph vLLM hands rubin.
 Passes never import vLLM; they ask this adapter: the layer a graph's op names (``find_layer``, through vLLM's
 forward context at compile time), whether rubin reproduces a MoE layer and what it holds, the rubin op that
 runs it, an attention layer's backend and KV cache, the vLLM switches that select a kernel, whether expert
-weights vLLM's CPU build prepacked are in ``rubin.moe``'s ``"vllm_cpu:<isa>"`` layout, and whether the graph is
+weights vLLM's CPU build prepacked are in one of ``rubin.moe``'s ``"vllm_cpu:<isa>[:vnni]"`` layouts, and whether the graph is
 replayed from CUDA graphs. vLLM is imported only when one of these is asked, i.e. only when a graph holds
 vLLM's ops.
 """
@@ -135,5 +135,5 @@ class VllmEngine(Engine):
     def attention_switches(self, kernel: str) -> Optional[str]:
         return ATTENTION_SWITCHES.get(kernel)
 
-    def cpu_weights_unsupported(self, isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
-        return layer_ops.cpu_pack_unsupported_reason(isa, dtype, n, k)
+    def cpu_weight_layout(self, isa: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[str], Optional[str]]:
+        return layer_ops.packed_weights_layout(isa, w13, w2)

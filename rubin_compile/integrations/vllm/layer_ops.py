@@ -27,7 +27,7 @@ in a single-rank run)::
     shared_out = layer.shared_experts' module(shared_experts_input)   (``_shared`` only)
 
 where ``W13``/``W2`` are the layer's expert weights as stored, with their ``rubin.moe`` weight layout
-(vLLM's CPU build stores them prepacked in 16-row blocks: layout ``"vllm_cpu:<isa>"``). Whatever vLLM applies outside its op
+(vLLM's CPU build stores them prepacked: layout ``"vllm_cpu:<isa>[:vnni]"``). Whatever vLLM applies outside its op
 (the runner-level routed scaling factor, the shared + routed add, all-reduces) stays in the graph.
 
 ``layer_unsupported_reason`` says, at compile time, when a layer is one these ops cannot reproduce
@@ -45,27 +45,35 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.integrations import after_import
-from rubin_compile.ops.moe import CPU_PACK_ROWS, MOE, MoEArgs, WeightLayout, pack_cpu_weight
+from rubin_compile.ops.moe import MOE, MoEArgs, WeightLayout, pack_cpu_weight
 from rubin_compile.ops.nodes import bound_arguments, dtype_name, static_size, val_dtype
 from rubin_compile.ops.registry import KernelSpec, Launch
 
-# vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as
-# [N / 16, K, 16]: 16 output rows interleaved along K (rubin.moe's "vllm_cpu:<isa>" weight layout, packed by
-# ops/moe.py:pack_cpu_weight). Measured against the kernel for fp32 / bf16 / fp16 and isa "vec" (and "amx" on
-# a CPU without AMX); ``cpu_pack_unsupported_reason`` re-checks it per shape.
+PLAIN_CPU, VNNI_CPU = WeightLayout("vllm_cpu", "<isa>"), WeightLayout("vllm_cpu", "<isa>", vnni=True)
 
 GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActivation value -> rubin.moe's
 
+# vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as [N / 16, K, 16]
+# (16 output rows interleaved along K) or, for isa "amx" with bf16 / fp16 weights on a CPU with AMX, as
+# [N / 16, K / 2, 16, 2] (K in pairs): rubin.moe's "vllm_cpu:<isa>" and "vllm_cpu:<isa>:vnni" layouts
+# (ops/moe.py:pack_cpu_weight). Which one depends on the machine, so ``cpu_weight_layout`` runs vLLM's packing
+# once per (isa, dtype, shape) and says which it wrote. vLLM's packing asserts N % 32 == 0 (and, for amx,
+# K % 32 == 0) and aborts the process otherwise, so those shapes are never packed here.
+_PACK_ALIGN = 32
+
 
 @functools.lru_cache(maxsize=None)
-def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
-    """None if vLLM's ``prepack_moe_weight(isa)`` packs an ``[n, k]`` ``dtype`` matrix the way
-    ``ops/moe.py:unpack_cpu_weight`` expects (checked by running it once on random data); else why not."""
-    if n % CPU_PACK_ROWS:
-        return f"N={n} is not a multiple of the {CPU_PACK_ROWS}-row packing block"
+def cpu_weight_layout(isa: str, dtype: torch.dtype, n: int, k: int) -> tuple[Optional[str], Optional[str]]:
+    """(the ``rubin.moe`` weight layout vLLM's ``prepack_moe_weight(isa)`` writes for an ``[n, k]`` ``dtype``
+    matrix on this machine, None), found by packing random data once; or (None, why it is no layout rubin
+    knows)."""
+    if n % _PACK_ALIGN or (isa == "amx" and k % _PACK_ALIGN):
+        what = "N and K" if isa == "amx" else "N"
+        return None, (f"vLLM's CPU MoE packing for isa={isa!r} needs {what} multiples of {_PACK_ALIGN} (it aborts "
+                      f"the process otherwise); got N={n}, K={k}")
     prepack = getattr(getattr(torch.ops, "_C", None), "prepack_moe_weight", None)
     if prepack is None:
-        return "vLLM's _C.prepack_moe_weight is not available to check the weight layout"
+        return None, "vLLM's _C.prepack_moe_weight is not available to check the weight layout"
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad():
@@ -75,13 +83,30 @@ def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) ->
         try:
             prepack(w, packed, isa)
         except RuntimeError as exc:
-            return f"prepack_moe_weight(isa={isa!r}) failed on this machine: {exc}"
-        if not torch.equal(pack_cpu_weight(w), packed):
-            return (
-                f"weights prepacked for isa={isa!r} ({dtype}) are not in the {CPU_PACK_ROWS}-row block "
-                "layout rubin knows how to unpack"
-            )
-    return None
+            return None, f"prepack_moe_weight(isa={isa!r}) failed on this machine: {exc}"
+        for layout in (WeightLayout("vllm_cpu", isa), WeightLayout("vllm_cpu", isa, vnni=True)):
+            if torch.equal(pack_cpu_weight(w, layout.vnni), packed):
+                return layout.encode(), None
+    return None, (f"weights prepacked for isa={isa!r} ({dtype}) are in neither layout rubin knows how to unpack "
+                  f"({PLAIN_CPU.describe()}; {VNNI_CPU.describe()})")
+
+
+def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
+    """None if rubin knows the layout vLLM packs an ``[n, k]`` ``dtype`` matrix in for ``isa``; else why not."""
+    return cpu_weight_layout(isa, dtype, n, k)[1]
+
+
+def packed_weights_layout(isa: str, w13: Any, w2: Any) -> tuple[Optional[str], Optional[str]]:
+    """(the layout of a layer's prepacked ``w13`` and ``w2`` (fake tensors will do), None), or (None, why)."""
+    layouts = []
+    for name, w in (("w13", w13), ("w2", w2)):
+        layout, reason = cpu_weight_layout(isa, w.dtype, int(w.shape[1]), int(w.shape[2]))
+        if reason is not None:
+            return None, f"{name}: {reason}"
+        layouts.append(layout)
+    if layouts[0] != layouts[1]:
+        return None, f"w13 and w2 are packed in different layouts ({layouts[0]}, {layouts[1]})"
+    return layouts[0], None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,17 +178,13 @@ def _weights_unsupported_reason(experts: Any) -> Optional[str]:
             return f"CPU experts {type(fused).__name__}"
         if getattr(fused, "_use_zentorch", False):
             return "zentorch MoE (its weight layout is zentorch's)"
-        for w in (experts.w13_weight, experts.w2_weight):
-            reason = cpu_pack_unsupported_reason(fused.isa, w.dtype, w.shape[1], w.shape[2])
-            if reason:
-                return reason
-        return None
+        return packed_weights_layout(fused.isa, experts.w13_weight, experts.w2_weight)[1]
     return f"vLLM MoE backend {backend.value} re-lays out the expert weights in a way rubin does not undo"
 
 
 def layer_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], str]:
     """The layer's (w13, w2, w13_bias, w2_bias, weight_layout) as stored, no copy: ``"plain"``, or
-    ``"vllm_cpu:<isa>"`` where vLLM's CPU build prepacked them (rubin.moe's layouts)."""
+    ``"vllm_cpu:<isa>[:vnni]"`` where vLLM's CPU build prepacked them (rubin.moe's layouts)."""
     experts = layer.routed_experts
     return (experts.w13_weight, experts.w2_weight, getattr(experts, "w13_bias", None),
             getattr(experts, "w2_bias", None), layer_weight_layout(layer))
@@ -173,9 +194,14 @@ def layer_weight_layout(layer: Any) -> str:
     """``rubin.moe``'s name for how ``layer`` stores its expert weights."""
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-    method = layer.routed_experts.quant_method
+    experts = layer.routed_experts
+    method = experts.quant_method
     if method.unquantized_backend == UnquantizedMoeBackend.CPU:
-        return f"vllm_cpu:{method.moe_kernel.fused_experts.isa}"
+        layout, reason = packed_weights_layout(method.moe_kernel.fused_experts.isa, experts.w13_weight,
+                                               experts.w2_weight)
+        if layout is None:  # layer_unsupported_reason rejects such a layer before it is rewritten
+            raise ValueError(f"rubin: vLLM layer {layer.layer_name}: {reason}")
+        return layout
     return "plain"
 
 

@@ -21,8 +21,9 @@ It becomes ``rubin.moe(x, W13p, W2p, w, ids, activation="silu", weight_layout="v
 it rests on, each measured against the kernel (tests/vllm/test_vllm_cpu_matcher.py):
 
 - ``output`` is overwritten, not accumulated into; ``W13p``/``W2p`` are the layer's weights *prepacked*
-  by ``_C.prepack_moe_weight`` for ``isa`` (16-row blocks interleaved along K, checked per shape and
-  dtype): ``rubin.moe``'s ``"vllm_cpu:<isa>"`` weight layout, handed over as stored (no copy). On the CPU
+  by ``_C.prepack_moe_weight`` for ``isa`` (16-row blocks interleaved along K, and K in pairs for amx with
+  16-bit weights on an AMX CPU; which one is checked per shape and dtype by the engine adapter):
+  ``rubin.moe``'s ``"vllm_cpu:<isa>[:vnni]"`` weight layouts, handed over as stored (no copy). On the CPU
   select_kernels binds the ``vllm_cpu`` kernel (vLLM's own kernel on those weights); kernels that read
   plain weights are rejected for the layout with that reason;
 - ``act`` "silu" and "gelu_tanh" are ``rubin.moe``'s; "gelu" (erf) and "swigluoai" are left alone;
@@ -43,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops.moe import ACTIVATIONS, CPU_PACK_ROWS
+from rubin_compile.ops.moe import ACTIVATIONS, WeightLayout
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
 from rubin_compile.passes.fx import (
     MutatingCall,
@@ -79,16 +80,30 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
         mc = decode_mutating_call(node)
         if mc is None or schema_name(mc.op) != OP_NAME:
             continue
-        reason = unsupported_reason(mc, ctx)
+        layout, reason = weight_layout_or_reason(mc, ctx)
         if reason is not None:
             unchanged.append(Unchanged(node.name, IDIOM, reason))
             continue
-        rewrites.append(_rewrite(graph, mc))
+        rewrites.append(_rewrite(graph, mc, layout))
     return rewrites, unchanged
 
 
-def unsupported_reason(mc: MutatingCall, ctx: PassContext) -> Optional[str]:
-    """Why this ``cpu_fused_moe`` call cannot become ``rubin.moe`` (None if it can)."""
+def weight_layout_or_reason(mc: MutatingCall, ctx: PassContext) -> tuple[Optional[str], Optional[str]]:
+    """(the weights' rubin.moe layout, None) when this ``cpu_fused_moe`` call can become ``rubin.moe``; else
+    (None, why not)."""
+    reason = _graph_reason(mc)
+    if reason is not None:
+        return None, reason
+    a = mc.args
+    w13, w2 = tensor_val(a["w13"]), tensor_val(a["w2"])
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not all(isinstance(s, int) for s in w.shape):
+            return None, f"{name} has a symbolic shape {tuple(w.shape)}"
+    return ctx.engine.cpu_weight_layout(a["isa"], w13, w2)
+
+
+def _graph_reason(mc: MutatingCall) -> Optional[str]:
+    """Why the call, as the graph shows it, cannot become ``rubin.moe`` (None if it can)."""
     a = mc.args
     if "output" in mc.view_args:
         return "the output buffer is a view of a larger tensor (rubin.moe returns a fresh tensor)"
@@ -117,16 +132,10 @@ def unsupported_reason(mc: MutatingCall, ctx: PassContext) -> Optional[str]:
         return f"output {tuple(vals['output'].shape)} is not shaped like input {tuple(x.shape)}"
     if a["skip_weighted"] and vals["topk_id"].shape[-1] != 1:
         return "skip_weighted=True with top-k > 1 (the kernel itself rejects it)"
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not all(isinstance(s, int) for s in w.shape):
-            return f"{name} has a symbolic shape {tuple(w.shape)}"
-        reason = ctx.engine.cpu_weights_unsupported(a["isa"], w.dtype, w.shape[1], w.shape[2])
-        if reason is not None:
-            return f"{name}: {reason}"
     return None
 
 
-def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
+def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layout: str) -> Rewrite:
     a = mc.args
     node = mc.node
     x, ids = a["input"], a["topk_id"]
@@ -140,7 +149,7 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
             # post-grad lowering).
             weights = call(graph, aten.pow.Tensor_Scalar, (weights, 0))
         new = emit_moe(graph, x, a["w13"], a["w2"], weights, ids, activation=a["act"],
-                       w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], weight_layout=f"vllm_cpu:{a['isa']}")
+                       w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], weight_layout=layout)
     inherit_source([n for n in graph.nodes if n not in existing], node)
     replaced = [node.name]
     for user in list(node.users):  # getitem nodes: the output's new value, and unused ones
@@ -159,7 +168,7 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall) -> Rewrite:
         "dtype": dtype_name(xv.dtype),
         "activation": a["act"],
         "isa": a["isa"],
-        "weight_layout": f"vllm_cpu:{a['isa']} (vLLM CPU prepacked, {CPU_PACK_ROWS}-row blocks), as stored: no copy",
+        "weight_layout": f"{layout} (vLLM CPU prepacked, {WeightLayout.decode(layout).describe()}), as stored: no copy",
         "biases": a["w13_bias"] is not None,
         "skip_weighted": bool(a["skip_weighted"]),
         "auto_functionalized": f"v{mc.version}",

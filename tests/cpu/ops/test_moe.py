@@ -107,11 +107,31 @@ def test_vllm_cpu_packed_layout_means_the_same_weights():
     got = torch.ops.rubin.moe(x, p13, p2, w, ids, "silu", b13, b2, weight_layout="vllm_cpu:vec")
     assert torch.equal(got, torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2))
     torch.library.opcheck(torch.ops.rubin.moe.default, (x, p13, p2, w, ids), {"weight_layout": "vllm_cpu:vec"})
-    with pytest.raises(MoEArgumentError, match="weight_layout='blocked' is not 'plain' or 'vllm_cpu:<isa>'"):
+    with pytest.raises(MoEArgumentError, match="weight_layout='blocked' is not 'plain', 'vllm_cpu:<isa>' or "):
         torch.ops.rubin.moe(x, w13, w2, w, ids, weight_layout="blocked")
+    for bad in ("vllm_cpu", "vllm_cpu:", "vllm_cpu:amx:pairs", "vllm_cpu:amx:vnni:1"):
+        with pytest.raises(MoEArgumentError, match="is not 'plain'"):
+            torch.ops.rubin.moe(x, w13, w2, w, ids, weight_layout=bad)
     x, w13, w2, w, ids, _, _ = make(E=5, H=48, I=20)  # 2I = 40 rows: not whole 16-row blocks
     with pytest.raises(MoEArgumentError, match="N divisible by 16"):
         torch.ops.rubin.moe(x, w13, w2, w, ids, weight_layout="vllm_cpu:vec")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vllm_cpu_vnni_layout_means_the_same_weights(dtype):
+    """weight_layout="vllm_cpu:amx:vnni" (K in pairs, as vLLM packs 16-bit weights for AMX): the reference unpacks
+    it, so the result is the plain one exactly."""
+    from rubin_compile.ops.moe import WeightLayout, pack_cpu_weight, unpack_cpu_weight
+
+    x, w13, w2, w, ids, b13, b2 = make(E=4, H=64, I=32, bias=True, dtype=dtype)
+    p13, p2 = pack_cpu_weight(w13, vnni=True), pack_cpu_weight(w2, vnni=True)
+    assert not torch.equal(p13, pack_cpu_weight(w13)) and torch.equal(unpack_cpu_weight(p13, vnni=True), w13)
+    # K in pairs inside each 16-row block: element (n, k) sits at [n // 16, k // 2, n % 16, k % 2]
+    assert p13[1].reshape(4, 32, 16, 2)[1, 3, 5, 1] == w13[1, 16 + 5, 2 * 3 + 1]
+    got = torch.ops.rubin.moe(x, p13, p2, w, ids, "silu", b13, b2, weight_layout="vllm_cpu:amx:vnni")
+    assert torch.equal(got, torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2))
+    assert WeightLayout.decode("vllm_cpu:amx:vnni") == WeightLayout("vllm_cpu", "amx", vnni=True)
+    assert WeightLayout("vllm_cpu", "amx", vnni=True).encode() == "vllm_cpu:amx:vnni"
 
 
 def test_out_of_range_expert_id():
