@@ -143,7 +143,7 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
             sp = " ".join(f"{b}={row['us'][b] / row['us']['triton']:.2f}x" for b in row["us"] if b != "triton")
             log(f"{name:16s} {wf:9s} T={T:5d} ours {row['us']['triton']:9.1f} us floor {row['floor_us']:8.1f} us "
                 f"{row['pct_copy_bw']:5.1f}% of copy bw ({row['gbs']:6.0f} GB/s) | {sp} [{src}]")
-        del weights
+        weights = None  # free this shape's weights before the next
         torch.cuda.empty_cache()
     return rows
 

@@ -14,4 +14,8 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # cuda-python, nvidia-cudnn-frontend, nvidia-ml-py and the CuTe-DSL libraries (about 1 GB, no GPU needed).
 python -m pip install -q "flashinfer-python==0.7.2.post1" "nvidia-cutlass-dsl>=4.8"
 python -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 'flashinfer replaced torch ' + torch.__version__)"
+# Lint and format (the rules: pyproject.toml [tool.ruff]); pinned so that CI and a fresh clone agree.
+python -m pip install -q "ruff==0.17.6"
+ruff check .
+ruff format --check .
 python -m pytest -q "$@"

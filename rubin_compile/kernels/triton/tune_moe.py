@@ -153,7 +153,7 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 30) -> float:
     for _ in range(3):
         dst.copy_(src)
     ts = time_eager(lambda: dst.copy_(src), reps=reps, warmup=2)
-    del src, dst
+    src = dst = None  # free both before the next measurement
     return 2 * nbytes / (statistics.median(ts) * 1e-6) / 1e9
 
 
@@ -416,7 +416,7 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
                 if not err < (6e-2 if best.a_fp8 else 2e-2):  # never ship a wrong config: say so, leave it out
                     log(f"    WRONG RESULT (rel err {err:.2e}): entry not written")
                     del entry[str(T)]
-            del weights
+            weights = None  # free this shape's weights before the next
             torch.cuda.empty_cache()
             out_dir.mkdir(parents=True, exist_ok=True)  # after every shape: a cut-short run keeps its work
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

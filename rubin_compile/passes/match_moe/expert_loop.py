@@ -236,7 +236,7 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     if len(acts) != 1:
         return f"the experts use different activations {sorted(acts)}"
     ordered = [experts[e] for e in range(num_experts)]
-    x_val, w_val, out_val = tensor_val(x_common), tensor_val(topk_weights), tensor_val(ordered[0].term)
+    x_val, out_val = tensor_val(x_common), tensor_val(ordered[0].term)
     weight_dtypes = {tensor_val(n).dtype for ex in ordered for n in (ex.w_gate, ex.w_up, ex.w_down)}
     if weight_dtypes != {x_val.dtype} or out_val.dtype != x_val.dtype:
         return (f"mixed dtypes: hidden states {x_val.dtype}, weights {sorted(map(str, weight_dtypes))}, "
