@@ -41,12 +41,18 @@ VARIANTS = {
     "inductor-cg": ("inductor", {"mode": "reduce-overhead"}),
     "rubin-nopdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "off"}}),
     "rubin-pdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "on"}}),
-    "rubin-pdl-inductor-pdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "on",
-                                                      "inductor": {"triton.enable_pdl": True}}}),
-    "rubin-pdl-loc-default": ("rubin", {"options": {"cudagraphs": True, "pdl": "on", "locality": "default",
-                                                     "locality_max_tokens": 16}}),
-    "rubin-pdl-loc-backfill": ("rubin", {"options": {"cudagraphs": True, "pdl": "on", "locality": "backfill",
-                                                      "locality_max_tokens": 16}}),
+    "rubin-pdl-inductor-pdl": (
+        "rubin",
+        {"options": {"cudagraphs": True, "pdl": "on", "inductor": {"triton.enable_pdl": True}}},
+    ),
+    "rubin-pdl-loc-default": (
+        "rubin",
+        {"options": {"cudagraphs": True, "pdl": "on", "locality": "default", "locality_max_tokens": 16}},
+    ),
+    "rubin-pdl-loc-backfill": (
+        "rubin",
+        {"options": {"cudagraphs": True, "pdl": "on", "locality": "backfill", "locality_max_tokens": 16}},
+    ),
 }
 
 
@@ -54,10 +60,21 @@ def build_model(layers: int, vocab: int):
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, use_cache=False,
-        initializer_range=0.02, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=4096,
+        use_cache=False,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -97,8 +114,13 @@ def weight_bytes(cfg, T: int, routed: list[int] | None = None) -> dict:
     experts = distinct * 3 * H * I * 2
     per_layer = attn + router + experts
     head = cfg.vocab_size * H * 2 + H * 2 + T * H * 2  # LM head, final norm, embedding rows
-    return {"per_layer": per_layer, "experts_per_layer": experts, "distinct_experts": distinct,
-            "routing": "as routed" if routed else "uniform expectation", "total": L * per_layer + head}
+    return {
+        "per_layer": per_layer,
+        "experts_per_layer": experts,
+        "distinct_experts": distinct,
+        "routing": "as routed" if routed else "uniform expectation",
+        "total": L * per_layer + head,
+    }
 
 
 def time_call(fn: Callable, x) -> float:
@@ -144,7 +166,11 @@ def profile_step(fn: Callable, x, reps: int = 10) -> dict:
     per: dict[str, dict] = {}
     spans = []
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
+        if (
+            ev.device_type != torch.autograd.DeviceType.CUDA
+            or "memcpy" in ev.name.lower()
+            or "memset" in ev.name.lower()
+        ):
             continue
         cat = categorize(ev.name)
         d = per.setdefault(cat, {"us": 0.0, "kernels": 0})
@@ -154,11 +180,15 @@ def profile_step(fn: Callable, x, reps: int = 10) -> dict:
     spans.sort()
     gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] - a[1] < 1000]  # within one step
     moe_gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if "MoE" in b[2] and b[0] - a[1] < 1000]
-    return {"categories": dict(sorted(per.items(), key=lambda kv: -kv[1]["us"])),
-            "boundaries": len(gaps), "overlapped": sum(g < 0 for g in gaps),
-            "median_gap_us": statistics.median(gaps) if gaps else None,
-            "moe_boundaries": len(moe_gaps), "moe_overlapped": sum(g < 0 for g in moe_gaps),
-            "moe_median_gap_us": statistics.median(moe_gaps) if moe_gaps else None}
+    return {
+        "categories": dict(sorted(per.items(), key=lambda kv: -kv[1]["us"])),
+        "boundaries": len(gaps),
+        "overlapped": sum(g < 0 for g in gaps),
+        "median_gap_us": statistics.median(gaps) if gaps else None,
+        "moe_boundaries": len(moe_gaps),
+        "moe_overlapped": sum(g < 0 for g in moe_gaps),
+        "moe_median_gap_us": statistics.median(moe_gaps) if moe_gaps else None,
+    }
 
 
 def plan_summary(dump: str) -> str:
@@ -172,8 +202,10 @@ def plan_summary(dump: str) -> str:
                 pdl += sum(d["decision"] == "pdl on" for d in p["decisions"] if d["canonical_op"] == "rubin.moe")
             if p["name"] == "place_locality":
                 placed += [d["decision"] for d in p["decisions"] if d["decision"].startswith("split_n")]
-    return (f"rubin.moe nodes: {len(kernels)} ({', '.join(sorted(set(kernels)))}), {pdl} with PDL, "
-            f"{len(placed)} split-N {sorted(set(placed))}")
+    return (
+        f"rubin.moe nodes: {len(kernels)} ({', '.join(sorted(set(kernels)))}), {pdl} with PDL, "
+        f"{len(placed)} split-N {sorted(set(placed))}"
+    )
 
 
 def main() -> None:
@@ -199,7 +231,9 @@ def main() -> None:
     from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
 
     bw = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; torch {torch.__version__}", flush=True)
+    print(
+        f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; torch {torch.__version__}", flush=True
+    )
     inputs = {T: torch.randint(0, cfg.vocab_size, (1, T), device="cuda") for T in Ts}
     routed = {T: routed_experts(model, inputs[T]) for T in Ts}
     print("distinct experts routed per layer: " + "; ".join(f"T={T}: {r}" for T, r in routed.items()), flush=True)
@@ -231,9 +265,13 @@ def main() -> None:
                 errs.append((got - ref[T]).abs().max().item() / scale)
             torch.cuda.synchronize()
             compile_s[name] = time.perf_counter() - t0
-            fns[name] = (lambda x, fn=fn: fn(x))
-            print(f"  {name}: ready in {compile_s[name]:.0f} s; max |logits - eager| / scale per T: "
-                  + ", ".join(f"{e:.1e}" for e in errs) + (f"; {plan_summary(dump)}" if dump else ""), flush=True)
+            fns[name] = lambda x, fn=fn: fn(x)
+            print(
+                f"  {name}: ready in {compile_s[name]:.0f} s; max |logits - eager| / scale per T: "
+                + ", ".join(f"{e:.1e}" for e in errs)
+                + (f"; {plan_summary(dump)}" if dump else ""),
+                flush=True,
+            )
         times: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
             for T in Ts:
@@ -258,48 +296,85 @@ def main() -> None:
         base = statistics.median(times[("inductor-cg", T)]) if ("inductor-cg", T) in times else None
         for name in names:
             med = statistics.median(times[(name, T)])
-            rows.append({"T": T, "variant": name, "us": med, "floor_us": floor, "x_floor": med / floor,
-                         "speedup_vs_inductor_cg": (base / med) if base else None,
-                         "distinct_experts_per_layer": wb["distinct_experts"], "weight_MB": wb["total"] / 1e6})
-    lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s; "
-             f"{args.layers} Qwen3-30B-A3B MoE layers, vocab {args.vocab}, bf16, forward of T tokens, no KV cache; "
-             f"median of {args.rounds} x {args.iters} calls",
-             "", "| T | variant | us / step | x floor | speed-up vs inductor + CUDA graphs | floor us (weights MB) |",
-             "|---|---|---|---|---|---|"]
+            rows.append(
+                {
+                    "T": T,
+                    "variant": name,
+                    "us": med,
+                    "floor_us": floor,
+                    "x_floor": med / floor,
+                    "speedup_vs_inductor_cg": (base / med) if base else None,
+                    "distinct_experts_per_layer": wb["distinct_experts"],
+                    "weight_MB": wb["total"] / 1e6,
+                }
+            )
+    lines = [
+        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s; "
+        f"{args.layers} Qwen3-30B-A3B MoE layers, vocab {args.vocab}, bf16, forward of T tokens, no KV cache; "
+        f"median of {args.rounds} x {args.iters} calls",
+        "",
+        "| T | variant | us / step | x floor | speed-up vs inductor + CUDA graphs | floor us (weights MB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         sp = f"{r['speedup_vs_inductor_cg']:.2f}x" if r["speedup_vs_inductor_cg"] else "-"
-        lines.append(f"| {r['T']} | {r['variant']} | {r['us']:.0f} | {r['x_floor']:.2f} | {sp} | "
-                     f"{r['floor_us']:.0f} ({r['weight_MB']:.0f}) |")
+        lines.append(
+            f"| {r['T']} | {r['variant']} | {r['us']:.0f} | {r['x_floor']:.2f} | {sp} | "
+            f"{r['floor_us']:.0f} ({r['weight_MB']:.0f}) |"
+        )
     pdl_rows = []
     for T in Ts:
         if ("rubin-pdl", T) in times and ("rubin-nopdl", T) in times:
             saved = statistics.median(times[("rubin-nopdl", T)]) - statistics.median(times[("rubin-pdl", T)])
             pdl_rows.append(f"| {T} | {saved:.1f} |")
     if pdl_rows:
-        lines += ["", "PDL: us saved per step (rubin without PDL - rubin with PDL)", "", "| T | us saved |",
-                  "|---|---|", *pdl_rows]
+        lines += [
+            "",
+            "PDL: us saved per step (rubin without PDL - rubin with PDL)",
+            "",
+            "| T | us saved |",
+            "|---|---|",
+            *pdl_rows,
+        ]
     for key, prof in profiles.items():
-        lines += ["", f"Per-kernel breakdown, {prof['variant']}, {key if isinstance(key, str) else f'T={key}'} "
-                  "(torch.profiler, device time per step):", "",
-                  "| kernels of | us | kernels |", "|---|---|---|"]
+        lines += [
+            "",
+            f"Per-kernel breakdown, {prof['variant']}, {key if isinstance(key, str) else f'T={key}'} "
+            "(torch.profiler, device time per step):",
+            "",
+            "| kernels of | us | kernels |",
+            "|---|---|---|",
+        ]
         for cat, d in prof["categories"].items():
             lines.append(f"| {cat} | {d['us']:.1f} | {d['kernels']:.0f} |")
         gap = prof["median_gap_us"]
         mgap = prof["moe_median_gap_us"]
-        lines.append(f"\nkernel boundaries: {prof['boundaries'] // 10} per step, {prof['overlapped'] / 10:.0f} overlapped "
-                     f"(next kernel started before the previous ended), median gap "
-                     f"{gap if gap is None else round(gap, 2)} us; into MoE kernels: {prof['moe_overlapped'] / 10:.0f} of "
-                     f"{prof['moe_boundaries'] / 10:.0f} overlapped, median gap {mgap if mgap is None else round(mgap, 2)} us")
+        lines.append(
+            f"\nkernel boundaries: {prof['boundaries'] // 10} per step, {prof['overlapped'] / 10:.0f} overlapped "
+            f"(next kernel started before the previous ended), median gap "
+            f"{gap if gap is None else round(gap, 2)} us; into MoE kernels: {prof['moe_overlapped'] / 10:.0f} of "
+            f"{prof['moe_boundaries'] / 10:.0f} overlapped, median gap {mgap if mgap is None else round(mgap, 2)} us"
+        )
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode-step-h200.md").write_text(text + "\n")
-        (out / "decode-step-h200.json").write_text(json.dumps(
-            {"bandwidth_GBps": bw, "rows": rows, "compile_s": compile_s, "profiles": {str(k): v for k, v in profiles.items()},
-             "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-             "env": {k: v for k, v in os.environ.items() if k.startswith(("RUBIN_", "TORCHINDUCTOR_"))}}, indent=1))
+        (out / "decode-step-h200.json").write_text(
+            json.dumps(
+                {
+                    "bandwidth_GBps": bw,
+                    "rows": rows,
+                    "compile_s": compile_s,
+                    "profiles": {str(k): v for k, v in profiles.items()},
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(),
+                    "env": {k: v for k, v in os.environ.items() if k.startswith(("RUBIN_", "TORCHINDUCTOR_"))},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import argparse
 
 # MiniMax-M2-like experts (E=256, k=8, H=3072, I=1536; rubin_compile/kernels/triton/tune_moe.py SHAPES),
 # sharded as the announcement's runs were: TP shards I, EP shards E.
-SHARDS = {"TP2": dict(E=256, I=768), "TP4": dict(E=256, I=384), "EP2": dict(E=128, I=1536),
-          "EP4": dict(E=64, I=1536)}
+SHARDS = {"TP2": dict(E=256, I=768), "TP4": dict(E=256, I=384), "EP2": dict(E=128, I=1536), "EP4": dict(E=64, I=1536)}
 H, K_TOP = 3072, 8
 
 
@@ -51,15 +50,19 @@ def main() -> None:
     B = args.hbm_tbps * 1e12
     c, j = args.c_us * 1e-6, args.j_us * 1e-6
     Ts = [int(t) for t in args.tokens.split(",")]
-    print(f"r={args.r}, HBM {args.hbm_tbps} TB/s, c={args.c_us} us, j={args.j_us} us, "
-          f"{args.bytes_per_weight} bytes per weight")
+    print(
+        f"r={args.r}, HBM {args.hbm_tbps} TB/s, c={args.c_us} us, j={args.j_us} us, "
+        f"{args.bytes_per_weight} bytes per weight"
+    )
     print("| shard | T | expert MB | W/B us | predicted gain | r for 1.2x |")
     print("|---|---|---|---|---|---|")
     for name, s in SHARDS.items():
         for T in Ts:
             W = expert_bytes(s["E"], s["I"], T, args.bytes_per_weight)
-            print(f"| {name} | {T} | {W / 1e6:.0f} | {W / B * 1e6:.1f} | {gain(W, B, args.r, c, j):.2f} | "
-                  f"{r_for(1.2, W, B, c, j):.2f} |")
+            print(
+                f"| {name} | {T} | {W / 1e6:.0f} | {W / B * 1e6:.1f} | {gain(W, B, args.r, c, j):.2f} | "
+                f"{r_for(1.2, W, B, c, j):.2f} |"
+            )
 
 
 if __name__ == "__main__":

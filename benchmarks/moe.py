@@ -57,7 +57,8 @@ def grouped_mm_moe(x, w13t, w2t, tw, ids):
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     tok = order // k
     h = torch._grouped_mm(x.index_select(0, tok), w13t, offs=offs)
@@ -95,14 +96,35 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                 nbytes = distinct.item() / (reps * CALLS) * eb
                 return statistics.median(ts), nbytes
 
-            cfg, src = tmoe.lookup_config(T, E, H, I, k, weights[0]["w13"].dtype, block,
-                                          torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count)
+            cfg, src = tmoe.lookup_config(
+                T,
+                E,
+                H,
+                I,
+                k,
+                weights[0]["w13"].dtype,
+                block,
+                torch.cuda.get_device_name(),
+                torch.cuda.get_device_properties(0).multi_processor_count,
+            )
             row = dict(shape=name, E=E, k=k, H=H, I=I, T=T, wfmt=wf, config=cfg.to_json(), config_source=src, us={})
 
             def ours(i, pdl=True):
                 w = weights[i % COPIES]
-                return tmoe.fused_moe(xs[i], w["w13"], w["w2"], routes[i][0], routes[i][1], "silu", None, None,
-                                      w.get("w13_scale"), w.get("w2_scale"), block, pdl=pdl)
+                return tmoe.fused_moe(
+                    xs[i],
+                    w["w13"],
+                    w["w2"],
+                    routes[i][0],
+                    routes[i][1],
+                    "silu",
+                    None,
+                    None,
+                    w.get("w13_scale"),
+                    w.get("w2_scale"),
+                    block,
+                    pdl=pdl,
+                )
 
             t, nbytes = timed(ours, "triton")
             row["us"]["triton"] = t
@@ -115,8 +137,11 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                 if "grouped_mm" in baselines:
                     try:
                         row["us"]["grouped_mm"] = timed(
-                            lambda i: grouped_mm_moe(xs[i], w13t[i % COPIES], w2t[i % COPIES], routes[i][0], routes[i][1]),
-                            "grouped_mm")[0]
+                            lambda i: grouped_mm_moe(
+                                xs[i], w13t[i % COPIES], w2t[i % COPIES], routes[i][0], routes[i][1]
+                            ),
+                            "grouped_mm",
+                        )[0]
                     except Exception as exc:
                         row.setdefault("errors", {})["grouped_mm"] = f"{type(exc).__name__}: {exc}"[:200]
                 if "inductor" in baselines and T in inductor_tokens:
@@ -128,21 +153,38 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                         row["inductor_first_call_s"] = round(time.time() - t0, 1)
                         row["us"]["inductor"] = timed(
                             lambda i: compiled(xs[i], w13t[i % COPIES], w2t[i % COPIES], routes[i][0], routes[i][1]),
-                            "inductor")[0]
+                            "inductor",
+                        )[0]
                     except Exception as exc:
                         row.setdefault("errors", {})["inductor"] = f"{type(exc).__name__}: {exc}"[:200]
             if "eager_loop" in baselines:
                 w = weights[0]
-                row["us"]["eager_loop"] = statistics.median(time_eager(
-                    lambda: moe_reference(xs[0], w["w13"], w["w2"], routes[0][0], routes[0][1], "silu", None, None,
-                                          w.get("w13_scale"), w.get("w2_scale"), block),
-                    reps=10 if T * k * E > 1 << 16 else 20))
+                row["us"]["eager_loop"] = statistics.median(
+                    time_eager(
+                        lambda: moe_reference(
+                            xs[0],
+                            w["w13"],
+                            w["w2"],
+                            routes[0][0],
+                            routes[0][1],
+                            "silu",
+                            None,
+                            None,
+                            w.get("w13_scale"),
+                            w.get("w2_scale"),
+                            block,
+                        ),
+                        reps=10 if T * k * E > 1 << 16 else 20,
+                    )
+                )
             row["pct_copy_bw"] = 100.0 * row["floor_us"] / row["us"]["triton"]
             row["gbs"] = nbytes / row["us"]["triton"] / 1e3
             rows.append(row)
             sp = " ".join(f"{b}={row['us'][b] / row['us']['triton']:.2f}x" for b in row["us"] if b != "triton")
-            log(f"{name:16s} {wf:9s} T={T:5d} ours {row['us']['triton']:9.1f} us floor {row['floor_us']:8.1f} us "
-                f"{row['pct_copy_bw']:5.1f}% of copy bw ({row['gbs']:6.0f} GB/s) | {sp} [{src}]")
+            log(
+                f"{name:16s} {wf:9s} T={T:5d} ours {row['us']['triton']:9.1f} us floor {row['floor_us']:8.1f} us "
+                f"{row['pct_copy_bw']:5.1f}% of copy bw ({row['gbs']:6.0f} GB/s) | {sp} [{src}]"
+            )
         weights = None  # free this shape's weights before the next
         torch.cuda.empty_cache()
     return rows
@@ -151,20 +193,26 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
 def write_outputs(result, out: Path, tag: str):
     out.mkdir(parents=True, exist_ok=True)
     (out / f"moe-h200{tag}.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Fused MoE on {result['device']} ({result['date']})", "",
-             f"Copy bandwidth measured in the run: {result['copy_gbs']:.0f} GB/s (read + write). "
-             f"torch {result['torch']}, Triton {result['triton']}. {result['method']}", "",
-             "| shape | w | T | ours us | floor us | % copy bw | GB/s | ours no-PDL | grouped_mm | inductor | eager loop |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Fused MoE on {result['device']} ({result['date']})",
+        "",
+        f"Copy bandwidth measured in the run: {result['copy_gbs']:.0f} GB/s (read + write). "
+        f"torch {result['torch']}, Triton {result['triton']}. {result['method']}",
+        "",
+        "| shape | w | T | ours us | floor us | % copy bw | GB/s | ours no-PDL | grouped_mm | inductor | eager loop |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
         u = r["us"]
 
         def cell(b):
             return f"{u[b]:.1f} ({u[b] / u['triton']:.2f}x)" if b in u else "-"
 
-        lines.append(f"| {r['shape']} | {r['wfmt']} | {r['T']} | {u['triton']:.1f} | {r['floor_us']:.1f} | "
-                     f"{r['pct_copy_bw']:.1f} | {r['gbs']:.0f} | {cell('triton_nopdl')} | {cell('grouped_mm')} | "
-                     f"{cell('inductor')} | {cell('eager_loop')} |")
+        lines.append(
+            f"| {r['shape']} | {r['wfmt']} | {r['T']} | {u['triton']:.1f} | {r['floor_us']:.1f} | "
+            f"{r['pct_copy_bw']:.1f} | {r['gbs']:.0f} | {cell('triton_nopdl')} | {cell('grouped_mm')} | "
+            f"{cell('inductor')} | {cell('eager_loop')} |"
+        )
     lines += ["", "Baseline cells: time in us (time / ours: >1 means ours is faster)."]
     (out / f"moe-h200{tag}.md").write_text("\n".join(lines) + "\n")
     try:
@@ -215,16 +263,23 @@ def main(argv=None):
 
     copy_gbs = copy_bandwidth_gbs()
     log(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
-    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                  triton=__import__("triton").__version__, copy_gbs=copy_gbs,
-                  method=f"CUDA-graph replays of {CALLS} calls on {COPIES} rotating weight copies, fresh random "
-                         f"routing before each replay, median of {args.reps}; eager_loop timed per call with events "
-                         f"(host-syncing reference), median of 10-20", rows=[])
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        copy_gbs=copy_gbs,
+        method=f"CUDA-graph replays of {CALLS} calls on {COPIES} rotating weight copies, fresh random "
+        f"routing before each replay, median of {args.reps}; eager_loop timed per call with events "
+        f"(host-syncing reference), median of 10-20",
+        rows=[],
+    )
     toks = [int(t) for t in args.tokens.split(",")]
     ind_toks = {int(t) for t in args.inductor_tokens.split(",")}
     for s in args.shapes.split(","):
-        result["rows"] += bench_shape(s, SHAPES[s], toks, args.formats.split(","), args.baselines.split(","),
-                                      args.reps, copy_gbs, log, ind_toks)
+        result["rows"] += bench_shape(
+            s, SHAPES[s], toks, args.formats.split(","), args.baselines.split(","), args.reps, copy_gbs, log, ind_toks
+        )
         write_outputs(result, Path(args.out), args.tag)
     log(f"wrote {args.out}/moe-h200{args.tag}.*")
 

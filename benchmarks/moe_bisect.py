@@ -9,6 +9,7 @@ calls on 4 rotating random weight copies (cold weights), timed by tune_moe.time_
 method), median per call, with PDL on. benchmarks/results/moe-regression-bisect-h200.log was made the same
 way with a local copy of that timing loop (median of replays 4-30, no separate warm-up).
 """
+
 import importlib.util
 import statistics
 import sys
@@ -31,8 +32,13 @@ def main() -> None:
     if not files:
         sys.exit(__doc__)
     g = torch.Generator(device="cuda").manual_seed(0)
-    weights = [((torch.randn((128, 1536, 2048), device="cuda", generator=g) / 45).bfloat16(),
-                (torch.randn((128, 2048, 768), device="cuda", generator=g) / 28).bfloat16()) for _ in range(4)]
+    weights = [
+        (
+            (torch.randn((128, 1536, 2048), device="cuda", generator=g) / 45).bfloat16(),
+            (torch.randn((128, 2048, 768), device="cuda", generator=g) / 28).bfloat16(),
+        )
+        for _ in range(4)
+    ]
     x = torch.randn((1, 2048), device="cuda", dtype=torch.bfloat16, generator=g)
     ids = [torch.randperm(128, device="cuda", generator=g)[:8].view(1, 8) for _ in range(8)]
     tw = torch.full((1, 8), 0.125, device="cuda")

@@ -34,10 +34,26 @@ def run(cases: str) -> None:
         w = make_weights(E, H, I, wfmt)
         x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
         tw, ids = make_routing(T, E, k)
-        cfg, src = moe.lookup_config(T, E, H, I, k, w["w13"].dtype, BLOCK if wfmt == "fp8_block" else None,
-                                     torch.cuda.get_device_name())
-        call = lambda: moe.fused_moe(x, w["w13"], w["w2"], tw, ids, "silu", None, None, w.get("w13_scale"),  # noqa: E731
-                                     w.get("w2_scale"), w.get("block_shape"), pdl=True)
+        cfg, src = moe.lookup_config(
+            T, E, H, I, k, w["w13"].dtype, BLOCK if wfmt == "fp8_block" else None, torch.cuda.get_device_name()
+        )
+
+        def call(x=x, w=w, tw=tw, ids=ids):
+            return moe.fused_moe(
+                x,
+                w["w13"],
+                w["w2"],
+                tw,
+                ids,
+                "silu",
+                None,
+                None,
+                w.get("w13_scale"),
+                w.get("w2_scale"),
+                w.get("block_shape"),
+                pdl=True,
+            )
+
         for _ in range(3):
             call()
         torch.cuda.synchronize()
@@ -58,7 +74,9 @@ def summarise(path: str) -> None:
     for r in rows:
         key = (r["ID"], r["Kernel Name"].split("(")[0][:28], r.get("Grid Size", ""))
         kernels.setdefault(key, {})[r["Metric Name"]] = (r["Metric Value"].replace(",", ""), r["Metric Unit"])
-    print(f"{'id':>4} {'kernel':28s} {'grid':>16s} {'us':>8s} {'MB read':>8s} {'GB/s':>7s} {'% dram':>7s} {'% warps':>7s}")
+    print(
+        f"{'id':>4} {'kernel':28s} {'grid':>16s} {'us':>8s} {'MB read':>8s} {'GB/s':>7s} {'% dram':>7s} {'% warps':>7s}"
+    )
     for (kid, name, grid), m in kernels.items():
         t, tu = m.get("gpu__time_duration.sum", ("0", "ns"))
         us = float(t) / (1000.0 if tu == "ns" else 1.0 if tu == "us" else 1e-3)
@@ -66,8 +84,10 @@ def summarise(path: str) -> None:
         mb = float(b) * {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(bu, 1e-6)
         pct = m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", ("0", ""))[0]
         warps = m.get("sm__warps_active.avg.pct_of_peak_sustained_active", ("0", ""))[0]
-        print(f"{kid:>4} {name:28s} {grid:>16s} {us:8.1f} {mb:8.1f} {mb / us * 1e3 if us else 0:7.0f} "
-              f"{float(pct):7.1f} {float(warps):7.1f}")
+        print(
+            f"{kid:>4} {name:28s} {grid:>16s} {us:8.1f} {mb:8.1f} {mb / us * 1e3 if us else 0:7.0f} "
+            f"{float(pct):7.1f} {float(warps):7.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ def setup_vllm():
 
     cfg = VllmConfig()
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='rubin-bench-pg-')}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='rubin-bench-pg-')}",
+        )
         initialize_model_parallel(1, 1)
     return cfg
 
@@ -48,8 +53,14 @@ def make_layer(cfg, E, k, H, I, dtype):
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
     with set_current_vllm_config(cfg):
-        layer = FusedMoEFactory(num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, params_dtype=dtype,
-                                prefix="model.layers.0.mlp.experts")
+        layer = FusedMoEFactory(
+            num_experts=E,
+            top_k=k,
+            hidden_size=H,
+            intermediate_size=I,
+            params_dtype=dtype,
+            prefix="model.layers.0.mlp.experts",
+        )
         experts = layer.routed_experts
         for p in experts.parameters():
             p.data.normal_(0, 0.02)
@@ -104,20 +115,34 @@ def main():
 
             row[mode] = round(median_ms(call, args.reps), 3)
         rows.append(row)
-        print(f"T={T:4d}  eager {row['eager']:8.2f} ms  inductor {row['inductor']:8.2f} ms  rubin {row['rubin']:8.2f} ms",
-              flush=True)
-    result = {"shape": dict(E=E, k=k, H=H, I=I, dtype="bfloat16"), "rows": rows, "torch": torch.__version__,
-              "vllm": __import__("vllm").__version__, "cpu": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "method": f"median of {args.reps} calls after 2 warm-up calls"}
+        print(
+            f"T={T:4d}  eager {row['eager']:8.2f} ms  inductor {row['inductor']:8.2f} ms  rubin {row['rubin']:8.2f} ms",
+            flush=True,
+        )
+    result = {
+        "shape": dict(E=E, k=k, H=H, I=I, dtype="bfloat16"),
+        "rows": rows,
+        "torch": torch.__version__,
+        "vllm": __import__("vllm").__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "method": f"median of {args.reps} calls after 2 warm-up calls",
+    }
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "vllm-cpu-moe.json").write_text(json.dumps(result, indent=1) + "\n")
-        lines = [f"# vLLM CPU MoE layer, E={E} k={k} H={H} I={I} bf16 ({result['threads']} threads, "
-                 f"torch {result['torch']}, vllm {result['vllm']})", "",
-                 "| T | eager vLLM ms | Inductor ms | Inductor + rubin ms | rubin / Inductor |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['T']} | {r['eager']:.2f} | {r['inductor']:.2f} | {r['rubin']:.2f} | {r['rubin'] / r['inductor']:.2f} |"
-                  for r in rows]
+        lines = [
+            f"# vLLM CPU MoE layer, E={E} k={k} H={H} I={I} bf16 ({result['threads']} threads, "
+            f"torch {result['torch']}, vllm {result['vllm']})",
+            "",
+            "| T | eager vLLM ms | Inductor ms | Inductor + rubin ms | rubin / Inductor |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['T']} | {r['eager']:.2f} | {r['inductor']:.2f} | {r['rubin']:.2f} | {r['rubin'] / r['inductor']:.2f} |"
+            for r in rows
+        ]
         (out / "vllm-cpu-moe.md").write_text("\n".join(lines) + "\n")
 
 

@@ -33,9 +33,19 @@ def save_tiny_qwen3_moe(folder: str) -> None:
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
     )
     config.architectures = ["Qwen3MoeForCausalLM"]
     Qwen3MoeForCausalLM(config).save_pretrained(folder, safe_serialization=True)
@@ -59,15 +69,21 @@ def main() -> int:
         from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
         moe_runner.MoERunner._select_forward = lambda self: (
-            torch.ops.vllm.moe_forward if self._shared_experts is None else torch.ops.vllm.moe_forward_shared)
+            torch.ops.vllm.moe_forward if self._shared_experts is None else torch.ops.vllm.moe_forward_shared
+        )
 
     llm = LLM(
-        model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=4,
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
         compilation_config={"inductor_passes": {"post_grad_custom_post_pass": "rubin_compile.vllm_pass"}},
     )
     prompts = [[11, 42, 7, 300, 5], [99, 1, 250]]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
+    )
     for prompt, out in zip(prompts, outputs):
         print(f"prompt {prompt} -> greedy tokens {list(out.outputs[0].token_ids)}")
 

@@ -16,7 +16,6 @@ from rubin_compile.ops.registry import KernelUnavailableError
 from rubin_compile.options import RubinOptions, RubinOptionsError
 from rubin_compile.passes.base import RubinStrictError
 
-__all__ = ["backend", "RubinOptions", "vllm_pass", "KernelUnavailableError", "RubinOptionsError",
-           "RubinStrictError"]
+__all__ = ["backend", "RubinOptions", "vllm_pass", "KernelUnavailableError", "RubinOptionsError", "RubinStrictError"]
 
 _register()

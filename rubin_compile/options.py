@@ -124,9 +124,7 @@ class RubinOptions:
             if not key.startswith("RUBIN_"):
                 continue
             if key not in known:
-                raise RubinOptionsError(
-                    f"unknown environment variable {key}; the rubin backend reads {sorted(known)}"
-                )
+                raise RubinOptionsError(f"unknown environment variable {key}; the rubin backend reads {sorted(known)}")
             out[known[key]] = value
         return out
 
@@ -154,7 +152,17 @@ def _convert(name: str, value: Any) -> Any:
     if name in ("strict", "cudagraphs"):
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+        if isinstance(value, str) and value.strip().lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+            "",
+        ):
             return value.strip().lower() in ("1", "true", "yes", "on")
         raise RubinOptionsError(f"option {name} must be a bool (or 0/1 in RUBIN_{name.upper()}), got {value!r}")
     if name in CHOICES:
@@ -178,7 +186,11 @@ def _convert(name: str, value: Any) -> Any:
             number = int(value)
         except (TypeError, ValueError):
             number = 0
-        if number < (2 if name == "domains" else 1) or isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        if (
+            number < (2 if name == "domains" else 1)
+            or isinstance(value, bool)
+            or (isinstance(value, float) and not value.is_integer())
+        ):
             least = 2 if name == "domains" else 1
             raise RubinOptionsError(f"option {name} must be an integer >= {least}, got {value!r}")
         return number

@@ -146,18 +146,33 @@ TARGETS: dict[str, Target] = {
         # The vLLM-on-Rubin announcement: 212 SMs in two locality domains; strict mode uses
         # 200 of them (100 + 100), backfill 106 + 106.
         Target(
-            "sm107", "Rubin", (10, 7), 212,
-            locality_domains=LocalityDomains(strict=(100, 100), backfill=(106, 106)), **_BLACKWELL,
+            "sm107",
+            "Rubin",
+            (10, 7),
+            212,
+            locality_domains=LocalityDomains(strict=(100, 100), backfill=(106, 106)),
+            **_BLACKWELL,
         ),
     )
 }
 
 # Other spellings people use for the named targets.
 ALIASES: dict[str, str] = {
-    "sm_90": "sm90", "sm90a": "sm90", "h100": "sm90", "h200": "sm90", "hopper": "sm90",
-    "sm_100": "sm100", "sm100a": "sm100", "b200": "sm100", "blackwell": "sm100",
-    "sm_103": "sm103", "sm103a": "sm103", "b300": "sm103",
-    "sm_107": "sm107", "sm107a": "sm107", "rubin": "sm107",
+    "sm_90": "sm90",
+    "sm90a": "sm90",
+    "h100": "sm90",
+    "h200": "sm90",
+    "hopper": "sm90",
+    "sm_100": "sm100",
+    "sm100a": "sm100",
+    "b200": "sm100",
+    "blackwell": "sm100",
+    "sm_103": "sm103",
+    "sm103a": "sm103",
+    "b300": "sm103",
+    "sm_107": "sm107",
+    "sm107a": "sm107",
+    "rubin": "sm107",
     "none": "cpu",
 }
 
@@ -200,8 +215,16 @@ def detect(device_index: int = 0) -> Target:
     base = TARGETS.get(name)
     if base is None:
         # sm_110 is Blackwell-family (tcgen05); sm_12x has FP4 tensor cores but no tcgen05.
-        family = (_BLACKWELL if props.major in (10, 11) else dict(_HOPPER, nvfp4=True, mxfp4=True)
-                  if props.major >= 12 else _HOPPER if props.major == 9 else {})
+        family = (
+            _BLACKWELL
+            if props.major in (10, 11)
+            else dict(_HOPPER, nvfp4=True, mxfp4=True)
+            if props.major >= 12
+            else _HOPPER
+            if props.major == 9
+            else {}
+        )
         base = Target(name, props.name, cc, props.multi_processor_count, **family)
-    return dataclasses.replace(base, description=f"{props.name} ({base.description})",
-                               sm_count=props.multi_processor_count)
+    return dataclasses.replace(
+        base, description=f"{props.name} ({base.description})", sm_count=props.multi_processor_count
+    )

@@ -94,8 +94,9 @@ def _cpu_rowwise_scaled_mm() -> bool:
     return True
 
 
-ROWWISE_SKIP = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
-                                  reason=f"torch {torch.__version__}'s CPU _scaled_mm has no row-wise scales")
+ROWWISE_SKIP = pytest.mark.skipif(
+    not _cpu_rowwise_scaled_mm(), reason=f"torch {torch.__version__}'s CPU _scaled_mm has no row-wise scales"
+)
 
 
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -111,4 +112,5 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
     per_token = ((got.float() - want.float()).abs().amax(-1) / scale).flatten()
     ok = (per_token <= 3e-2).float().mean().item()
     assert ok >= 0.75 and per_token.median().item() <= 1.5e-2, (
-        f"{ok:.0%} of tokens within 3e-2 of scale {scale:.3g}; per-token errors {per_token.tolist()}")
+        f"{ok:.0%} of tokens within 3e-2 of scale {scale:.3g}; per-token errors {per_token.tolist()}"
+    )

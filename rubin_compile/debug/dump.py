@@ -1,10 +1,10 @@
 """Graph dumps: one folder per compiled graph under the dump directory (docs/architecture.md, "Dumps")::
 
-    DIR/<graph-id>/00-input.py        the graph as received
-    DIR/<graph-id>/NN-<pass>.py       after each pass that changed something
-    DIR/<graph-id>/NN-<pass>.diff     unified diff against the previous stage
-    DIR/<graph-id>/report.json        machine-readable report
-    DIR/<graph-id>/report.md          the same for people
+DIR/<graph-id>/00-input.py        the graph as received
+DIR/<graph-id>/NN-<pass>.py       after each pass that changed something
+DIR/<graph-id>/NN-<pass>.diff     unified diff against the previous stage
+DIR/<graph-id>/report.json        machine-readable report
+DIR/<graph-id>/report.md          the same for people
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ class GraphDump:
         (self.path / f"{stem}.py").write_text(code)
         if previous is not None:
             diff = difflib.unified_diff(
-                previous.splitlines(keepends=True), code.splitlines(keepends=True),
-                fromfile="before", tofile=f"after {name}",
+                previous.splitlines(keepends=True),
+                code.splitlines(keepends=True),
+                fromfile="before",
+                tofile=f"after {name}",
             )
             (self.path / f"{stem}.diff").write_text("".join(diff))
 

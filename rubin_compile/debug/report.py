@@ -41,10 +41,18 @@ def _plan_tables(plans: list[dict[str, Any]]) -> list[str]:
     """select_kernels: the kernel per node, then every rejected candidate with its reason."""
     lines = _table(
         ["node", "canonical op", "spec", "kernel", "runs", "also supported", "forced"],
-        [[p["node"], p["canonical_op"], _spec(p["spec"]), f"{p['kernel']} ({p['target']})", (p["entry"] or "-") + ("; lowered to ATen" if p.get("lowered") else ""),
-          ", ".join(p.get("outranked", [])) or "-",
-          "-" if p.get("forced") is None else p["forced"] + (" (rejected)" if p.get("forced_reason") else "")]
-         for p in plans],
+        [
+            [
+                p["node"],
+                p["canonical_op"],
+                _spec(p["spec"]),
+                f"{p['kernel']} ({p['target']})",
+                (p["entry"] or "-") + ("; lowered to ATen" if p.get("lowered") else ""),
+                ", ".join(p.get("outranked", [])) or "-",
+                "-" if p.get("forced") is None else p["forced"] + (" (rejected)" if p.get("forced_reason") else ""),
+            ]
+            for p in plans
+        ],
     )
     rejected = [[p["node"], r["kernel"], r["reason"]] for p in plans for r in p["rejected"]]
     if rejected:
@@ -77,8 +85,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         if p["rewrites"]:
             lines += _table(
                 ["node", "canonical op", "source idiom", "replaced", "details"],
-                [[r["node"], r["canonical_op"], r["source_idiom"], _nodes(r["replaced"]), r["details"]]
-                 for r in p["rewrites"]],
+                [
+                    [r["node"], r["canonical_op"], r["source_idiom"], _nodes(r["replaced"]), r["details"]]
+                    for r in p["rewrites"]
+                ],
             )
             lines.append("")
         if p.get("plans"):
@@ -86,8 +96,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         if p.get("decisions"):
             lines += _table(
                 ["node", "canonical op", "decision", "why", "details"],
-                [[d["node"], d["canonical_op"], d["decision"], d["reason"], d.get("details") or "-"]
-                 for d in p["decisions"]],
+                [
+                    [d["node"], d["canonical_op"], d["decision"], d["reason"], d.get("details") or "-"]
+                    for d in p["decisions"]
+                ],
             )
             lines.append("")
         if p["unchanged"]:

@@ -110,8 +110,10 @@ def check_target(entry: EntryPoint, target: Target) -> Optional[str]:
     except Exception as exc:  # e.g. a FlashInfer that fails to import here
         return f"could not read FlashInfer's declaration of {entry.describe()}: {type(exc).__name__}: {exc}"
     if ccs is not None and target.cc not in ccs:
-        return (f"FlashInfer runs {entry.describe()} on cc {sorted(ccs)} only, not on {target.name} "
-                f"(cc {target.cc}) [{entry.source}]")
+        return (
+            f"FlashInfer runs {entry.describe()} on cc {sorted(ccs)} only, not on {target.name} "
+            f"(cc {target.cc}) [{entry.source}]"
+        )
     return None
 
 
@@ -133,6 +135,7 @@ def _acts(*dtypes: str) -> Callable[[Target, KernelSpec], Optional[str]]:
         if spec.act_dtype not in dtypes:
             return f"activations in {spec.act_dtype} are not supported ({', '.join(dtypes)})"
         return None
+
     return rule
 
 
@@ -143,6 +146,7 @@ def _all(*rules: Callable) -> Callable[[Target, KernelSpec], Optional[str]]:
             if reason:
                 return reason
         return None
+
     return rule
 
 
@@ -153,6 +157,7 @@ def _divisible(**sizes: int) -> Callable[[Target, KernelSpec], Optional[str]]:
             if value is not None and value % multiple:
                 return f"shape limit: {name}={value} must be a multiple of {multiple}"
         return None
+
     return rule
 
 
@@ -161,12 +166,14 @@ def _block(shape: tuple[int, int]) -> Callable[[Target, KernelSpec], Optional[st
         if spec.block_shape is not None and tuple(spec.block_shape) != shape:
             return f"shape limit: FP8 block scales must be {shape[0]}x{shape[1]}, got {list(spec.block_shape)}"
         return None
+
     return rule
 
 
 def _feature(name: str, what: str) -> Callable[[Target, KernelSpec], Optional[str]]:
     def rule(target: Target, spec: KernelSpec) -> Optional[str]:
         return None if getattr(target, name) else f"{target.name} has no {what}"
+
     return rule
 
 
@@ -180,8 +187,10 @@ def _silu_only(target: Target, spec: KernelSpec) -> Optional[str]:
 
 def _fa3_fp8(target: Target, spec: KernelSpec) -> Optional[str]:
     if spec.quant != "none" and not spec.act_dtype.startswith("float8"):
-        return ("FA3 with an FP8 KV cache needs an FP8 query (flashinfer/utils.py:is_fa3_backend_supported); "
-                f"the query is {spec.act_dtype}")
+        return (
+            "FA3 with an FP8 KV cache needs an FP8 query (flashinfer/utils.py:is_fa3_backend_supported); "
+            f"the query is {spec.act_dtype}"
+        )
     return None
 
 
@@ -210,58 +219,116 @@ _trtllm_shape = _divisible(I=128, E=4)
 
 def _cutlass_moe(quant: str, ccs: frozenset[int], source: str, *extra: Callable) -> EntryPoint:
     size = _cutlass_align[quant]
-    return EntryPoint(("flashinfer.fused_moe.cutlass_fused_moe",), None, ccs, source,
-                      rule=_all(_silu_only, _divisible(H=size, I=size), *extra))
+    return EntryPoint(
+        ("flashinfer.fused_moe.cutlass_fused_moe",),
+        None,
+        ccs,
+        source,
+        rule=_all(_silu_only, _divisible(H=size, I=size), *extra),
+    )
 
 
 MOE: dict[str, dict[str, EntryPoint]] = {
     "flashinfer_cutlass": {
         # Binding: CutlassMoeFCRunner<half, half> / <bf16, bf16>; FP32 has no runner.
-        "none": _cutlass_moe("none", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (fp16/bf16 runners)",
-                             _acts("bfloat16", "float16")),
-        "fp8_tensor": _cutlass_moe("fp8_tensor", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (isFp8Quant)",
-                                   _acts("bfloat16", "float16")),
+        "none": _cutlass_moe(
+            "none", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (fp16/bf16 runners)", _acts("bfloat16", "float16")
+        ),
+        "fp8_tensor": _cutlass_moe(
+            "fp8_tensor", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (isFp8Quant)", _acts("bfloat16", "float16")
+        ),
         # cutlass_fused_moe: use_deepseek_fp8_block_scale raises "FP8 block scaling not yet implemented
         # for Blackwell" unless the device arch is "90".
-        "fp8_block": _cutlass_moe("fp8_block", frozenset({90}),
-                                  "flashinfer/fused_moe/core.py:cutlass_fused_moe (use_deepseek_fp8_block_scale: sm_90 only)",
-                                  _acts("bfloat16", "float16"), _block((128, 128))),
+        "fp8_block": _cutlass_moe(
+            "fp8_block",
+            frozenset({90}),
+            "flashinfer/fused_moe/core.py:cutlass_fused_moe (use_deepseek_fp8_block_scale: sm_90 only)",
+            _acts("bfloat16", "float16"),
+            _block((128, 128)),
+        ),
         # isNvfp4Quant: FP4 x FP4 grouped GEMM, which needs FP4 tensor cores (not on sm_90).
-        "nvfp4": _cutlass_moe("nvfp4", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (isNvfp4Quant)",
-                              _feature("nvfp4", "NVFP4 tensor cores")),
+        "nvfp4": _cutlass_moe(
+            "nvfp4",
+            CUTLASS_MOE_CCS,
+            f"{_CUTLASS_MOE_SRC}; {_BINDING} (isNvfp4Quant)",
+            _feature("nvfp4", "NVFP4 tensor cores"),
+        ),
         # sm_90: isWFP4A16Quant ("SM90 MXFP4 W4A16 supports BF16 activations only"); sm_100+: MXFP4 x MXFP8
         # (isWMxfp4AMxfp8Quant, "sm >= 100").
-        "mxfp4": _cutlass_moe("mxfp4", CUTLASS_MOE_CCS, f"{_CUTLASS_MOE_SRC}; {_BINDING} (isWFP4A16Quant on sm_90, isWMxfp4AMxfp8Quant on sm >= 100)",
-                              _acts("bfloat16")),
+        "mxfp4": _cutlass_moe(
+            "mxfp4",
+            CUTLASS_MOE_CCS,
+            f"{_CUTLASS_MOE_SRC}; {_BINDING} (isWFP4A16Quant on sm_90, isWMxfp4AMxfp8Quant on sm >= 100)",
+            _acts("bfloat16"),
+        ),
     },
     "flashinfer_trtllm": {
         # is_trtllm_moe_supported: Bfloat16 weights need Bfloat16 activations.
-        "none": EntryPoint(("flashinfer.fused_moe.trtllm_bf16_moe",), None, TRTLLM_MOE_CCS, _TRTLLM_MOE_SRC,
-                           rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape)),
-        "fp8_tensor": EntryPoint(("flashinfer.fused_moe.trtllm_fp8_per_tensor_scale_moe",), None, TRTLLM_MOE_CCS,
-                                 _TRTLLM_MOE_SRC, rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape)),
-        "fp8_block": EntryPoint(("flashinfer.fused_moe.trtllm_fp8_block_scale_moe",), None, TRTLLM_MOE_CCS,
-                                _TRTLLM_MOE_SRC,
-                                rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape, _block((128, 128)))),
-        "nvfp4": EntryPoint(("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",), None, TRTLLM_MOE_CCS,
-                            _TRTLLM_MOE_SRC, rule=_all(_silu_only, _trtllm_shape)),
+        "none": EntryPoint(
+            ("flashinfer.fused_moe.trtllm_bf16_moe",),
+            None,
+            TRTLLM_MOE_CCS,
+            _TRTLLM_MOE_SRC,
+            rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape),
+        ),
+        "fp8_tensor": EntryPoint(
+            ("flashinfer.fused_moe.trtllm_fp8_per_tensor_scale_moe",),
+            None,
+            TRTLLM_MOE_CCS,
+            _TRTLLM_MOE_SRC,
+            rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape),
+        ),
+        "fp8_block": EntryPoint(
+            ("flashinfer.fused_moe.trtllm_fp8_block_scale_moe",),
+            None,
+            TRTLLM_MOE_CCS,
+            _TRTLLM_MOE_SRC,
+            rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape, _block((128, 128))),
+        ),
+        "nvfp4": EntryPoint(
+            ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",),
+            None,
+            TRTLLM_MOE_CCS,
+            _TRTLLM_MOE_SRC,
+            rule=_all(_silu_only, _trtllm_shape),
+        ),
         # MxE2m1 weights take MxE2m1, MxE4m3 or Bfloat16 activations.
-        "mxfp4": EntryPoint(("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",), None, TRTLLM_MOE_CCS,
-                            _TRTLLM_MOE_SRC, rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape)),
+        "mxfp4": EntryPoint(
+            ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",),
+            None,
+            TRTLLM_MOE_CCS,
+            _TRTLLM_MOE_SRC,
+            rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape),
+        ),
     },
     "flashinfer_cutedsl": {
         # @supported_compute_capability([90]) (fused_moe/cute_dsl/sm90_fused_moe.py)
-        "none": EntryPoint(("flashinfer.fused_moe.cute_dsl_fused_moe_bf16",), None, "declared",
-                           "flashinfer/fused_moe/cute_dsl/sm90_fused_moe.py:cute_dsl_fused_moe_bf16",
-                           ("flashinfer", "cutlass"), _all(_silu_only, _acts("bfloat16"))),
+        "none": EntryPoint(
+            ("flashinfer.fused_moe.cute_dsl_fused_moe_bf16",),
+            None,
+            "declared",
+            "flashinfer/fused_moe/cute_dsl/sm90_fused_moe.py:cute_dsl_fused_moe_bf16",
+            ("flashinfer", "cutlass"),
+            _all(_silu_only, _acts("bfloat16")),
+        ),
         # @supported_compute_capability([100, 103, 107]), quant_mode="w4a4"
-        "nvfp4": EntryPoint(("flashinfer.fused_moe.cute_dsl_fused_moe",), None, "declared",
-                            "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe",
-                            ("flashinfer", "cutlass"), _silu_only),
+        "nvfp4": EntryPoint(
+            ("flashinfer.fused_moe.cute_dsl_fused_moe",),
+            None,
+            "declared",
+            "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe",
+            ("flashinfer", "cutlass"),
+            _silu_only,
+        ),
         # @supported_compute_capability([100, 103])
-        "mxfp4": EntryPoint(("flashinfer.fused_moe.cute_dsl_fused_moe_mxfp8_mxfp4",), None, "declared",
-                            "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe_mxfp8_mxfp4",
-                            ("flashinfer", "cutlass"), _silu_only),
+        "mxfp4": EntryPoint(
+            ("flashinfer.fused_moe.cute_dsl_fused_moe_mxfp8_mxfp4",),
+            None,
+            "declared",
+            "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe_mxfp8_mxfp4",
+            ("flashinfer", "cutlass"),
+            _silu_only,
+        ),
     },
 }
 
@@ -273,16 +340,23 @@ _GEMM_SRC = "flashinfer/gemm/gemm_base.py"
 
 
 def _gemm(function: str, backend: str, checker: str, *rules: Callable, needs=("flashinfer",)) -> EntryPoint:
-    return EntryPoint((f"flashinfer.gemm.{function}",), backend, "declared", f"{_GEMM_SRC}:{checker}",
-                      needs, _all(*rules) if rules else None)
+    return EntryPoint(
+        (f"flashinfer.gemm.{function}",),
+        backend,
+        "declared",
+        f"{_GEMM_SRC}:{checker}",
+        needs,
+        _all(*rules) if rules else None,
+    )
 
 
 GEMM: dict[str, dict[str, EntryPoint]] = {
     "flashinfer_cutlass": {
         "none": _gemm("mm_bf16", "cutlass", "_cutlass_mm_bf16_requirement"),
         "fp8_tensor": _gemm("mm_fp8", "cutlass", "_cutlass_mm_fp8_requirement"),
-        "fp8_block": _gemm("gemm_fp8_nt_groupwise", "cutlass", "_cutlass_gemm_fp8_nt_groupwise_requirement",
-                           _block((128, 128))),
+        "fp8_block": _gemm(
+            "gemm_fp8_nt_groupwise", "cutlass", "_cutlass_gemm_fp8_nt_groupwise_requirement", _block((128, 128))
+        ),
         # MXFP4 is absent on purpose: _cutlass_gemm_fp4_requirement raises "Only cudnn and auto FP4 GEMM
         # supports mxfp4 quantization".
         "nvfp4": _gemm("mm_fp4", "cutlass", "_cutlass_gemm_fp4_requirement"),
@@ -295,21 +369,29 @@ GEMM: dict[str, dict[str, EntryPoint]] = {
     },
     "flashinfer_trtllm": {
         "fp8_tensor": _gemm("mm_fp8", "trtllm_low_latency", "_trtllm_low_latency_gemm_fp8_requirement"),
-        "fp8_block": _gemm("gemm_fp8_nt_groupwise", "trtllm", "_trtllm_gemm_fp8_nt_groupwise_requirement",
-                           _block((128, 128))),
+        "fp8_block": _gemm(
+            "gemm_fp8_nt_groupwise", "trtllm", "_trtllm_gemm_fp8_nt_groupwise_requirement", _block((128, 128))
+        ),
         # MXFP4 absent: _trtllm_gemm_fp4_requirement raises for use_nvfp4=False.
         "nvfp4": _gemm("mm_fp4", "trtllm", "_trtllm_gemm_fp4_requirement"),
     },
     "flashinfer_cutedsl": {
         "none": _gemm("mm_bf16", "cute-dsl", "_cute_dsl_mm_bf16_requirement", needs=("flashinfer", "cutlass")),
         # The Rubin FP8 BMM (the vLLM-on-Rubin announcement); _heuristic_func_bmm_fp8 wants M, N, K multiples of 16.
-        "fp8_tensor": _gemm("bmm_fp8", "cute-dsl", "_cute_dsl_bmm_fp8_requirement",
-                            _divisible(M=16, N=16, K=16), needs=("flashinfer", "cutlass")),
+        "fp8_tensor": _gemm(
+            "bmm_fp8",
+            "cute-dsl",
+            "_cute_dsl_bmm_fp8_requirement",
+            _divisible(M=16, N=16, K=16),
+            needs=("flashinfer", "cutlass"),
+        ),
         # _cute_dsl_gemm_fp4_requirement: "CuTe-DSL FP4 GEMM requires N % 8 == 0".
-        "nvfp4": _gemm("mm_fp4", "cute-dsl", "_cute_dsl_gemm_fp4_requirement", _divisible(N=8),
-                       needs=("flashinfer", "cutlass")),
-        "mxfp4": _gemm("mm_fp4", "cute-dsl", "_cute_dsl_gemm_fp4_requirement", _divisible(N=8),
-                       needs=("flashinfer", "cutlass")),
+        "nvfp4": _gemm(
+            "mm_fp4", "cute-dsl", "_cute_dsl_gemm_fp4_requirement", _divisible(N=8), needs=("flashinfer", "cutlass")
+        ),
+        "mxfp4": _gemm(
+            "mm_fp4", "cute-dsl", "_cute_dsl_gemm_fp4_requirement", _divisible(N=8), needs=("flashinfer", "cutlass")
+        ),
     },
 }
 
@@ -317,15 +399,21 @@ GEMM: dict[str, dict[str, EntryPoint]] = {
 # attention: flashinfer/decode.py, flashinfer/prefill.py (backend rules in code)
 # ------------------------------------------------------------------------------------------------
 
-_WRAPPERS = ("flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper",
-             "flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper")
-_TRTLLM_ATTN = ("flashinfer.decode.trtllm_batch_decode_with_kv_cache",
-                "flashinfer.prefill.trtllm_batch_context_with_kv_cache")
+_WRAPPERS = (
+    "flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper",
+    "flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper",
+)
+_TRTLLM_ATTN = (
+    "flashinfer.decode.trtllm_batch_decode_with_kv_cache",
+    "flashinfer.prefill.trtllm_batch_context_with_kv_cache",
+)
 # flashinfer/utils.py:determine_attention_backend picks fa3 on sm_90a (is_sm90a_supported: major == 9)
 # when is_fa3_backend_supported, fa2 everywhere else; trtllm_batch_decode_with_kv_cache(backend="auto")
 # picks trtllm-gen when the cc major is 10, xqa elsewhere (decode.py).
 _FA_SRC = "flashinfer/utils.py:determine_attention_backend"
-_TRTLLM_ATTN_SRC = "flashinfer/decode.py:trtllm_batch_decode_with_kv_cache (backend='auto': trtllm-gen iff cc major == 10)"
+_TRTLLM_ATTN_SRC = (
+    "flashinfer/decode.py:trtllm_batch_decode_with_kv_cache (backend='auto': trtllm-gen iff cc major == 10)"
+)
 
 ATTENTION: dict[str, dict[str, EntryPoint]] = {
     "flashinfer_trtllm": {
@@ -333,8 +421,13 @@ ATTENTION: dict[str, dict[str, EntryPoint]] = {
         for q in ("none", "fp8_tensor")
     },
     "flashinfer_fa3": {
-        q: EntryPoint(_WRAPPERS, "fa3", frozenset({90}), f"{_FA_SRC}; flashinfer/utils.py:is_sm90a_supported",
-                      rule=_all(_acts("bfloat16", "float16"), _fa3_fp8))
+        q: EntryPoint(
+            _WRAPPERS,
+            "fa3",
+            frozenset({90}),
+            f"{_FA_SRC}; flashinfer/utils.py:is_sm90a_supported",
+            rule=_all(_acts("bfloat16", "float16"), _fa3_fp8),
+        )
         for q in ("none", "fp8_tensor")
     },
     "flashinfer_fa2": {
@@ -381,15 +474,18 @@ def _supports(op: str, kernel: str) -> Callable[[Target, KernelSpec], Optional[s
             what = QUANT_LABELS[spec.quant] if spec.quant != "none" else f"unquantised {spec.act_dtype}"
             return f"FlashInfer has no {kernel} {op} kernel for {what} (only {', '.join(have)})"
         return check_entry(entry, target, spec)
+
     return supports
 
 
 def _runnable(op: str, kernel: str) -> Callable[[Target], Optional[str]]:
     """Whether this machine can run ``kernel`` for ``op`` at all: a CUDA GPU whose cc one of its entry
     points is declared for (dtype and shape were checked for the plan's target at compile time)."""
+
     def runnable(target: Target) -> Optional[str]:
         reasons = [check_target(e, target) for e in TABLES[op][kernel].values()]
         return None if None in reasons else reasons[0]
+
     return runnable
 
 
@@ -397,11 +493,13 @@ def _entry(op: str, kernel: str) -> Callable[[KernelSpec], str]:
     def entry(spec: KernelSpec) -> str:
         e = entry_point(op, kernel, spec.quant)
         return e.describe() if e else ""
+
     return entry
 
 
 def _pdl(op: str, kernel: str) -> Callable[[KernelSpec], Optional[str]]:
     """FlashInfer's own declaration: the entry function takes ``enable_pdl`` (read from its signature)."""
+
     def pdl(spec: KernelSpec) -> Optional[str]:
         entry = entry_point(op, kernel, spec.quant)
         if entry is None:
@@ -414,12 +512,22 @@ def _pdl(op: str, kernel: str) -> Callable[[KernelSpec], Optional[str]]:
             if "enable_pdl" not in params:
                 return f"{name} takes no enable_pdl argument"
         return None
+
     return pdl
 
 
 for _op, _table in TABLES.items():
     for _kernel in _table:
-        CANONICAL_OPS[_op].add_kernel(Kernel(
-            _op, _kernel, _supports(_op, _kernel), PRIORITIES[(_op, _kernel)], run=None,
-            runnable=_runnable(_op, _kernel), entry=_entry(_op, _kernel), pdl=_pdl(_op, _kernel), module=__name__,
-        ))
+        CANONICAL_OPS[_op].add_kernel(
+            Kernel(
+                _op,
+                _kernel,
+                _supports(_op, _kernel),
+                PRIORITIES[(_op, _kernel)],
+                run=None,
+                runnable=_runnable(_op, _kernel),
+                entry=_entry(_op, _kernel),
+                pdl=_pdl(_op, _kernel),
+                module=__name__,
+            )
+        )

@@ -22,5 +22,6 @@ def _entry(op: str) -> Callable[[KernelSpec], str]:
 
 
 for _op in CANONICAL_OPS.values():
-    _op.register_kernel("reference", supports=_supports, priority={"*": 0}, layouts=("*",), entry=_entry(_op.name),
-                        module=__name__)(_op.reference)
+    _op.register_kernel(
+        "reference", supports=_supports, priority={"*": 0}, layouts=("*",), entry=_entry(_op.name), module=__name__
+    )(_op.reference)

@@ -51,9 +51,19 @@ def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     return None
 
 
-gemm.GEMM.register_kernel("torch", supports=_gemm_supports, priority={"*": 30}, runnable=_runnable,
-                          entry=lambda spec: _GEMM_ENTRY.get(spec.quant, ""), module=__name__)(gemm.aten)
+gemm.GEMM.register_kernel(
+    "torch",
+    supports=_gemm_supports,
+    priority={"*": 30},
+    runnable=_runnable,
+    entry=lambda spec: _GEMM_ENTRY.get(spec.quant, ""),
+    module=__name__,
+)(gemm.aten)
 attention.ATTENTION.register_kernel(
-    "torch", supports=_attention_supports, priority={"*": 30}, runnable=_runnable,
-    entry=lambda spec: "torch.nn.functional.scaled_dot_product_attention", module=__name__,
+    "torch",
+    supports=_attention_supports,
+    priority={"*": 30},
+    runnable=_runnable,
+    entry=lambda spec: "torch.nn.functional.scaled_dot_product_attention",
+    module=__name__,
 )(attention.reference)

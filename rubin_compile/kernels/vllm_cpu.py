@@ -64,22 +64,43 @@ def _runnable(here: Target) -> Optional[str]:
     return None
 
 
-@MOE.register_kernel("vllm_cpu", supports=_supports, priority={"cpu": 40, "*": 0}, runnable=_runnable,
-                     entry=lambda spec: "vllm torch.ops._C.cpu_fused_moe", layouts=("vllm_cpu",))
+@MOE.register_kernel(
+    "vllm_cpu",
+    supports=_supports,
+    priority={"cpu": 40, "*": 0},
+    runnable=_runnable,
+    entry=lambda spec: "vllm torch.ops._C.cpu_fused_moe",
+    layouts=("vllm_cpu",),
+)
 def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
     """``rubin.moe`` with vLLM's CPU kernel; ``args.weight_layout`` must be ``"vllm_cpu:<isa>[:vnni]"``."""
     if not args.weight_layout.cpu_packed:
-        raise ValueError(f"rubin.moe[vllm_cpu]: weight_layout {args.weight_layout.encode()!r} is not vLLM's CPU "
-                         "layout 'vllm_cpu:<isa>'; plain weights run on the other kernels")
+        raise ValueError(
+            f"rubin.moe[vllm_cpu]: weight_layout {args.weight_layout.encode()!r} is not vLLM's CPU "
+            "layout 'vllm_cpu:<isa>'; plain weights run on the other kernels"
+        )
     reason = _misaligned(args.H, args.I)
     if reason:  # the kernel would abort the process on its own check; say it here instead
         raise ValueError(f"rubin.moe[vllm_cpu]: {reason}; use impl='reference'")
     op = getattr(getattr(torch.ops, "_C", None), "cpu_fused_moe", None)
     if op is None:
-        raise RuntimeError("rubin.moe[vllm_cpu]: vLLM's _C.cpu_fused_moe is not loaded; it is defined by vLLM's CPU "
-                           "build when vLLM is imported (import vllm first, or use impl='reference')")
+        raise RuntimeError(
+            "rubin.moe[vllm_cpu]: vLLM's _C.cpu_fused_moe is not loaded; it is defined by vLLM's CPU "
+            "build when vLLM is imported (import vllm first, or use impl='reference')"
+        )
     x = args.hidden_states
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    op(out, x.contiguous(), args.w13, args.w2, args.w13_bias, args.w2_bias, args.topk_weights.to(torch.float32),
-       args.topk_ids.to(torch.int32), False, args.activation, args.weight_layout.isa)
+    op(
+        out,
+        x.contiguous(),
+        args.w13,
+        args.w2,
+        args.w13_bias,
+        args.w2_bias,
+        args.topk_weights.to(torch.float32),
+        args.topk_ids.to(torch.int32),
+        False,
+        args.activation,
+        args.weight_layout.isa,
+    )
     return out

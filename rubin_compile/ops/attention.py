@@ -114,11 +114,13 @@ def _validate(a: AttentionArgs) -> tuple:
             _fail(f"attn_mask must be bool or the query's dtype {query.dtype}, got {attn_mask.dtype}")
         if attn_mask.dim() > 4:
             _fail(f"attn_mask must broadcast to [B, Hq, S, Skv]; got shape {tuple(attn_mask.shape)}")
-        full = (B, Hq, S, Skv)[4 - attn_mask.dim():]
+        full = (B, Hq, S, Skv)[4 - attn_mask.dim() :]
         for have, want in zip(attn_mask.shape, full):
             if _known(have, want) and have not in (1, want):
-                _fail(f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
-                      f"{(B, Hq, S, Skv)}")
+                _fail(
+                    f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
+                    f"{(B, Hq, S, Skv)}"
+                )
     if a.scale is not None and not (isinstance(a.scale, (int, float)) and math.isfinite(a.scale)):
         _fail(f"scale must be a finite float or None, got {a.scale!r}")
     return B, Hq, Hkv, S, Skv, D, Dv
@@ -148,8 +150,9 @@ def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
         n = Hq // Hkv
         key = key[:, :, None].expand(B, Hkv, n, Skv, D).reshape(B, Hq, Skv, D)
         value = value[:, :, None].expand(B, Hkv, n, Skv, Dv).reshape(B, Hq, Skv, Dv)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=args.attn_mask, dropout_p=0.0,
-                                          is_causal=args.is_causal, scale=args.scale)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=args.attn_mask, dropout_p=0.0, is_causal=args.is_causal, scale=args.scale
+    )
 
 
 def attention_aten(*args, **kwargs) -> torch.Tensor:
@@ -222,15 +225,32 @@ def attention_spec(node: torch.fx.Node) -> KernelSpec:
     q, k, v = (tensor_val(args[n]) for n in ("query", "key", "value"))
     sizes = {}
     if q is not None and k is not None and v is not None:
-        sizes = {"D": q.shape[3], "Dv": v.shape[3], "Hq": q.shape[1], "Hkv": k.shape[1], "S": q.shape[2],
-                 "Skv": k.shape[2], "B": q.shape[0]}
+        sizes = {
+            "D": q.shape[3],
+            "Dv": v.shape[3],
+            "Hq": q.shape[1],
+            "Hkv": k.shape[1],
+            "S": q.shape[2],
+            "Skv": k.shape[2],
+            "B": q.shape[0],
+        }
     kind = masking(node)
     return KernelSpec(
-        op="attention", quant="none", act_dtype=val_dtype(args["query"]), weight_dtype=val_dtype(args["key"]),
+        op="attention",
+        quant="none",
+        act_dtype=val_dtype(args["query"]),
+        weight_dtype=val_dtype(args["key"]),
         shape=tuple((n, s) for n, s in sizes.items() if isinstance(s, int)),
-        activation=None if kind == "none" else kind, node=node.name,
+        activation=None if kind == "none" else kind,
+        node=node.name,
     )
 
 
-ATTENTION = CanonicalOp("attention", attention_spec, reference, aten_form=attention_aten, aten_label="repeat_kv + SDPA",
-                        example_shape=(("D", 128),))
+ATTENTION = CanonicalOp(
+    "attention",
+    attention_spec,
+    reference,
+    aten_form=attention_aten,
+    aten_label="repeat_kv + SDPA",
+    example_shape=(("D", 128),),
+)

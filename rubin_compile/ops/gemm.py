@@ -213,8 +213,7 @@ def aten(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     without rubin (the FP8 result is ``_scaled_mm``'s: within FP8 tolerance of the float32 reference)."""
     a, b, bias = args.a, args.b, args.bias
     if args.fp8:
-        y = torch._scaled_mm(a, b, scale_a=args.a_scale, scale_b=args.b_scale, bias=bias,
-                             out_dtype=args.result_dtype)
+        y = torch._scaled_mm(a, b, scale_a=args.a_scale, scale_b=args.b_scale, bias=bias, out_dtype=args.result_dtype)
     else:
         y = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
     return apply_epilogue(y, args.epilogue, args.residual)
@@ -247,8 +246,9 @@ def gemm(
 
 
 @gemm.register_fake
-def _gemm_fake(a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_scale=None, out_dtype=None,
-               impl="reference"):
+def _gemm_fake(
+    a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_scale=None, out_dtype=None, impl="reference"
+):
     args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
     return a.new_empty((args.M, args.n_out), dtype=args.result_dtype)
 
@@ -279,15 +279,28 @@ def gemm_spec(node: torch.fx.Node) -> KernelSpec:
     """
     args = bound_arguments(node)
     a, b = tensor_val(args["a"]), tensor_val(args["b"])
-    sizes = {"M": a.shape[0] if a is not None else None, "N": b.shape[1] if b is not None else None,
-             "K": b.shape[0] if b is not None else None}
+    sizes = {
+        "M": a.shape[0] if a is not None else None,
+        "N": b.shape[1] if b is not None else None,
+        "K": b.shape[0] if b is not None else None,
+    }
     epilogue = args.get("epilogue", "none")
     return KernelSpec(
-        op="gemm", quant=quantization(node), act_dtype=val_dtype(args["a"]), weight_dtype=val_dtype(args["b"]),
+        op="gemm",
+        quant=quantization(node),
+        act_dtype=val_dtype(args["a"]),
+        weight_dtype=val_dtype(args["b"]),
         shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),
-        activation=None if epilogue == "none" else epilogue, node=node.name,
+        activation=None if epilogue == "none" else epilogue,
+        node=node.name,
     )
 
 
-GEMM = CanonicalOp("gemm", gemm_spec, reference, aten_form=gemm_aten, aten_label="mm / addmm / _scaled_mm + epilogue",
-                   example_shape=(("M", 128), ("N", 4096), ("K", 4096)))
+GEMM = CanonicalOp(
+    "gemm",
+    gemm_spec,
+    reference,
+    aten_form=gemm_aten,
+    aten_label="mm / addmm / _scaled_mm + epilogue",
+    example_shape=(("M", 128), ("N", 4096), ("K", 4096)),
+)

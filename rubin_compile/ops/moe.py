@@ -186,8 +186,10 @@ def _validate(a: MoEArgs) -> tuple:
     layout = a.weight_layout
     if layout.cpu_packed:
         if w13.dim() == 3 and w2.dim() == 3 and (w13.shape[1] % CPU_PACK_ROWS or w2.shape[1] % CPU_PACK_ROWS):
-            _fail(f"weight_layout {layout.encode()!r} packs rows in blocks of {CPU_PACK_ROWS}; w13 {tuple(w13.shape)} "
-                  f"and w2 {tuple(w2.shape)} must have N divisible by {CPU_PACK_ROWS}")
+            _fail(
+                f"weight_layout {layout.encode()!r} packs rows in blocks of {CPU_PACK_ROWS}; w13 {tuple(w13.shape)} "
+                f"and w2 {tuple(w2.shape)} must have N divisible by {CPU_PACK_ROWS}"
+            )
         if w13.dtype in WEIGHT_FP8_DTYPES or w2.dtype in WEIGHT_FP8_DTYPES:
             _fail(f"weight_layout {layout.encode()!r} is for unquantised weights")
     if a.activation not in ACTIVATIONS:
@@ -212,8 +214,10 @@ def _validate(a: MoEArgs) -> tuple:
         _validate_scales(a, E, H, two_i, inter)
     else:
         if w13.dtype != x.dtype or w2.dtype != x.dtype:
-            _fail(f"weights ({w13.dtype}, {w2.dtype}) must have hidden_states' dtype {x.dtype} "
-                  "(or be FP8 with scales); cast them before the call")
+            _fail(
+                f"weights ({w13.dtype}, {w2.dtype}) must have hidden_states' dtype {x.dtype} "
+                "(or be FP8 with scales); cast them before the call"
+            )
         if a.w13_scale is not None or a.w2_scale is not None or a.block_shape is not None:
             _fail("w13_scale / w2_scale / block_shape are only for FP8 weights")
     tw, ids = a.topk_weights, a.topk_ids
@@ -242,8 +246,10 @@ def _validate_scales(a: MoEArgs, E: int, H: int, two_i: int, inter: int) -> None
         want13 = (E, -(-two_i // bn), -(-H // bk))
         want2 = (E, -(-H // bn), -(-inter // bk))
         if tuple(a.w13_scale.shape) != want13 or tuple(a.w2_scale.shape) != want2:
-            _fail(f"block scales must be w13_scale {want13} and w2_scale {want2} for block_shape "
-                  f"{list(a.block_shape)}; got {tuple(a.w13_scale.shape)} and {tuple(a.w2_scale.shape)}")
+            _fail(
+                f"block scales must be w13_scale {want13} and w2_scale {want2} for block_shape "
+                f"{list(a.block_shape)}; got {tuple(a.w13_scale.shape)} and {tuple(a.w2_scale.shape)}"
+            )
     else:
         for name, s in (("w13_scale", a.w13_scale), ("w2_scale", a.w2_scale)):
             if s.numel() not in (1, E):
@@ -362,17 +368,55 @@ def moe(
     placement: str = "",
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (ops/registry.py)."""
-    args = MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale,
-                   w2_scale, block_shape, WeightLayout.decode(weight_layout))
+    args = MoEArgs(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        w13_bias,
+        w2_bias,
+        w13_scale,
+        w2_scale,
+        block_shape,
+        WeightLayout.decode(weight_layout),
+    )
     return MOE.run(impl, args, Launch.decode(pdl, placement))
 
 
 @moe.register_fake
-def _moe_fake(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None,
-              w13_scale=None, w2_scale=None, block_shape=None, impl="reference", weight_layout="plain", pdl=False,
-              placement=""):
-    MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, w13_scale, w2_scale,
-            block_shape, WeightLayout.decode(weight_layout))
+def _moe_fake(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    activation="silu",
+    w13_bias=None,
+    w2_bias=None,
+    w13_scale=None,
+    w2_scale=None,
+    block_shape=None,
+    impl="reference",
+    weight_layout="plain",
+    pdl=False,
+    placement="",
+):
+    MoEArgs(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        w13_bias,
+        w2_bias,
+        w13_scale,
+        w2_scale,
+        block_shape,
+        WeightLayout.decode(weight_layout),
+    )
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -393,15 +437,30 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
     else:
         quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
     two_i = static_size(w13, 1)
-    sizes = {"T": static_size(hidden, 0), "E": static_size(w13, 0), "H": static_size(hidden, 1),
-             "I": two_i // 2 if two_i is not None else None, "k": static_size(ids, 1)}
+    sizes = {
+        "T": static_size(hidden, 0),
+        "E": static_size(w13, 0),
+        "H": static_size(hidden, 1),
+        "I": two_i // 2 if two_i is not None else None,
+        "k": static_size(ids, 1),
+    }
     return KernelSpec(
-        op="moe", quant=quant, act_dtype=val_dtype(args["hidden_states"]), weight_dtype=weight_dtype,
+        op="moe",
+        quant=quant,
+        act_dtype=val_dtype(args["hidden_states"]),
+        weight_dtype=weight_dtype,
         block_shape=tuple(block) if block else None,
         shape=tuple((k, v) for k, v in sizes.items() if v is not None),
-        activation=args.get("activation"), node=node.name, weight_layout=args.get("weight_layout") or "plain",
+        activation=args.get("activation"),
+        node=node.name,
+        weight_layout=args.get("weight_layout") or "plain",
     )
 
 
-MOE = CanonicalOp("moe", moe_spec, reference, example_shape=(("E", 128), ("H", 4096), ("I", 1536), ("k", 8)),
-                  example_activation="silu")
+MOE = CanonicalOp(
+    "moe",
+    moe_spec,
+    reference,
+    example_shape=(("E", 128), ("H", 4096), ("I", 1536), ("k", 8)),
+    example_activation="silu",
+)

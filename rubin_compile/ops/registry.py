@@ -38,11 +38,19 @@ from rubin_compile.target import Target, locality_mode
 # Quantisation schemes of a canonical op's weights (for attention: of the KV cache).
 QUANTS: tuple[str, ...] = ("none", "fp8_tensor", "fp8_block", "nvfp4", "mxfp4")
 QUANT_LABELS: dict[str, str] = {
-    "none": "bf16", "fp8_tensor": "FP8 per-tensor", "fp8_block": "FP8 block 128x128",
-    "nvfp4": "NVFP4", "mxfp4": "MXFP4",
+    "none": "bf16",
+    "fp8_tensor": "FP8 per-tensor",
+    "fp8_block": "FP8 block 128x128",
+    "nvfp4": "NVFP4",
+    "mxfp4": "MXFP4",
 }
-_EXAMPLE_WEIGHT_DTYPE = {"none": "bfloat16", "fp8_tensor": "float8_e4m3fn", "fp8_block": "float8_e4m3fn",
-                         "nvfp4": "float4_e2m1fn_x2", "mxfp4": "float4_e2m1fn_x2"}
+_EXAMPLE_WEIGHT_DTYPE = {
+    "none": "bfloat16",
+    "fp8_tensor": "float8_e4m3fn",
+    "fp8_block": "float8_e4m3fn",
+    "nvfp4": "float4_e2m1fn_x2",
+    "mxfp4": "float4_e2m1fn_x2",
+}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -138,8 +146,10 @@ class Placement:
             return None
         parts = text.split(":")
         if len(parts) != 4 or parts[0] != PLACEMENT_KIND or not parts[2].isdigit() or not parts[3].isdigit():
-            raise ValueError(f"rubin.moe: placement {text!r} is not '' or "
-                             f"'{PLACEMENT_KIND}:<default|backfill>:<domains>:<max_tokens>'")
+            raise ValueError(
+                f"rubin.moe: placement {text!r} is not '' or "
+                f"'{PLACEMENT_KIND}:<default|backfill>:<domains>:<max_tokens>'"
+            )
         return Placement(parts[1], int(parts[2]), int(parts[3]))
 
     def applies(self, tokens: int) -> bool:
@@ -230,8 +240,10 @@ class Kernel:
             if reason is not None:
                 return reason
         if self.run is None:
-            return (f"this version of rubin_compile has no adapter from rubin.{self.op} to {self.name} yet "
-                    f"({self.module} declares it for plans only)")
+            return (
+                f"this version of rubin_compile has no adapter from rubin.{self.op} to {self.name} yet "
+                f"({self.module} declares it for plans only)"
+            )
         return None
 
 
@@ -293,9 +305,17 @@ class CanonicalOp:
         Representative, well-aligned named sizes: the rows of the selection table (docs/kernels/selection.md).
     """
 
-    def __init__(self, name: str, spec: SpecBuilder, reference: Callable[..., torch.Tensor], *,
-                 aten_form: Optional[Callable[..., torch.Tensor]] = None, aten_label: str = "ATen",
-                 example_shape: tuple[tuple[str, int], ...] = (), example_activation: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: SpecBuilder,
+        reference: Callable[..., torch.Tensor],
+        *,
+        aten_form: Optional[Callable[..., torch.Tensor]] = None,
+        aten_label: str = "ATen",
+        example_shape: tuple[tuple[str, int], ...] = (),
+        example_activation: Optional[str] = None,
+    ) -> None:
         if name in CANONICAL_OPS:
             raise ValueError(f"canonical op {name!r} is defined twice")
         self.name = name
@@ -332,8 +352,21 @@ class CanonicalOp:
         (``module``: the registering module, for messages; the adapter's own by default)."""
 
         def register(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            self.add_kernel(Kernel(self.name, name, supports, priority, run, runnable, entry, layouts, pdl,
-                                   placements, module or run.__module__))
+            self.add_kernel(
+                Kernel(
+                    self.name,
+                    name,
+                    supports,
+                    priority,
+                    run,
+                    runnable,
+                    entry,
+                    layouts,
+                    pdl,
+                    placements,
+                    module or run.__module__,
+                )
+            )
             return run
 
         return register
@@ -344,8 +377,10 @@ class CanonicalOp:
         if kernel.op != self.name:
             raise ValueError(f"kernel {kernel.name!r} is for rubin.{kernel.op}, not rubin.{self.name}")
         if kernel.name in self._kernels and self._kernels[kernel.name].module != kernel.module:
-            raise ValueError(f"rubin.{self.name}: kernel {kernel.name!r} is registered twice "
-                             f"({self._kernels[kernel.name].module}, {kernel.module})")
+            raise ValueError(
+                f"rubin.{self.name}: kernel {kernel.name!r} is registered twice "
+                f"({self._kernels[kernel.name].module}, {kernel.module})"
+            )
         self._kernels[kernel.name] = kernel
 
     def add_form(self, schema: str, spec: SpecBuilder) -> None:
@@ -370,13 +405,21 @@ class CanonicalOp:
     def example_spec(self, quant: str) -> KernelSpec:
         """A representative spec of the op in ``quant`` (bf16 activations): a row of the selection table."""
         block = (128, 128) if quant == "fp8_block" else None
-        return KernelSpec(self.name, quant, "bfloat16", _EXAMPLE_WEIGHT_DTYPE[quant], block, self.example_shape,
-                          self.example_activation)
+        return KernelSpec(
+            self.name,
+            quant,
+            "bfloat16",
+            _EXAMPLE_WEIGHT_DTYPE[quant],
+            block,
+            self.example_shape,
+            self.example_activation,
+        )
 
     # selection ---------------------------------------------------------------------------------
 
-    def select(self, spec: KernelSpec, target: Target, forced: Optional[str] = None,
-               runs_here: bool = False) -> Selection:
+    def select(
+        self, spec: KernelSpec, target: Target, forced: Optional[str] = None, runs_here: bool = False
+    ) -> Selection:
         """Choose the kernel for ``spec`` on ``target``: ``forced`` if it supports them, else the supported
         kernel of highest priority. Every kernel is asked, so the plan lists why each one lost.
 

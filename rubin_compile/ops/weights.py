@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+
 class VersionedCache:
     """Values made from tensors, kept while every source is the same live tensor at the same ``_version``
     (an in-place update such as ``load_state_dict`` makes the value again; a source that dies drops its
@@ -57,10 +58,15 @@ class VersionedCache:
 
     def info(self) -> dict[str, Any]:
         """Hits, misses, entries and bytes held (for tests and reports)."""
+
         def nbytes(v: Any) -> int:
             return sum(map(nbytes, v)) if isinstance(v, tuple) else v.numel() * v.element_size()
 
-        return {**self.stats, "entries": len(self.entries), "bytes": sum(nbytes(v) for _, _, v in self.entries.values())}
+        return {
+            **self.stats,
+            "entries": len(self.entries),
+            "bytes": sum(nbytes(v) for _, _, v in self.entries.values()),
+        }
 
 
 _CACHE = VersionedCache()

@@ -209,6 +209,8 @@ class ScopedContext:
         if name == "graph_id" or name in self._owner.reads:
             return getattr(self._ctx, name)
         if name in CONTEXT_FIELDS:
-            raise AttributeError(f"pass {self._owner.name} reads ctx.{name}, which its Pass entry does not declare "
-                                 f"(reads={self._owner.reads}); add it there")
+            raise AttributeError(
+                f"pass {self._owner.name} reads ctx.{name}, which its Pass entry does not declare "
+                f"(reads={self._owner.reads}); add it there"
+            )
         raise AttributeError(name)

@@ -16,15 +16,28 @@ from rubin_compile.passes.base import Pass, PassContext, PassResult
 NAME = "canonicalize"
 
 # Ops whose presence the report counts: the raw material of match_moe / match_attention / match_gemm.
-CENSUS = ("topk", "mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_fallback", "cpu_fused_moe",
-          "moe_forward", "moe_forward_shared", "scaled_dot_product", "unified_attention_with_output")
+CENSUS = (
+    "topk",
+    "mm",
+    "addmm",
+    "bmm",
+    "_grouped_mm",
+    "grouped_mm_fallback",
+    "cpu_fused_moe",
+    "moe_forward",
+    "moe_forward_shared",
+    "scaled_dot_product",
+    "unified_attention_with_output",
+)
 
 
 def _op_name(node: torch.fx.Node) -> str:
     target = node.target
     # auto_functionalized(op, ...) and auto_functionalized_v2(op, ...) wrap a mutating op: count the op.
-    if isinstance(target, torch._ops.HigherOrderOperator) and node.args and isinstance(
-        node.args[0], torch._ops.OpOverload
+    if (
+        isinstance(target, torch._ops.HigherOrderOperator)
+        and node.args
+        and isinstance(node.args[0], torch._ops.OpOverload)
     ):
         target = node.args[0]
     return getattr(target, "__name__", str(target))

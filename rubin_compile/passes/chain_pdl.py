@@ -52,9 +52,11 @@ def decide(mode: str, target: Target, kernel_unsupported: Optional[str], cudagra
         return True, "options pdl='on'"
     if cudagraphs:
         return True, f"PDL-safe kernel on {target.name}, run under CUDA graphs (captured as a programmatic edge)"
-    return False, ("pdl='auto' and the graph does not run under CUDA graphs, where a PDL launch's host cost can "
-                   "outweigh the overlap; compile with mode='reduce-overhead' or options cudagraphs=True, or "
-                   "force it with pdl='on'")
+    return False, (
+        "pdl='auto' and the graph does not run under CUDA graphs, where a PDL launch's host cost can "
+        "outweigh the overlap; compile with mode='reduce-overhead' or options cudagraphs=True, or "
+        "force it with pdl='on'"
+    )
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -70,20 +72,30 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         args = bound_arguments(node)
         if "pdl" not in args:  # rubin.gemm / rubin.attention: no adapter of theirs takes PDL in this version
             pdl = False
-            why = kernel.pdl_unsupported(spec) or (f"{kernel.name} could take PDL (enable_pdl), but {name} "
-                                                   "has no pdl argument in this version")
+            why = kernel.pdl_unsupported(spec) or (
+                f"{kernel.name} could take PDL (enable_pdl), but {name} has no pdl argument in this version"
+            )
         else:
             pdl, why = decide(mode, bound.target, kernel.pdl_unsupported(spec), cudagraphs)
             if bool(args["pdl"]) != pdl:
                 set_argument(node, "pdl", pdl)
                 result.changed = True
         on += pdl
-        result.decisions.append(Decision(node.name, name, "pdl on" if pdl else "pdl off", why,
-                                         {"kernel": kernel.name, "target": bound.target.name}))
+        result.decisions.append(
+            Decision(
+                node.name,
+                name,
+                "pdl on" if pdl else "pdl off",
+                why,
+                {"kernel": kernel.name, "target": bound.target.name},
+            )
+        )
     if result.decisions:
         result.notes.append(f"{on} of {len(result.decisions)} kernel node(s) launched with PDL (pdl={mode!r}; {how})")
-    result.notes.append("Inductor's own Triton kernels: torch._inductor.config.triton.enable_pdl="
-                        f"{torch._inductor.config.triton.enable_pdl} (not set by rubin; see docs/pdl_locality.md)")
+    result.notes.append(
+        "Inductor's own Triton kernels: torch._inductor.config.triton.enable_pdl="
+        f"{torch._inductor.config.triton.enable_pdl} (not set by rubin; see docs/pdl_locality.md)"
+    )
     return result
 
 

@@ -106,8 +106,7 @@ class MutatingCall:
 
     def other_users(self, keep: set[int]) -> list[torch.fx.Node]:
         """Users that read something other than the results at ``keep`` (unused ``getitem``s aside)."""
-        return [u for u in self.node.users
-                if not is_call(u, operator.getitem) or (u.args[1] not in keep and u.users)]
+        return [u for u in self.node.users if not is_call(u, operator.getitem) or (u.args[1] not in keep and u.users)]
 
 
 def decode_mutating_call(node: torch.fx.Node) -> Optional[MutatingCall]:

@@ -149,5 +149,8 @@ def _log_summary(report: dict[str, Any]) -> None:
         if p["rewrites"] or p["unchanged"]:
             log.info(
                 "rubin %s: %s rewrote %d node(s), left %d unchanged",
-                report["graph_id"], p["name"], len(p["rewrites"]), len(p["unchanged"]),
+                report["graph_id"],
+                p["name"],
+                len(p["rewrites"]),
+                len(p["unchanged"]),
             )

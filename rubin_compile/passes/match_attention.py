@@ -65,8 +65,18 @@ import rubin_compile.kernels  # noqa: F401  (registers every kernel onto its op:
 from rubin_compile.ops.attention import ATTENTION, AttentionArgs, AttentionArgumentError
 from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
-from rubin_compile.passes.fx import RESHAPES, bound_arguments, call, decode_mutating_call, dtype_name, inherit_source, \
-    is_call, report_value, schema_name, tensor_val
+from rubin_compile.passes.fx import (
+    RESHAPES,
+    bound_arguments,
+    call,
+    decode_mutating_call,
+    dtype_name,
+    inherit_source,
+    is_call,
+    report_value,
+    schema_name,
+    tensor_val,
+)
 
 NAME = "match_attention"
 IDIOM = "sdpa"
@@ -79,14 +89,16 @@ SDPA_FORMS: dict[Any, str] = {
     aten._scaled_dot_product_flash_attention.default: "aten._scaled_dot_product_flash_attention",
     aten._scaled_dot_product_efficient_attention.default: "aten._scaled_dot_product_efficient_attention",
     aten._scaled_dot_product_cudnn_attention.default: "aten._scaled_dot_product_cudnn_attention",
-    aten._scaled_dot_product_fused_attention_overrideable.default:
-        "aten._scaled_dot_product_fused_attention_overrideable",
+    aten._scaled_dot_product_fused_attention_overrideable.default: "aten._scaled_dot_product_fused_attention_overrideable",
     aten.scaled_dot_product_attention.default: "aten.scaled_dot_product_attention",
 }
 
 # vLLM's attention ops (vllm/model_executor/layers/attention/attention.py, mla_attention.py; vLLM 0.32).
-VLLM_ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
-                      "vllm::unified_attention")
+VLLM_ATTENTION_OPS = (
+    "vllm::unified_attention_with_output",
+    "vllm::unified_mla_attention_with_output",
+    "vllm::unified_attention",
+)
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -130,8 +142,10 @@ def _output_users(node: torch.fx.Node) -> tuple[Optional[list[torch.fx.Node]], s
         elif user.users:
             what = returns[user.args[1]].name
             hint = " (saved for the backward pass of a training graph)" if "sumexp" in what else ""
-            return None, (f"its {what} output is used by {', '.join(u.name for u in user.users)}{hint}; "
-                          "rubin.attention returns only the attention output")
+            return None, (
+                f"its {what} output is used by {', '.join(u.name for u in user.users)}{hint}; "
+                "rubin.attention returns only the attention output"
+            )
     return outs, ""
 
 
@@ -186,8 +200,10 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         return "no fake tensor recorded on its inputs"
     for name, val in vals.items():
         if val.dim() != 4:
-            return (f"{name} is {val.dim()}-D {tuple(val.shape)}; rubin.attention takes [B, H, S, D] "
-                    "(SDPA's other batch ranks are not rewritten)")
+            return (
+                f"{name} is {val.dim()}-D {tuple(val.shape)}; rubin.attention takes [B, H, S, D] "
+                "(SDPA's other batch ranks are not rewritten)"
+            )
 
     # Fold repeated KV heads back into GQA: both or neither (key and value must keep one head count).
     gqa = "native (enable_gqa)" if vals["query"].shape[1] != vals["key"].shape[1] else "none (Hq == Hkv)"
@@ -238,12 +254,18 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         "dtype": dtype_name(qv.dtype),
         "gqa": gqa,
         "masking": "causal" if is_causal else ("none" if mask is None else "mask"),
-        "mask": None if mval is None else {"dtype": dtype_name(mval.dtype),
-                                           "shape": [report_value(s) for s in mval.shape]},
+        "mask": None
+        if mval is None
+        else {"dtype": dtype_name(mval.dtype), "shape": [report_value(s) for s in mval.shape]},
         "scale": scale if scale is not None else "1/sqrt(D)",
     }
-    return Rewrite(node=new.name, canonical_op="rubin.attention", source_idiom=f"{IDIOM} ({form})",
-                   replaced=sorted(set(replaced)), details=details)
+    return Rewrite(
+        node=new.name,
+        canonical_op="rubin.attention",
+        source_idiom=f"{IDIOM} ({form})",
+        replaced=sorted(set(replaced)),
+        details=details,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,8 +300,11 @@ def read_vllm_attention(node: torch.fx.Node, ctx: PassContext) -> Optional[dict[
     record["layer"] = name
     if layer is None:
         record["backend"] = None
-        record["why_unknown"] = ("the layer is not in vLLM's forward context at compile time"
-                                 if name else "the layer name could not be read from the graph")
+        record["why_unknown"] = (
+            "the layer is not in vLLM's forward context at compile time"
+            if name
+            else "the layer name could not be read from the graph"
+        )
     else:
         record.update(ctx.engine.attention_layer_facts(layer))
     record["target_preference"] = _target_preference(record, ctx)
@@ -307,8 +332,9 @@ def _target_preference(record: dict[str, Any], ctx: PassContext) -> dict[str, An
         half = act if act in ("bfloat16", "float16") else "bfloat16"
         in_half = as_is
         if as_is.chosen.name == "reference" and half != act:
-            in_half = ATTENTION.select(KernelSpec("attention", quant, half, half if quant == "none" else kv, None,
-                                                  shape), target)
+            in_half = ATTENTION.select(
+                KernelSpec("attention", quant, half, half if quant == "none" else kv, None, shape), target
+            )
         fp8 = ATTENTION.select(KernelSpec("attention", "fp8_tensor", half, "float8_e4m3fn", None, shape), target)
     except Exception as exc:  # the registry could not answer: say so, keep compiling
         pref["note"] = f"the kernel registry could not answer: {type(exc).__name__}: {exc}"
@@ -338,15 +364,19 @@ def describe_kept(record: dict[str, Any]) -> str:
     else:
         kv = record.get("kv_cache_dtype")
         kv_txt = f"{kv} = {record.get('kv_cache_torch_dtype')}" if kv == "auto" else kv
-        runs = (f"vLLM's {record['backend']} backend runs {record['kernel']} on its paged KV cache ({kv_txt}); "
-                f"{record.get('num_heads')} query / {record.get('num_kv_heads')} KV heads, head size "
-                f"{record.get('head_size')}")
+        runs = (
+            f"vLLM's {record['backend']} backend runs {record['kernel']} on its paged KV cache ({kv_txt}); "
+            f"{record.get('num_heads')} query / {record.get('num_kv_heads')} KV heads, head size "
+            f"{record.get('head_size')}"
+        )
     pref = record.get("target_preference", {})
     if "kernel" in pref:
         if "half_kernel" in pref:
-            want = (f"target {pref['target']} has no attention kernel for this layer's {record.get('query_dtype')} "
-                    f"({pref.get('why_none')}); a {pref['half_dtype']} model would run {pref['half_kernel']} "
-                    f"({pref['half_entry']})")
+            want = (
+                f"target {pref['target']} has no attention kernel for this layer's {record.get('query_dtype')} "
+                f"({pref.get('why_none')}); a {pref['half_dtype']} model would run {pref['half_kernel']} "
+                f"({pref['half_entry']})"
+            )
         else:
             want = f"target {pref['target']} would prefer {pref['kernel']} ({pref['entry']})"
         if pref.get("vllm_switches"):
@@ -354,12 +384,15 @@ def describe_kept(record: dict[str, Any]) -> str:
             if record.get("backend") not in (None, "FLASHINFER"):
                 want += f" (vLLM runs {record['backend']} now)"
         if pref.get("fp8_kv_switches"):
-            want += (f"; with an FP8 KV cache it would run {pref['fp8_kv_kernel']} FP8 attention: "
-                     f"{pref['fp8_kv_switches']}")
+            want += (
+                f"; with an FP8 KV cache it would run {pref['fp8_kv_kernel']} FP8 attention: {pref['fp8_kv_switches']}"
+            )
     else:
         want = pref.get("note", "")
-    return (f"kept vLLM's attention at {record['node']} ({record['op']}, {where}): {runs}. The KV cache and the "
-            f"backend stay vLLM's. {want}.")
+    return (
+        f"kept vLLM's attention at {record['node']} ({record['op']}, {where}): {runs}. The KV cache and the "
+        f"backend stay vLLM's. {want}."
+    )
 
 
 PASS = Pass(NAME, run, reads=("target", "engine"))

@@ -65,8 +65,22 @@ import torch.nn.functional as F
 
 from rubin_compile.ops.gemm import FP8_OUT_DTYPES, GATED, GemmArgs, GemmArgumentError, scale_kind
 from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
-from rubin_compile.passes.fx import FLOAT_DTYPES, FP8_DTYPES, RESHAPES, call, called_op, decode_mutating_call, \
-    dtype_name, inherit_source, is_call, report_value, same_shape, schema_name, single_user, tensor_val
+from rubin_compile.passes.fx import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    RESHAPES,
+    call,
+    called_op,
+    decode_mutating_call,
+    dtype_name,
+    inherit_source,
+    is_call,
+    report_value,
+    same_shape,
+    schema_name,
+    single_user,
+    tensor_val,
+)
 
 NAME = "match_gemm"
 IDIOM = "linear"
@@ -86,7 +100,7 @@ _MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_
 # vLLM linear ops kept as they are (vllm/_custom_ops.py, vLLM 0.32), and why.
 VLLM_LINEAR_OPS: dict[str, str] = {
     "_C::onednn_mm": "vLLM's CPU linear: the weight is prepacked into a oneDNN handle and removed from the layer, "
-                     "so there is no weight tensor in the graph to pass to rubin.gemm",
+    "so there is no weight tensor in the graph to pass to rubin.gemm",
     "_C::onednn_scaled_mm": "vLLM's CPU int8 linear through a oneDNN handle (no weight tensor in the graph)",
     "_C::weight_packed_linear": "vLLM's CPU small-GEMM (sgl) linear on a prepacked weight",
     "_C::cutlass_scaled_mm": "vLLM's CUTLASS FP8 / int8 linear (vLLM's own kernel choice)",
@@ -121,8 +135,11 @@ def _constants(nodes) -> list[float]:
     scalars, so a match is checked against the pattern's own (the GELU-tanh coefficients, SiLU's 1)."""
     out = []
     for n in nodes:
-        if n.op != "call_function" or n.target is operator.getitem or n.target in (
-                aten.split.Tensor, aten.slice.Tensor):
+        if (
+            n.op != "call_function"
+            or n.target is operator.getitem
+            or n.target in (aten.split.Tensor, aten.slice.Tensor)
+        ):
             continue  # split sizes and slice bounds depend on N; they are checked by _half
         for a in list(n.args) + list(n.kwargs.values()):
             if isinstance(a, (int, float)) and not isinstance(a, bool):
@@ -141,8 +158,9 @@ def _gated_patterns(low_precision: bool) -> tuple:
     for epilogue, act in GATED.items():
         for split in ("split", "slice"):
             for up_first in (False, True):
-                pattern, gm = gen_pattern_and_search_gm(_gated(act, split, up_first), [torch.empty(4, 8, dtype=dtype)],
-                                                        fwd_only)
+                pattern, gm = gen_pattern_and_search_gm(
+                    _gated(act, split, up_first), [torch.empty(4, 8, dtype=dtype)], fwd_only
+                )
                 out.append((epilogue, pattern, _constants(gm.graph.nodes)))
     return tuple(out)
 
@@ -190,9 +208,15 @@ def _weight_of(b: torch.fx.Node) -> tuple[Optional[torch.fx.Node], str]:
     if not isinstance(node, torch.fx.Node) or node.op not in ("placeholder", "get_attr"):
         return None, ""
     wv = tensor_val(node)
-    if len(views) == 1 and wv is not None and wv.dim() == 2 and (
+    if (
+        len(views) == 1
+        and wv is not None
+        and wv.dim() == 2
+        and (
             (is_call(views[0], aten.permute.default) and list(views[0].args[1]) == [1, 0])
-            or is_call(views[0], aten.t.default)):
+            or is_call(views[0], aten.t.default)
+        )
+    ):
         return node, "weight.t() (an nn.Linear weight stored [N, K])"
     if not views:
         return node, "[K, N] as stored"
@@ -214,8 +238,11 @@ def _feeds_routing(node: torch.fx.Node, depth: int = 12) -> Optional[str]:
             mc = decode_mutating_call(user)
             target = mc.op if mc is not None else user.target
             if isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims"):
-                args = mc.args if mc is not None else dict(zip((a.name for a in target._schema.arguments), user.args),
-                                                           **user.kwargs)
+                args = (
+                    mc.args
+                    if mc is not None
+                    else dict(zip((a.name for a in target._schema.arguments), user.args), **user.kwargs)
+                )
                 if any(args.get(k) is n for k in ("router_logits", "gating_output")):
                     return schema_name(target)
                 continue
@@ -234,8 +261,10 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
         g = _Gemm(node, form, node.args[0], node.args[1])
     elif node.target is aten.addmm.default:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            raise _NoMatch(f"addmm with beta={node.kwargs.get('beta', 1)}, alpha={node.kwargs.get('alpha', 1)}; "
-                           "rubin.gemm adds the bias as it is")
+            raise _NoMatch(
+                f"addmm with beta={node.kwargs.get('beta', 1)}, alpha={node.kwargs.get('alpha', 1)}; "
+                "rubin.gemm adds the bias as it is"
+            )
         g = _Gemm(node, form, node.args[1], node.args[2])
         c, cv, ov = node.args[0], tensor_val(node.args[0]), tensor_val(node)
         if cv is None or ov is None:
@@ -261,10 +290,11 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
             raise _NoMatch(f"_scaled_mm writes {out_dtype}; rubin.gemm's FP8 products return bf16 / fp16 / fp32")
         if av.dtype not in FP8_DTYPES or bv.dtype not in FP8_DTYPES:
             raise _NoMatch(f"_scaled_mm of {av.dtype} x {bv.dtype}; rubin.gemm takes FP8 e4m3 / e5m2 operands")
-        if scale_kind(tensor_val(sa), av.shape[0], "a") is None or \
-                scale_kind(tensor_val(sb), bv.shape[1], "b") is None:
-            raise _NoMatch(f"_scaled_mm scales {tuple(tensor_val(sa).shape)} / {tuple(tensor_val(sb).shape)} are not "
-                           "per tensor, per row of a or per column of b (block scales are not rubin.gemm's yet)")
+        if scale_kind(tensor_val(sa), av.shape[0], "a") is None or scale_kind(tensor_val(sb), bv.shape[1], "b") is None:
+            raise _NoMatch(
+                f"_scaled_mm scales {tuple(tensor_val(sa).shape)} / {tuple(tensor_val(sb).shape)} are not "
+                "per tensor, per row of a or per column of b (block scales are not rubin.gemm's yet)"
+            )
         g = _Gemm(node, form, a, b, bias=rest.get("bias"), a_scale=sa, b_scale=sb, out_dtype=out_dtype)
         if rest.get("use_fast_accum"):
             g.extras["use_fast_accum"] = True
@@ -315,20 +345,30 @@ def _read_epilogue(g: _Gemm) -> None:
     if gated is not None:
         return
     # residual add
-    adds = [u for u in cur.users if is_call(u, aten.add.Tensor) and not u.kwargs and
-            tensor_val(_other(u, cur)) is not None and _other(u, cur) is not cur and
-            same_shape(tensor_val(_other(u, cur)), tensor_val(cur))]
+    adds = [
+        u
+        for u in cur.users
+        if is_call(u, aten.add.Tensor)
+        and not u.kwargs
+        and tensor_val(_other(u, cur)) is not None
+        and _other(u, cur) is not cur
+        and same_shape(tensor_val(_other(u, cur)), tensor_val(cur))
+    ]
     if not adds:
         return
     add = adds[0]
     rv = tensor_val(_other(add, cur))
     if len(cur.users) > 1:
-        g.missed = (f"residual add {add.name} not folded: the product ({cur.name}) is also read by "
-                    f"{', '.join(u.name for u in cur.users if u is not add)}")
+        g.missed = (
+            f"residual add {add.name} not folded: the product ({cur.name}) is also read by "
+            f"{', '.join(u.name for u in cur.users if u is not add)}"
+        )
         return
     if rv.dtype != out_dtype:
-        g.missed = (f"residual add {add.name} not folded: the residual is {rv.dtype}, the product {out_dtype} "
-                    "(the add promotes)")
+        g.missed = (
+            f"residual add {add.name} not folded: the residual is {rv.dtype}, the product {out_dtype} "
+            "(the add promotes)"
+        )
         return
     g.residual, g.epilogue = _other(add, cur), "residual_add"
     g.flow.append(add)
@@ -349,7 +389,7 @@ def _half(n: Any, cur: torch.fx.Node, N: int) -> Optional[int]:
             return n.args[1]
         return None
     if is_call(n, aten.slice.Tensor) and n.args[0] is cur:
-        a = list(n.args) + [0, None, None, 1][len(n.args) - 1:]
+        a = list(n.args) + [0, None, None, 1][len(n.args) - 1 :]
         dim, start, end, step = a[1], a[2], a[3], a[4]
         if dim in (-1, last) and step == 1:
             if start in (0, None) and end == half:
@@ -389,16 +429,19 @@ def _match_gated(g: _Gemm, cur: torch.fx.Node, N: int) -> Optional[str]:
                 continue  # act(up) * gate: the halves the other way round
             outside = [u for u in cur.users if u not in m.nodes]
             if outside:
-                g.missed = (f"{epilogue} epilogue ({mul.name}) not folded: the gate_up product ({cur.name}) is also "
-                            f"read by {', '.join(u.name for u in outside)}")
+                g.missed = (
+                    f"{epilogue} epilogue ({mul.name}) not folded: the gate_up product ({cur.name}) is also "
+                    f"read by {', '.join(u.name for u in outside)}"
+                )
                 return "missed"
             g.epilogue = epilogue
             g.flow += [n for n in m.nodes if n is not cur]
             g.final = mul
             return epilogue
     if extra_user is not None:
-        g.missed = (f"gated epilogue ({extra_user.name}) not folded: an intermediate of act(gate) * up has a user "
-                    "outside it")
+        g.missed = (
+            f"gated epilogue ({extra_user.name}) not folded: an intermediate of act(gate) * up has a user outside it"
+        )
         return "missed"
     return None
 
@@ -432,8 +475,11 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
             shape = list(g.view.args[1])
             shape[-1] = tensor_val(new).shape[-1]
             out = call(graph, aten.reshape.default, (new, shape))
-    added = [n for n in (bias, residual, new, out) if isinstance(n, torch.fx.Node) and n.name not in
-             {getattr(x, "name", None) for x in (g.bias, g.residual)}]
+    added = [
+        n
+        for n in (bias, residual, new, out)
+        if isinstance(n, torch.fx.Node) and n.name not in {getattr(x, "name", None) for x in (g.bias, g.residual)}
+    ]
     inherit_source(added, g.core)
     g.final.replace_all_uses_with(out)
     replaced = []
@@ -445,7 +491,9 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
     M = av.shape[0]
     details: dict[str, Any] = {
         "form": g.form,
-        "M": report_value(M), "N": N, "K": bv.shape[0],
+        "M": report_value(M),
+        "N": N,
+        "K": bv.shape[0],
         "dtype": dtype_name(av.dtype),
         "out_dtype": dtype_name(tensor_val(new).dtype),
         "bias": g.bias is not None,
@@ -454,12 +502,18 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
         "b_layout": g.b_layout,
     }
     if g.a_scale is not None:
-        details["scales"] = (f"a {scale_kind(tensor_val(g.a_scale), M, 'a')}, "
-                             f"b {scale_kind(tensor_val(g.b_scale), N, 'b')}")
+        details["scales"] = (
+            f"a {scale_kind(tensor_val(g.a_scale), M, 'a')}, b {scale_kind(tensor_val(g.b_scale), N, 'b')}"
+        )
     details.update({k: v for k, v in g.extras.items() if k != "bias_view"})
     idiom = IDIOM if g.form != "aten._scaled_mm" else "fp8 linear"
-    return Rewrite(node=new.name, canonical_op="rubin.gemm", source_idiom=f"{idiom} ({g.form})",
-                   replaced=sorted(replaced), details=details)
+    return Rewrite(
+        node=new.name,
+        canonical_op="rubin.gemm",
+        source_idiom=f"{idiom} ({g.form})",
+        replaced=sorted(replaced),
+        details=details,
+    )
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -480,9 +534,16 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             av, bv = tensor_val(g.a), tensor_val(g.b)
             try:  # what rubin.gemm's fake implementation will check, before the graph is touched
                 bias = tensor_val(g.bias)
-                GemmArgs(av, bv, bias.reshape(-1) if bias is not None else None, g.epilogue,
-                         tensor_val(g.residual).reshape(-1, bv.shape[1]) if g.residual is not None else None,
-                         tensor_val(g.a_scale), tensor_val(g.b_scale), g.out_dtype)
+                GemmArgs(
+                    av,
+                    bv,
+                    bias.reshape(-1) if bias is not None else None,
+                    g.epilogue,
+                    tensor_val(g.residual).reshape(-1, bv.shape[1]) if g.residual is not None else None,
+                    tensor_val(g.a_scale),
+                    tensor_val(g.b_scale),
+                    g.out_dtype,
+                )
             except GemmArgumentError as e:
                 raise _NoMatch(f"its operands do not fit rubin.gemm: {e}") from None
         except _Policy as p:
@@ -496,7 +557,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         result.rewrites.append(_rewrite(graph, g))
     result.notes += _policy_notes(policy) + [
         f"kept vLLM's linear: {len(nodes)} call(s) of {name} ({_names(nodes)}): {VLLM_LINEAR_OPS[name]}"
-        for name, nodes in kept.items()]
+        for name, nodes in kept.items()
+    ]
     result.changed = bool(result.rewrites)
     if result.changed:
         graph.lint()
@@ -516,11 +578,15 @@ def _policy_notes(policy: dict[str, list[str]]) -> list[str]:
     routers = [n for k, v in policy.items() if k.startswith("router:") for n in v]
     if routers:
         feeds = sorted({k.split(":", 1)[1] for k in policy if k.startswith("router:")})
-        notes.append(f"left to Inductor: {len(routers)} MoE router product(s) ({names(routers)}) feeding "
-                     f"{', '.join(feeds)}: routing stays ATen, fused by Inductor")
+        notes.append(
+            f"left to Inductor: {len(routers)} MoE router product(s) ({names(routers)}) feeding "
+            f"{', '.join(feeds)}: routing stays ATen, fused by Inductor"
+        )
     if policy.get("activations"):
-        notes.append(f"left to Inductor: {len(policy['activations'])} product(s) whose b is not a weight "
-                     f"({names(policy['activations'])}): not a linear layer")
+        notes.append(
+            f"left to Inductor: {len(policy['activations'])} product(s) whose b is not a weight "
+            f"({names(policy['activations'])}): not a linear layer"
+        )
     if policy.get("non-float"):
         notes.append(f"left to Inductor: {len(policy['non-float'])} integer product(s) ({names(policy['non-float'])})")
     return notes

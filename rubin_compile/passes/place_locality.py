@@ -57,16 +57,29 @@ def domain_mode(option: str) -> str:
     return "backfill" if option == "auto" else option
 
 
-def decide(mode: str, target: Any, kernel: Any, spec: Any, count: Optional[int], max_tokens: int,
-           tokens: tuple[Optional[int], Optional[int]]) -> tuple[Optional[str], str, dict[str, Any]]:
+def decide(
+    mode: str,
+    target: Any,
+    kernel: Any,
+    spec: Any,
+    count: Optional[int],
+    max_tokens: int,
+    tokens: tuple[Optional[int], Optional[int]],
+) -> tuple[Optional[str], str, dict[str, Any]]:
     """(placement or None, why, details) for one MoE node."""
     if mode == "off":
         return None, "options locality='off'", {}
     if not target.is_cuda:
         return None, f"target {target.name} has no GPU: one domain", {}
     if mode == "auto" and target.locality_domains is None:
-        return None, (f"locality='auto': {target.name} has uniform memory (no HBM locality domains), where a "
-                      "split only adds a fork and a join; force it with locality='default' or 'backfill'"), {}
+        return (
+            None,
+            (
+                f"locality='auto': {target.name} has uniform memory (no HBM locality domains), where a "
+                "split only adds a fork and a join; force it with locality='default' or 'backfill'"
+            ),
+            {},
+        )
     mode = domain_mode(mode)
     if not target.green_contexts:
         return None, f"target {target.name} has no green contexts", {}
@@ -97,7 +110,9 @@ def decide(mode: str, target: Any, kernel: Any, spec: Any, count: Optional[int],
         E = spec.dim("E")
         elt = 1 if spec.weight_dtype.startswith("float8") else 2
         if E is not None:
-            details["shard copies"] = f"{E * 3 * H * I * elt / 2**20:.0f} MiB once per layer (the experts in domain memory)"
+            details["shard copies"] = (
+                f"{E * 3 * H * I * elt / 2**20:.0f} MiB once per layer (the experts in domain memory)"
+            )
     else:
         details["shards"] = "views of the weights (uniform memory: no copy)"
     when = f"T <= {max_tokens}" if details["tokens"] == "per call" else f"T in [{lo}, {hi}]"
@@ -115,21 +130,30 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         args = bound_arguments(node)
         if "placement" not in args:
             continue
-        placement, why, details = decide(opts.locality, bound.target, bound.kernel, bound.spec, opts.domains,
-                                         opts.locality_max_tokens, token_range(node))
+        placement, why, details = decide(
+            opts.locality,
+            bound.target,
+            bound.kernel,
+            bound.spec,
+            opts.domains,
+            opts.locality_max_tokens,
+            token_range(node),
+        )
         if (args.get("placement") or "") != (placement or ""):
             set_argument(node, "placement", placement or "")
             result.changed = True
         placed += placement is not None
-        result.decisions.append(Decision(node.name, dotted_name(node.target), placement or "whole (current stream)",
-                                         why, details))
+        result.decisions.append(
+            Decision(node.name, dotted_name(node.target), placement or "whole (current stream)", why, details)
+        )
     target = ctx.target
     if target.locality_domains is not None and opts.locality != "off":
         mode = domain_mode(opts.locality)
         result.notes.append(f"{target.name} domains ({mode}): {locality.plan(target, mode, opts.domains).describe()}")
     if result.decisions:
-        result.notes.append(f"{placed} of {len(result.decisions)} MoE node(s) split over locality domains "
-                            f"(locality={opts.locality!r})")
+        result.notes.append(
+            f"{placed} of {len(result.decisions)} MoE node(s) split over locality domains (locality={opts.locality!r})"
+        )
     return result
 
 

@@ -54,8 +54,9 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     target = ctx.target
     if ctx.options.target in ("auto", "") and target.is_cuda and not _on_cuda(graph):
         # "auto" detected a GPU, but this graph's tensors live on the CPU: plan for where it will run.
-        result.notes.append(f"target auto: the graph's tensors are on the CPU, not the {target.name} GPU; "
-                            "planning for the CPU")
+        result.notes.append(
+            f"target auto: the graph's tensors are on the CPU, not the {target.name} GPU; planning for the CPU"
+        )
         target = target_mod.resolve("cpu")
     # Compiling for the machine we run on: choose only kernels that can run here (see CanonicalOp.select).
     runs_here = target.name == target_mod.detect().name or not target.is_cuda
@@ -87,10 +88,17 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             set_argument(node, "impl", impl)
             result.changed = True
         plan = KernelPlan(
-            node=node.name, canonical_op=dotted_name(node.target), target=target.name, kernel=selection.chosen.name,
-            impl=impl, entry=selection.chosen.entry(spec), spec=spec.to_json(),
+            node=node.name,
+            canonical_op=dotted_name(node.target),
+            target=target.name,
+            kernel=selection.chosen.name,
+            impl=impl,
+            entry=selection.chosen.entry(spec),
+            spec=spec.to_json(),
             rejected=[{"kernel": k, "reason": r} for k, r in selection.rejected],
-            outranked=selection.outranked, forced=forced, forced_reason=selection.forced_reason,
+            outranked=selection.outranked,
+            forced=forced,
+            forced_reason=selection.forced_reason,
         )
         result.plans.append(plan)
         if selection.chosen.name in KERNELS_LOWERED_TO_ATEN:
@@ -102,8 +110,10 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             lowered[op.name] = lowered.get(op.name, 0) + 1
     for name, count in lowered.items():
         result.changed = True
-        result.notes.append(f"{count} rubin.{name} node(s) bound to torch / reference lowered back to ATen "
-                            f"({op_of(name).aten_label}), so Inductor fuses and tunes them itself")
+        result.notes.append(
+            f"{count} rubin.{name} node(s) bound to torch / reference lowered back to ATen "
+            f"({op_of(name).aten_label}), so Inductor fuses and tunes them itself"
+        )
     if not result.plans:
         result.notes.append(f"no canonical node to bind (target {target.name})")
     return result

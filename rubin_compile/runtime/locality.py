@@ -68,7 +68,6 @@ def split_n_unsupported(T: Optional[int], I: int, H: int, parts: int, block_shap
     return None
 
 
-
 @dataclass(frozen=True)
 class DomainPlan:
     """What a target's domains are, as data (no GPU needed)."""
@@ -83,7 +82,9 @@ class DomainPlan:
     def describe(self) -> str:
         mem = "localised memory" if self.localized_memory else "memory un-localised"
         idle = f", {self.idle_sms} SMs idle" if self.idle_sms else ""
-        return f"{self.count} domains x {'/'.join(map(str, self.sm_counts))} SMs ({self.mode}{idle}; {mem}; {self.source})"
+        return (
+            f"{self.count} domains x {'/'.join(map(str, self.sm_counts))} SMs ({self.mode}{idle}; {mem}; {self.source})"
+        )
 
 
 def plan(target: Target, mode: str = "backfill", count: Optional[int] = None) -> DomainPlan:
@@ -95,14 +96,26 @@ def plan(target: Target, mode: str = "backfill", count: Optional[int] = None) ->
     ld = target.locality_domains
     if ld is not None and (count is None or count == ld.count):
         counts = ld.backfill if mode == "backfill" else ld.strict
-        return DomainPlan(len(counts), mode, tuple(counts), target.sm_count - sum(counts), True,
-                          "HBM locality domains (FlashInfer locality_domain, CUDA 13.4)")
+        return DomainPlan(
+            len(counts),
+            mode,
+            tuple(counts),
+            target.sm_count - sum(counts),
+            True,
+            "HBM locality domains (FlashInfer locality_domain, CUDA 13.4)",
+        )
     n = count if count is not None else (ld.count if ld is not None else 2)
     if n < 1:
         raise ValueError(f"locality domains: count must be >= 1, got {n}")
     counts = green_context_split(target.sm_count, n, mode)
-    return DomainPlan(n, mode, counts, target.sm_count - sum(counts), False,
-                      "green contexts (SM partitions)" + (" not matching the HBM domains" if ld is not None else ""))
+    return DomainPlan(
+        n,
+        mode,
+        counts,
+        target.sm_count - sum(counts),
+        False,
+        "green contexts (SM partitions)" + (" not matching the HBM domains" if ld is not None else ""),
+    )
 
 
 def green_context_split(sm_count: int, n: int, mode: str, granularity: int = SM_GRANULARITY_SM90) -> tuple[int, ...]:
@@ -191,8 +204,14 @@ def _flashinfer_domains(device: torch.device, mode: str, here: Target) -> Domain
             "compile with options={'locality': 'off'}."
         ) from exc
     ld = get_localized_domains(device, sm_split="strict" if mode == "default" else "backfill")
-    p = DomainPlan(ld.domain_count, mode, tuple(ld.sm_counts), ld.remainder_sm_count, True,
-                   "HBM locality domains (FlashInfer locality_domain)")
+    p = DomainPlan(
+        ld.domain_count,
+        mode,
+        tuple(ld.sm_counts),
+        ld.remainder_sm_count,
+        True,
+        "HBM locality domains (FlashInfer locality_domain)",
+    )
     return Domains(p, device, tuple(ld.streams), _allocator=ld)
 
 
@@ -215,22 +234,30 @@ def _green_context_domains(device: torch.device, mode: str, count: int, here: Ta
     total = torch.cuda.get_device_properties(device).multi_processor_count
     counts = green_context_split(total, count, mode)
     cu_dev = _check(driver.cuDeviceGet(device.index), "cuDeviceGet")
-    resource = _check(driver.cuDeviceGetDevResource(cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
-                      "cuDeviceGetDevResource(SM)")
+    resource = _check(
+        driver.cuDeviceGetDevResource(cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+        "cuDeviceGetDevResource(SM)",
+    )
     # One split of the whole device: cuDevSmResourceSplitByCount returns disjoint groups of the even
     # share and what is left (two independent GreenContext.create calls overlap: seen on the H200, torch 2.11). In
     # backfill mode the last domain is "what is left": the share plus the remainder.
     backfill = counts[-1] != counts[0]
-    got, _, rest = _check(driver.cuDevSmResourceSplitByCount(count - 1 if backfill else count, resource, 0, counts[0]),
-                          "cuDevSmResourceSplitByCount")
+    got, _, rest = _check(
+        driver.cuDevSmResourceSplitByCount(count - 1 if backfill else count, resource, 0, counts[0]),
+        "cuDevSmResourceSplitByCount",
+    )
     groups = list(got)[: count - 1 if backfill else count] + ([rest] if backfill else [])
     streams, keep, actual = [], [], []
     for group in groups:
         desc = _check(driver.cuDevResourceGenerateDesc([group], 1), "cuDevResourceGenerateDesc")
-        gctx = _check(driver.cuGreenCtxCreate(desc, cu_dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
-                      "cuGreenCtxCreate")
-        stream = _check(driver.cuGreenCtxStreamCreate(gctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
-                        "cuGreenCtxStreamCreate")
+        gctx = _check(
+            driver.cuGreenCtxCreate(desc, cu_dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
+            "cuGreenCtxCreate",
+        )
+        stream = _check(
+            driver.cuGreenCtxStreamCreate(gctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
+            "cuGreenCtxStreamCreate",
+        )
         keep += [gctx, stream]
         streams.append(torch.cuda.ExternalStream(int(stream), device=device))
         actual.append(int(group.sm.smCount))
@@ -246,8 +273,9 @@ _SHARDS = VersionedCache()
 SHARD_STATS = _SHARDS.stats
 
 
-def shards(weight: Optional[torch.Tensor], dom: Domains, kind: str, bounds: Sequence[tuple[int, int]],
-           up: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
+def shards(
+    weight: Optional[torch.Tensor], dom: Domains, kind: str, bounds: Sequence[tuple[int, int]], up: int = 0
+) -> Optional[tuple[torch.Tensor, ...]]:
     """Each domain's rows of ``weight`` ([E, N, K] or a matching bias / scale tensor, rows on dim 1).
 
     ``bounds[d] = (lo, hi)``: domain ``d``'s rows. ``up`` > 0 (FC1): the rows ``[up + lo, up + hi)`` (the up
@@ -264,7 +292,7 @@ def shards(weight: Optional[torch.Tensor], dom: Domains, kind: str, bounds: Sequ
     def make() -> tuple[torch.Tensor, ...]:
         out = []
         for d, (lo, hi) in enumerate(bounds):
-            rows = weight[:, lo:hi] if not up else torch.cat([weight[:, lo:hi], weight[:, up + lo:up + hi]], dim=1)
+            rows = weight[:, lo:hi] if not up else torch.cat([weight[:, lo:hi], weight[:, up + lo : up + hi]], dim=1)
             shard = dom.empty(d, rows.shape, rows.dtype)
             shard.copy_(rows)
             out.append(shard)

@@ -19,8 +19,10 @@ PACKAGE = ROOT / "rubin_compile"
 
 # Imports of the package's own modules inside a function: only these, each for the reason given.
 LOCAL_IMPORTS_ALLOWED = {
-    ("rubin_compile.kernels.triton", "rubin_compile.kernels.triton.moe"):
-        "registering the Triton kernel must need neither Triton nor a GPU; the kernels load when one runs",
+    (
+        "rubin_compile.kernels.triton",
+        "rubin_compile.kernels.triton.moe",
+    ): "registering the Triton kernel must need neither Triton nor a GPU; the kernels load when one runs",
 }
 
 
@@ -36,7 +38,8 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 class _Imports(ast.NodeVisitor):
@@ -107,7 +110,7 @@ def test_the_import_graph_has_no_cycle():
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = path[path.index(n):] + [n]
+                cycle = path[path.index(n) :] + [n]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if n not in state:
                 visit(n)
@@ -119,32 +122,60 @@ def test_the_import_graph_has_no_cycle():
             visit(m)
 
 
-@pytest.mark.parametrize("layer, forbidden", [
-    ("rubin_compile.ops", ("rubin_compile.passes", "rubin_compile.kernels", "rubin_compile.integrations",
-                           "rubin_compile.runtime", "rubin_compile.backend", "rubin_compile.options")),
-    ("rubin_compile.kernels", ("rubin_compile.passes", "rubin_compile.integrations", "rubin_compile.backend")),
-    ("rubin_compile.runtime", ("rubin_compile.passes", "rubin_compile.kernels", "rubin_compile.integrations")),
-    ("rubin_compile.passes", ("rubin_compile.integrations", "rubin_compile.backend")),
-    ("rubin_compile.target", ("rubin_compile",)),
-])
+@pytest.mark.parametrize(
+    "layer, forbidden",
+    [
+        (
+            "rubin_compile.ops",
+            (
+                "rubin_compile.passes",
+                "rubin_compile.kernels",
+                "rubin_compile.integrations",
+                "rubin_compile.runtime",
+                "rubin_compile.backend",
+                "rubin_compile.options",
+            ),
+        ),
+        ("rubin_compile.kernels", ("rubin_compile.passes", "rubin_compile.integrations", "rubin_compile.backend")),
+        ("rubin_compile.runtime", ("rubin_compile.passes", "rubin_compile.kernels", "rubin_compile.integrations")),
+        ("rubin_compile.passes", ("rubin_compile.integrations", "rubin_compile.backend")),
+        ("rubin_compile.target", ("rubin_compile",)),
+    ],
+)
 def test_layers_import_only_downwards(layer, forbidden):
-    bad = [f"{m} imports {target} (line {line})" for m, found in IMPORTS.items() if in_package(m, layer)
-           for target, line, _ in found if in_package(target, *forbidden) and target != m]
+    bad = [
+        f"{m} imports {target} (line {line})"
+        for m, found in IMPORTS.items()
+        if in_package(m, layer)
+        for target, line, _ in found
+        if in_package(target, *forbidden) and target != m
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_vllm_is_imported_only_in_integrations():
-    bad = [f"{m} imports {target} (line {line})" for m, found in IMPORTS.items()
-           if not in_package(m, "rubin_compile.integrations")
-           for target, line, _ in found if in_package(target, "vllm")]
+    bad = [
+        f"{m} imports {target} (line {line})"
+        for m, found in IMPORTS.items()
+        if not in_package(m, "rubin_compile.integrations")
+        for target, line, _ in found
+        if in_package(target, "vllm")
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_own_modules_are_imported_at_the_top():
-    local = {(m, target): line for m, found in IMPORTS.items() for target, line, inside in found
-             if inside and in_package(target, "rubin_compile")}
-    unexpected = [f"{m} imports {t} inside a function (line {line})" for (m, t), line in local.items()
-                  if (m, t) not in LOCAL_IMPORTS_ALLOWED]
+    local = {
+        (m, target): line
+        for m, found in IMPORTS.items()
+        for target, line, inside in found
+        if inside and in_package(target, "rubin_compile")
+    }
+    unexpected = [
+        f"{m} imports {t} inside a function (line {line})"
+        for (m, t), line in local.items()
+        if (m, t) not in LOCAL_IMPORTS_ALLOWED
+    ]
     assert not unexpected, "\n".join(unexpected)
     assert set(local) == set(LOCAL_IMPORTS_ALLOWED), "an allowed local import is gone: drop it from the list"
 
@@ -154,16 +185,22 @@ def test_every_pass_module_is_in_the_pipeline():
     from rubin_compile.passes import PIPELINE
 
     helpers = {"__init__", "base", "fx", "manager"}
-    modules = sorted(p.stem for p in (PACKAGE / "passes").iterdir()
-                     if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.stem not in helpers)
+    modules = sorted(
+        p.stem
+        for p in (PACKAGE / "passes").iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.stem not in helpers
+    )
     assert sorted(p.name for p in PIPELINE) == modules
 
 
 def test_every_kernel_module_is_listed_once():
     """Adding a kernel is one module listed in kernels/__init__.py."""
     listed = [target for target, _, _ in IMPORTS["rubin_compile.kernels"]]
-    modules = sorted(module_name(p) for p in (PACKAGE / "kernels").iterdir()
-                     if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists())
+    modules = sorted(
+        module_name(p)
+        for p in (PACKAGE / "kernels").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    )
     assert sorted(listed) == modules and len(set(listed)) == len(listed)
 
 
@@ -172,15 +209,22 @@ def test_every_kernel_module_is_listed_once():
 # --------------------------------------------------------------------------------------------------
 
 # A path as the code and docs cite them: from the repository root, or from the package (ops/moe.py).
-PATH = re.compile(r"(?<![\w/.-])((?:docs|benchmarks|tests|examples|rubin_compile|ops|kernels|passes|runtime|debug|"
-                  r"integrations)/[\w./-]*\w\.(?:py|md|json|log|sh))")
+PATH = re.compile(
+    r"(?<![\w/.-])((?:docs|benchmarks|tests|examples|rubin_compile|ops|kernels|passes|runtime|debug|"
+    r"integrations)/[\w./-]*\w\.(?:py|md|json|log|sh))"
+)
 OUTSIDE = re.compile(r"\b(?:DESIGN|CONTEXT|STYLE)\.md\b|project" r" brief")  # split: this line would cite it
 
 
 def cited_files() -> list[Path]:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
-    return [*MODULES.values(), *docs, *sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
-            *sorted((ROOT / "examples").glob("*.py"))]
+    return [
+        *MODULES.values(),
+        *docs,
+        *sorted((ROOT / "tests").rglob("*.py")),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "examples").glob("*.py")),
+    ]
 
 
 def test_every_cited_file_is_in_the_repository():

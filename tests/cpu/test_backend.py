@@ -45,8 +45,9 @@ def test_backend_found_without_importing_the_package(tmp_path):
         print("rubin_compile imported by the entry point:", "rubin_compile" in sys.modules)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported by the entry point: True" in out.stdout
 
@@ -63,8 +64,9 @@ def test_inductor_settings_and_mode_pass_through():
     from rubin_compile.options import RubinOptions
     from rubin_compile.passes.manager import PassManager
 
-    patches = inductor_config_patches(RubinOptions.resolve({"inductor": {"max_autotune": True}}, environ={}),
-                                      "reduce-overhead")
+    patches = inductor_config_patches(
+        RubinOptions.resolve({"inductor": {"max_autotune": True}}, environ={}), "reduce-overhead"
+    )
     assert patches["max_autotune"] is True and patches["triton.cudagraphs"] is True
     assert isinstance(patches["post_grad_custom_post_pass"], PassManager)
     # a user's own post-grad pass keeps running, before ours

@@ -10,8 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args, **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
-    out = subprocess.run([sys.executable, "examples/standalone_moe.py", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env={**environ, **env})
+    out = subprocess.run(
+        [sys.executable, "examples/standalone_moe.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**environ, **env},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

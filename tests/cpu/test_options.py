@@ -53,7 +53,9 @@ def test_target_option_and_env():
 def test_kernels_option_and_env():
     env = {"RUBIN_KERNELS": "moe=triton, gemm=torch"}
     assert RubinOptions.resolve({}, environ=env).kernels == {"moe": "triton", "gemm": "torch"}
-    assert RubinOptions.resolve({"kernels": {"moe": "flashinfer_cutedsl"}}, environ=env).kernels == {"moe": "flashinfer_cutedsl"}
+    assert RubinOptions.resolve({"kernels": {"moe": "flashinfer_cutedsl"}}, environ=env).kernels == {
+        "moe": "flashinfer_cutedsl"
+    }
     assert RubinOptions.resolve({}, environ={}).kernels == {}
     with pytest.raises(RubinOptionsError, match=r"unknown canonical op\(s\) \['mlp'\].*moe.*gemm.*attention"):
         RubinOptions.resolve({"kernels": {"mlp": "triton"}}, environ={})
@@ -80,22 +82,49 @@ def test_behaviour_key_tracks_target_and_kernels():
 def test_pdl_locality_defaults():
     opts = RubinOptions.resolve({}, environ={})
     assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
-        "auto", False, "auto", None, 16)
+        "auto",
+        False,
+        "auto",
+        None,
+        16,
+    )
     key = opts.behaviour_key()
     assert {k: key[k] for k in ("pdl", "cudagraphs", "locality", "domains", "locality_max_tokens")} == {
-        "pdl": "auto", "cudagraphs": False, "locality": "auto", "domains": None, "locality_max_tokens": 16}
+        "pdl": "auto",
+        "cudagraphs": False,
+        "locality": "auto",
+        "domains": None,
+        "locality_max_tokens": 16,
+    }
 
 
 def test_pdl_locality_env_and_options_win():
-    env = {"RUBIN_PDL": "On", "RUBIN_CUDAGRAPHS": "1", "RUBIN_LOCALITY": "strict", "RUBIN_DOMAINS": "4",
-           "RUBIN_LOCALITY_MAX_TOKENS": "32"}
+    env = {
+        "RUBIN_PDL": "On",
+        "RUBIN_CUDAGRAPHS": "1",
+        "RUBIN_LOCALITY": "strict",
+        "RUBIN_DOMAINS": "4",
+        "RUBIN_LOCALITY_MAX_TOKENS": "32",
+    }
     opts = RubinOptions.resolve({}, environ=env)
     assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
-        "on", True, "default", 4, 32)
-    opts = RubinOptions.resolve({"pdl": "off", "cudagraphs": False, "locality": "backfill", "domains": None,
-                                 "locality_max_tokens": 8}, environ=env)
+        "on",
+        True,
+        "default",
+        4,
+        32,
+    )
+    opts = RubinOptions.resolve(
+        {"pdl": "off", "cudagraphs": False, "locality": "backfill", "domains": None, "locality_max_tokens": 8},
+        environ=env,
+    )
     assert (opts.pdl, opts.cudagraphs, opts.locality, opts.domains, opts.locality_max_tokens) == (
-        "off", False, "backfill", None, 8)
+        "off",
+        False,
+        "backfill",
+        None,
+        8,
+    )
     assert RubinOptions.resolve({}, environ={"RUBIN_CUDAGRAPHS": "0", "RUBIN_DOMAINS": ""}).cudagraphs is False
     assert RubinOptions.resolve({}, environ={"RUBIN_DOMAINS": ""}).domains is None
     assert RubinOptions.resolve({}, environ={"RUBIN_LOCALITY": "OFF"}).locality == "off"
@@ -113,20 +142,23 @@ def test_strict_locality_reads_as_default_and_bool_pdl():
     assert RubinOptions.resolve({"cudagraphs": "yes"}, environ={}).cudagraphs is True
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"pdl": "maybe"}, "option pdl must be one of ['auto', 'on', 'off'], got 'maybe'"),
-    ({"pdl": None}, "option pdl must be one of ['auto', 'on', 'off'], got None"),
-    ({"locality": "whole"}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got 'whole'"),
-    ({"locality": True}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got True"),
-    ({"domains": 1}, "option domains must be an integer >= 2, got 1"),
-    ({"domains": "two"}, "option domains must be an integer >= 2, got 'two'"),
-    ({"domains": True}, "option domains must be an integer >= 2, got True"),
-    ({"domains": 2.5}, "option domains must be an integer >= 2, got 2.5"),
-    ({"locality_max_tokens": 0}, "option locality_max_tokens must be an integer >= 1, got 0"),
-    ({"locality_max_tokens": "-4"}, "option locality_max_tokens must be an integer >= 1, got '-4'"),
-    ({"locality_max_tokens": None}, "option locality_max_tokens must be a positive integer, got nothing"),
-    ({"cudagraphs": "maybe"}, "option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), got 'maybe'"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"pdl": "maybe"}, "option pdl must be one of ['auto', 'on', 'off'], got 'maybe'"),
+        ({"pdl": None}, "option pdl must be one of ['auto', 'on', 'off'], got None"),
+        ({"locality": "whole"}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got 'whole'"),
+        ({"locality": True}, "option locality must be one of ['auto', 'off', 'default', 'backfill'], got True"),
+        ({"domains": 1}, "option domains must be an integer >= 2, got 1"),
+        ({"domains": "two"}, "option domains must be an integer >= 2, got 'two'"),
+        ({"domains": True}, "option domains must be an integer >= 2, got True"),
+        ({"domains": 2.5}, "option domains must be an integer >= 2, got 2.5"),
+        ({"locality_max_tokens": 0}, "option locality_max_tokens must be an integer >= 1, got 0"),
+        ({"locality_max_tokens": "-4"}, "option locality_max_tokens must be an integer >= 1, got '-4'"),
+        ({"locality_max_tokens": None}, "option locality_max_tokens must be a positive integer, got nothing"),
+        ({"cudagraphs": "maybe"}, "option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), got 'maybe'"),
+    ],
+)
 def test_pdl_locality_bad_values(options, message):
     with pytest.raises(RubinOptionsError) as err:
         RubinOptions.resolve(options, environ={})
@@ -144,11 +176,20 @@ def test_pdl_locality_bad_env_values():
 
 def test_behaviour_key_tracks_pdl_and_locality_options():
     base = RubinOptions.resolve({}, environ={}).behaviour_key()
-    for change in ({"pdl": "on"}, {"pdl": "off"}, {"cudagraphs": True}, {"locality": "off"},
-                   {"locality": "backfill"}, {"domains": 4}, {"locality_max_tokens": 32}):
+    for change in (
+        {"pdl": "on"},
+        {"pdl": "off"},
+        {"cudagraphs": True},
+        {"locality": "off"},
+        {"locality": "backfill"},
+        {"domains": 4},
+        {"locality_max_tokens": 32},
+    ):
         assert RubinOptions.resolve(change, environ={}).behaviour_key() != base, change
-    assert (RubinOptions.resolve({"locality": "strict"}, environ={}).behaviour_key()
-            == RubinOptions.resolve({"locality": "default"}, environ={}).behaviour_key())
+    assert (
+        RubinOptions.resolve({"locality": "strict"}, environ={}).behaviour_key()
+        == RubinOptions.resolve({"locality": "default"}, environ={}).behaviour_key()
+    )
 
 
 def test_mode_implies_cudagraphs_and_inductor_cudagraphs_patch():

@@ -31,10 +31,18 @@ CASES = {
     "cpu-float32": (torch.float32, (2, 16), {}, {}),
     "sm90-bfloat16": (torch.bfloat16, (2, 16), {}, {"target": "sm90"}),
     "sm107-bfloat16": (torch.bfloat16, (2, 16), {}, {"target": "sm107"}),
-    "sm90-bfloat16-decode-cudagraphs-backfill": (torch.bfloat16, (8, 1), WIDE, {
-        "target": "sm90", "cudagraphs": True, "locality": "backfill"}),
-    "sm107-bfloat16-decode-cudagraphs-triton": (torch.bfloat16, (8, 1), WIDE, {
-        "target": "sm107", "cudagraphs": True, "kernels": {"moe": "triton"}}),
+    "sm90-bfloat16-decode-cudagraphs-backfill": (
+        torch.bfloat16,
+        (8, 1),
+        WIDE,
+        {"target": "sm90", "cudagraphs": True, "locality": "backfill"},
+    ),
+    "sm107-bfloat16-decode-cudagraphs-triton": (
+        torch.bfloat16,
+        (8, 1),
+        WIDE,
+        {"target": "sm107", "cudagraphs": True, "kernels": {"moe": "triton"}},
+    ),
 }
 
 

@@ -29,16 +29,27 @@ def test_named_targets_and_their_features():
     assert T.resolve("sm107").features()["locality_domains"] == {"strict": (100, 100), "backfill": (106, 106)}
 
 
-@pytest.mark.parametrize("alias, name", [
-    ("sm_107", "sm107"), ("SM107", "sm107"), ("rubin", "sm107"), ("h200", "sm90"), ("sm_90", "sm90"),
-    ("b300", "sm103"), ("sm100", "sm100"), ("cpu", "cpu"),
-])
+@pytest.mark.parametrize(
+    "alias, name",
+    [
+        ("sm_107", "sm107"),
+        ("SM107", "sm107"),
+        ("rubin", "sm107"),
+        ("h200", "sm90"),
+        ("sm_90", "sm90"),
+        ("b300", "sm103"),
+        ("sm100", "sm100"),
+        ("cpu", "cpu"),
+    ],
+)
 def test_aliases(alias, name):
     assert T.resolve(alias).name == name
 
 
 def test_unknown_target_lists_the_valid_ones():
-    with pytest.raises(T.UnknownTargetError, match=r"unknown rubin target 'sm999'.*auto.*cpu.*sm90.*sm100.*sm103.*sm107"):
+    with pytest.raises(
+        T.UnknownTargetError, match=r"unknown rubin target 'sm999'.*auto.*cpu.*sm90.*sm100.*sm103.*sm107"
+    ):
         T.resolve("sm999")
 
 

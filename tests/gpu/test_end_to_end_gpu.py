@@ -12,8 +12,10 @@ from tests.cpu.passes.match_moe.test_hf_grouped_mm import qwen3_moe
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0) if torch.cuda.is_available() else True,
-                    reason="the sm_90 row of docs/kernels/selection.md")
+@pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0) if torch.cuda.is_available() else True,
+    reason="the sm_90 row of docs/kernels/selection.md",
+)
 def test_qwen3_moe_bf16_on_sm90(rubin_run):
     torch.manual_seed(0)
     model = qwen3_moe().to("cuda", torch.bfloat16).eval()
@@ -22,8 +24,9 @@ def test_qwen3_moe_bf16_on_sm90(rubin_run):
         got = rubin_run.compile(model)(tokens).logits
         want = model(tokens).logits
     assert_logits_close(got, want, torch.bfloat16)
-    plans = [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels"
-             for pl in p["plans"]]
+    plans = [
+        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
+    ]
     by_op: dict[str, set] = {}
     for pl in plans:
         by_op.setdefault(pl["canonical_op"], set()).add(pl["impl"])

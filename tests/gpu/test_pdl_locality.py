@@ -38,8 +38,8 @@ def tmoe():
 
 def _weights(E, H, I, fp8=False, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = torch.randn((E, 2 * I, H), device="cuda", generator=g) / H ** 0.5
-    w2 = torch.randn((E, H, I), device="cuda", generator=g) / I ** 0.5
+    w13 = torch.randn((E, 2 * I, H), device="cuda", generator=g) / H**0.5
+    w2 = torch.randn((E, H, I), device="cuda", generator=g) / I**0.5
     if not fp8:
         return dict(w13=w13.bfloat16(), w2=w2.bfloat16())
     f8 = torch.float8_e4m3fn
@@ -55,8 +55,20 @@ def _route(T, E, k, g):
 
 
 def _call(tmoe, x, wts, tw, ids, **kw):
-    return tmoe.fused_moe(x, wts["w13"], wts["w2"], tw, ids, "silu", None, None, wts.get("w13_scale"),
-                          wts.get("w2_scale"), wts.get("block_shape"), **kw)
+    return tmoe.fused_moe(
+        x,
+        wts["w13"],
+        wts["w2"],
+        tw,
+        ids,
+        "silu",
+        None,
+        None,
+        wts.get("w13_scale"),
+        wts.get("w2_scale"),
+        wts.get("block_shape"),
+        **kw,
+    )
 
 
 class _Graphed:
@@ -105,8 +117,10 @@ def test_pdl_on_off_bitwise_identical_in_graph_replays(tmoe, T):
 
 @needs_sm90
 @pytest.mark.parametrize("mode", ["default", "backfill"])
-@pytest.mark.parametrize("shape,fp8,T", [(QWEN, False, 1), (QWEN, False, 4), (QWEN, False, 16),
-                                         (DEEPSEEK_TP8, True, 1), (DEEPSEEK_TP8, True, 8)])
+@pytest.mark.parametrize(
+    "shape,fp8,T",
+    [(QWEN, False, 1), (QWEN, False, 4), (QWEN, False, 16), (DEEPSEEK_TP8, True, 1), (DEEPSEEK_TP8, True, 8)],
+)
 def test_split_n_equals_whole_bitwise(tmoe, shape, fp8, T, mode):
     wts = _weights(shape["E"], shape["H"], shape["I"], fp8=fp8)
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -207,16 +221,29 @@ def test_thousand_graph_replays_split_n_no_mismatch(tmoe, mode):
 def _qwen3(layers=2):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_experts=32,
-        num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=64, use_cache=False, initializer_range=0.05)
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=256,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        use_cache=False,
+        initializer_range=0.05,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
 @needs_sm90
-@pytest.mark.parametrize("how", [{"mode": "reduce-overhead"}, {"options": {"cudagraphs": True, "locality": "backfill"}}])
+@pytest.mark.parametrize(
+    "how", [{"mode": "reduce-overhead"}, {"options": {"cudagraphs": True, "locality": "backfill"}}]
+)
 def test_compiled_model_pdl_on_off_bitwise_under_cuda_graphs(how):
     """A whole model, compiled with backend="rubin" under CUDA graphs: PDL on (mode="reduce-overhead" turns
     it on with pdl="auto") and split-N give the same logits bit for bit as neither, over replays."""
@@ -233,7 +260,9 @@ def test_compiled_model_pdl_on_off_bitwise_under_cuda_graphs(how):
     with torch.no_grad():
         got_on = [on(t).logits.clone() for t in toks + toks]
         torch._dynamo.reset()
-        off = torch.compile(model, backend="rubin", options={**opts, "cudagraphs": True, "pdl": "off", "locality": "off"})
+        off = torch.compile(
+            model, backend="rubin", options={**opts, "cudagraphs": True, "pdl": "off", "locality": "off"}
+        )
         got_off = [off(t).logits.clone() for t in toks + toks]
         want = [model(t).logits for t in toks]
     for i, (a, b) in enumerate(zip(got_on, got_off)):

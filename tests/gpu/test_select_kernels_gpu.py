@@ -21,8 +21,10 @@ def test_detect_reads_the_device():
         assert here.name == "sm90" and here.pdl and here.fp8 and not here.tcgen05
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0) if torch.cuda.is_available() else True,
-                    reason="the sm_90 row of docs/kernels/selection.md")
+@pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0) if torch.cuda.is_available() else True,
+    reason="the sm_90 row of docs/kernels/selection.md",
+)
 def test_auto_target_binds_triton_on_sm90_and_matches_eager(rubin_run):
     model = LoopMoE(hidden=256, inter=256, experts=8, k=2).to("cuda", torch.bfloat16).eval()
     with torch.no_grad():
@@ -31,5 +33,7 @@ def test_auto_target_binds_triton_on_sm90_and_matches_eager(rubin_run):
         x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
         out = rubin_run.compile(model)(x)
         assert_close_to_eager(out, model(x))
-    plans = [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]]
+    plans = [
+        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
+    ]
     assert [pl["impl"] for pl in plans] == ["triton@sm90"]

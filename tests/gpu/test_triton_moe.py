@@ -43,22 +43,27 @@ def _inputs(T, E, H, I, k, dtype, wfmt="16", act="silu", bias=False, block=(128,
     x = torch.randn((T, H), device="cuda", dtype=dtype, generator=g)
     kw = dict(activation=act)
     if wfmt == "16":
-        kw["w13"] = (torch.randn((E, 2 * I, H), device="cuda", generator=g) / H ** 0.5).to(dtype)
-        kw["w2"] = (torch.randn((E, H, I), device="cuda", generator=g) / I ** 0.5).to(dtype)
+        kw["w13"] = (torch.randn((E, 2 * I, H), device="cuda", generator=g) / H**0.5).to(dtype)
+        kw["w2"] = (torch.randn((E, H, I), device="cuda", generator=g) / I**0.5).to(dtype)
     else:
         f8 = torch.float8_e4m3fn
         kw["w13"] = (torch.randn((E, 2 * I, H), device="cuda", generator=g) * 32).to(f8)
         kw["w2"] = (torch.randn((E, H, I), device="cuda", generator=g) * 32).to(f8)
         if wfmt == "fp8_tensor":
-            kw["w13_scale"] = torch.rand((), device="cuda", generator=g) / (32 * H ** 0.5)
-            kw["w2_scale"] = torch.rand((), device="cuda", generator=g) / (32 * I ** 0.5)
+            kw["w13_scale"] = torch.rand((), device="cuda", generator=g) / (32 * H**0.5)
+            kw["w2_scale"] = torch.rand((), device="cuda", generator=g) / (32 * I**0.5)
         elif wfmt == "fp8_expert":
-            kw["w13_scale"] = torch.rand((E,), device="cuda", generator=g) / (32 * H ** 0.5) + 1e-3 / H ** 0.5
-            kw["w2_scale"] = torch.rand((E, 1, 1), device="cuda", generator=g) / (32 * I ** 0.5) + 1e-3 / I ** 0.5
+            kw["w13_scale"] = torch.rand((E,), device="cuda", generator=g) / (32 * H**0.5) + 1e-3 / H**0.5
+            kw["w2_scale"] = torch.rand((E, 1, 1), device="cuda", generator=g) / (32 * I**0.5) + 1e-3 / I**0.5
         else:
             bn, bk = block
-            kw["w13_scale"] = torch.rand((E, -(-2 * I // bn), -(-H // bk)), device="cuda", generator=g) / (32 * H ** 0.5) + 1e-3 / H ** 0.5
-            kw["w2_scale"] = torch.rand((E, -(-H // bn), -(-I // bk)), device="cuda", generator=g) / (32 * I ** 0.5) + 1e-3 / I ** 0.5
+            kw["w13_scale"] = (
+                torch.rand((E, -(-2 * I // bn), -(-H // bk)), device="cuda", generator=g) / (32 * H**0.5)
+                + 1e-3 / H**0.5
+            )
+            kw["w2_scale"] = (
+                torch.rand((E, -(-H // bn), -(-I // bk)), device="cuda", generator=g) / (32 * I**0.5) + 1e-3 / I**0.5
+            )
             kw["block_shape"] = list(block)
     if bias:
         kw["w13_bias"] = torch.randn((E, 2 * I), device="cuda", generator=g).to(dtype) * 0.1
@@ -75,18 +80,44 @@ def _inputs(T, E, H, I, k, dtype, wfmt="16", act="silu", bias=False, block=(128,
 
 def _reference(x, tw, ids, kw):
     """The reference op in float64 on upcast inputs (FP8 weights stay FP8: the reference dequantises them)."""
-    up = {n: (v.double() if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) else v)
-          for n, v in kw.items()}
-    return moe_reference(x.double(), up["w13"], up["w2"], tw.double(), ids, up["activation"], up.get("w13_bias"),
-                         up.get("w2_bias"), up.get("w13_scale"), up.get("w2_scale"), up.get("block_shape"))
+    up = {
+        n: (v.double() if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) else v)
+        for n, v in kw.items()
+    }
+    return moe_reference(
+        x.double(),
+        up["w13"],
+        up["w2"],
+        tw.double(),
+        ids,
+        up["activation"],
+        up.get("w13_bias"),
+        up.get("w2_bias"),
+        up.get("w13_scale"),
+        up.get("w2_scale"),
+        up.get("block_shape"),
+    )
 
 
 def _run(tmoe, x, tw, ids, kw, **extra):
     T, H = x.shape
     out = torch.full((T, H), float("nan"), dtype=x.dtype, device="cuda")
     _poison_allocator(ids.numel() * max(H, kw["w2"].shape[2]) * 4)
-    got = tmoe.fused_moe(x, kw["w13"], kw["w2"], tw, ids, kw["activation"], kw.get("w13_bias"), kw.get("w2_bias"),
-                         kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), out=out, **extra)
+    got = tmoe.fused_moe(
+        x,
+        kw["w13"],
+        kw["w2"],
+        tw,
+        ids,
+        kw["activation"],
+        kw.get("w13_bias"),
+        kw.get("w2_bias"),
+        kw.get("w13_scale"),
+        kw.get("w2_scale"),
+        kw.get("block_shape"),
+        out=out,
+        **extra,
+    )
     assert got is out
     return got
 
@@ -98,16 +129,29 @@ def _check(got, ref, tol):
     return err
 
 
-def _cfg(tmoe, mode, bm=16, bn1=32, bn2=64, bk=128, cap=0, fused=True, a_fp8=False, prefetch=0, swap=False,
-         split=1, **knobs):
+def _cfg(
+    tmoe, mode, bm=16, bn1=32, bn2=64, bk=128, cap=0, fused=True, a_fp8=False, prefetch=0, swap=False, split=1, **knobs
+):
     G = tmoe.GemmConfig
     if mode == "prefill":
-        return tmoe.MoEConfig(mode="prefill", cap=cap or 64, fused_sum=fused, a_fp8=a_fp8, **knobs,
-                              fc1=G(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, split_k=split),
-                              fc2=G(BM=64, BN=128, BK=64, num_warps=4, num_stages=3))
-    return tmoe.MoEConfig(mode=mode, fused_sum=fused, a_fp8=a_fp8, cap=cap, **knobs,
-                          fc1=G(BM=bm, BN=bn1, BK=bk, prefetch=prefetch, swap=swap, split_k=split),
-                          fc2=G(BM=bm, BN=bn2, BK=bk, prefetch=prefetch, swap=swap))
+        return tmoe.MoEConfig(
+            mode="prefill",
+            cap=cap or 64,
+            fused_sum=fused,
+            a_fp8=a_fp8,
+            **knobs,
+            fc1=G(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, split_k=split),
+            fc2=G(BM=64, BN=128, BK=64, num_warps=4, num_stages=3),
+        )
+    return tmoe.MoEConfig(
+        mode=mode,
+        fused_sum=fused,
+        a_fp8=a_fp8,
+        cap=cap,
+        **knobs,
+        fc1=G(BM=bm, BN=bn1, BK=bk, prefetch=prefetch, swap=swap, split_k=split),
+        fc2=G(BM=bm, BN=bn2, BK=bk, prefetch=prefetch, swap=swap),
+    )
 
 
 SHAPES = [
@@ -142,8 +186,9 @@ def test_fp8_weights(tmoe, wfmt, mode):
 
 
 @pytest.mark.parametrize("wfmt", ["fp8_expert", "fp8_block"])
-@pytest.mark.parametrize("mode,T,swap", [("slot", 3, True), ("grouped", 100, True), ("grouped", 100, False),
-                                         ("prefill", 100, False)])
+@pytest.mark.parametrize(
+    "mode,T,swap", [("slot", 3, True), ("grouped", 100, True), ("grouped", 100, False), ("prefill", 100, False)]
+)
 def test_fp8_quantised_activations(tmoe, wfmt, mode, T, swap):
     x, tw, ids, kw = _inputs(T, 8, 512, 320, 2, torch.bfloat16, wfmt=wfmt)
     cfg = _cfg(tmoe, mode, a_fp8=True, swap=swap, bn1=64, bn2=64)
@@ -158,9 +203,18 @@ def test_swapped_tiles(tmoe, wfmt, mode, T):
     _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8"])
 
 
-@pytest.mark.parametrize("T,k,route", [(1, 1, "random"), (1, 8, "random"), (64, 1, "one_expert"),
-                                       (6, 4, "one_expert"), (200, 4, "one_expert"), (40, 3, "skewed"),
-                                       (5000, 2, "random")])
+@pytest.mark.parametrize(
+    "T,k,route",
+    [
+        (1, 1, "random"),
+        (1, 8, "random"),
+        (64, 1, "one_expert"),
+        (6, 4, "one_expert"),
+        (200, 4, "one_expert"),
+        (40, 3, "skewed"),
+        (5000, 2, "random"),
+    ],
+)
 def test_routing_edge_cases(tmoe, T, k, route):
     x, tw, ids, kw = _inputs(T, 10, 256, 160, k, torch.bfloat16, route=route)
     _check(_run(tmoe, x, tw, ids, kw), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
@@ -196,9 +250,12 @@ def test_kernel_boundary_options_bitwise_identical(tmoe, mode, T, wfmt):
     _check(ref, _reference(x, tw, ids, kw), TOL["fp8_a8"] if wfmt != "16" else TOL[torch.bfloat16])
     from dataclasses import replace
 
-    variants = [replace(base, w2_l2=True), replace(base, chain=True),
-                replace(base, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17)),
-                replace(base, w2_l2=True, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17))]
+    variants = [
+        replace(base, w2_l2=True),
+        replace(base, chain=True),
+        replace(base, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17)),
+        replace(base, w2_l2=True, early_launch=True, fc2=replace(base.fc2, prefetch=1 << 17)),
+    ]
     for cfg in variants:
         for pdl in (False, True):
             assert torch.equal(_run(tmoe, x, tw, ids, kw, config=cfg, pdl=pdl), ref), (cfg, pdl)
@@ -223,8 +280,14 @@ def test_zero_size_batch(tmoe):
 @pytest.mark.parametrize("wfmt,swap", [("16", False), ("16", True), ("fp8_block", True)])
 def test_pdl_on_off_bitwise_identical_and_deterministic(tmoe, T, mode, wfmt, swap):
     x, tw, ids, kw = _inputs(T, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt)
-    cfg = _cfg(tmoe, mode, prefetch=16384 if mode != "prefill" else 0, swap=swap and mode != "prefill",
-               a_fp8=wfmt != "16", bn1=64)
+    cfg = _cfg(
+        tmoe,
+        mode,
+        prefetch=16384 if mode != "prefill" else 0,
+        swap=swap and mode != "prefill",
+        a_fp8=wfmt != "16",
+        bn1=64,
+    )
     off = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
     on = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=True)
     again = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=True)

@@ -7,9 +7,19 @@ from pathlib import Path
 import torch
 
 QWEN3_MOE = dict(
-    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
-    norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
     # 0.1 (transformers' default is 0.02) so that every layer, experts included, moves the logits.
     initializer_range=0.1,
 )

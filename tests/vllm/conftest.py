@@ -40,8 +40,11 @@ def vllm_config():
     with set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():
             init_distributed_environment(
-                world_size=1, rank=0, local_rank=0,
-                distributed_init_method=f"file://{tempfile.mktemp(prefix='rubin-vllm-pg-')}", backend="gloo",
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"file://{tempfile.mktemp(prefix='rubin-vllm-pg-')}",
+                backend="gloo",
             )
             initialize_model_parallel(1, 1)
     return cfg
@@ -62,22 +65,37 @@ def make_layer(vllm_config):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
-    def build(*, num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, dtype=torch.float32,
-              shared=False, op_form=False, weight_std=0.1, **kwargs):
+    def build(
+        *,
+        num_experts=8,
+        top_k=2,
+        hidden_size=64,
+        intermediate_size=32,
+        dtype=torch.float32,
+        shared=False,
+        op_form=False,
+        weight_std=0.1,
+        **kwargs,
+    ):
         name = f"model.layers.{next(_layer_ids)}.mlp.experts"
         shared_mlp = SharedMLP(hidden_size, 2 * intermediate_size, dtype) if shared else None
         with set_current_vllm_config(vllm_config):
             layer = FusedMoEFactory(
-                num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
-                intermediate_size=intermediate_size, params_dtype=dtype, prefix=name,
-                shared_experts=shared_mlp, **kwargs,
+                num_experts=num_experts,
+                top_k=top_k,
+                hidden_size=hidden_size,
+                intermediate_size=intermediate_size,
+                params_dtype=dtype,
+                prefix=name,
+                shared_experts=shared_mlp,
+                **kwargs,
             )
             experts = layer.routed_experts
             for p in experts.parameters():  # weights and (has_bias=True) biases
                 p.data.normal_(0, weight_std)
             experts.quant_method.process_weights_after_loading(experts)
         if op_form:
-            layer._forward_entry = (torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward)
+            layer._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
         return layer
 
     return build

@@ -64,8 +64,13 @@ def main() -> None:
         prompts = json.load(f)
     kwargs = compilation_kwargs(args.route)
     llm = LLM(
-        model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=256, max_num_seqs=4,
-        seed=0, **kwargs,
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        **kwargs,
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=args.logprobs)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

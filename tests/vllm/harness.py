@@ -39,8 +39,12 @@ class Stop(Exception):
 class RecordingPass(CustomGraphPass):
     """rubin's vLLM pass, recording op counts before and after, with an optional graph edit first."""
 
-    def __init__(self, options: Optional[dict] = None, edit: Optional[Callable[[torch.fx.Graph], None]] = None,
-                 stop: bool = False) -> None:
+    def __init__(
+        self,
+        options: Optional[dict] = None,
+        edit: Optional[Callable[[torch.fx.Graph], None]] = None,
+        stop: bool = False,
+    ) -> None:
         self.inner = VllmPass({"passes": ["match_moe"], **(options or {})})
         self.edit, self.stop = edit, stop
         self.before: collections.Counter = collections.Counter()
@@ -89,9 +93,19 @@ def run_eager(layer, vllm_config, x, logits, norm: bool = True) -> torch.Tensor:
         return Block(layer, norm)(x.clone(), logits)
 
 
-def compile_layer(layer, vllm_config, x, logits, *, af_v2: bool = False, options: Optional[dict] = None,
-                  edit=None, stop: bool = False, norm: bool = True,
-                  forward_context: bool = True) -> tuple[Callable, RecordingPass]:
+def compile_layer(
+    layer,
+    vllm_config,
+    x,
+    logits,
+    *,
+    af_v2: bool = False,
+    options: Optional[dict] = None,
+    edit=None,
+    stop: bool = False,
+    norm: bool = True,
+    forward_context: bool = True,
+) -> tuple[Callable, RecordingPass]:
     """Compile ``Block(layer)`` for (x, logits) with Inductor running ``RecordingPass``; return a function
     that runs the compiled block (in vLLM's forward context) and the pass. ``forward_context=False``
     compiles outside vLLM's forward context (use with ``stop=True``: the layer cannot run there)."""
@@ -102,8 +116,7 @@ def compile_layer(layer, vllm_config, x, logits, *, af_v2: bool = False, options
     torch._dynamo.reset()
     recorder = RecordingPass(options, edit, stop)
     compiled = torch.compile(Block(layer, norm), backend="inductor", fullgraph=True, dynamic=False)
-    patches = {"post_grad_custom_post_pass": recorder, "enable_auto_functionalized_v2": af_v2,
-               "fx_graph_cache": False}
+    patches = {"post_grad_custom_post_pass": recorder, "enable_auto_functionalized_v2": af_v2, "fx_graph_cache": False}
 
     def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         fc = set_forward_context(None, vllm_config) if forward_context else contextlib.nullcontext()
@@ -118,8 +131,9 @@ def compile_layer(layer, vllm_config, x, logits, *, af_v2: bool = False, options
     return run, recorder
 
 
-def assert_close_to_reference(layer, vllm_config, run: Callable, dtype: torch.dtype, fresh: Callable,
-                              checks: int = 2) -> None:
+def assert_close_to_reference(
+    layer, vllm_config, run: Callable, dtype: torch.dtype, fresh: Callable, checks: int = 2
+) -> None:
     """``run`` (the block compiled with rubin's pass) on ``checks`` fresh inputs from ``fresh()``, against:
 
     * fp32: the layer run eagerly by vLLM;

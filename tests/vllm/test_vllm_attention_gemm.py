@@ -34,7 +34,8 @@ def served(tmp_path_factory) -> dict:
     rng = random.Random()
     prompts.write_text(json.dumps([[rng.randrange(QWEN3_MOE["vocab_size"]) for _ in range(n)] for n in (5, 9)]))
     result = Engines(workdir, model, prompts).run(
-        "pass-sm107", "pass", dump=True, env={"RUBIN_TARGET": "sm107", "RUBIN_PASSES": PASSES, "RUBIN_STRICT": "1"})
+        "pass-sm107", "pass", dump=True, env={"RUBIN_TARGET": "sm107", "RUBIN_PASSES": PASSES, "RUBIN_STRICT": "1"}
+    )
     result["dump"] = workdir / "dump-pass-sm107"
     return result
 
@@ -60,8 +61,11 @@ def test_vllm_attention_kept_and_recorded(served):
         # what Rubin would run instead, from the kernel registry: this fp32 model has no FlashInfer kernel there
         assert "target sm107 has no attention kernel for this layer's float32" in note
         assert "a bfloat16 model would run flashinfer_trtllm" in note and "(vLLM runs CPU_ATTN now)" in note
-        assert re.search(r"with an FP8 KV cache it would run flashinfer_trtllm FP8 attention: --kv-cache-dtype fp8 "
-                         r"--attention-backend FLASHINFER", note), note
+        assert re.search(
+            r"with an FP8 KV cache it would run flashinfer_trtllm FP8 attention: --kv-cache-dtype fp8 "
+            r"--attention-backend FLASHINFER",
+            note,
+        ), note
 
 
 def test_vllm_linear_kept_and_graph_unchanged(served):
@@ -75,8 +79,11 @@ def test_vllm_linear_kept_and_graph_unchanged(served):
     assert not list(graph_dir.glob("*-match_attention.py")) and not list(graph_dir.glob("*-match_gemm.py"))
     before = (graph_dir / "00-input.py").read_text()
     after = sorted(graph_dir.glob("[0-9][0-9]-*.py"))[-1].read_text()
-    for op in ("torch.ops.vllm.unified_attention_with_output.default", "torch.ops.vllm.unified_kv_cache_update.default",
-               "torch.ops._C.onednn_mm.default"):
+    for op in (
+        "torch.ops.vllm.unified_attention_with_output.default",
+        "torch.ops.vllm.unified_kv_cache_update.default",
+        "torch.ops._C.onednn_mm.default",
+    ):
         assert before.count(op) == after.count(op) > 0, op
     assert "rubin.attention" not in after and "rubin.gemm" not in after
     assert all(len(o["token_ids"]) == 8 for o in served["outputs"])  # the engine served the compiled graph

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager, set_call_kwarg
-from rubin_compile.integrations.vllm.layer_ops import cpu_pack_unsupported_reason, cpu_weight_layout, \
-    layer_expert_weights
+from rubin_compile.integrations.vllm.layer_ops import (
+    cpu_pack_unsupported_reason,
+    cpu_weight_layout,
+    layer_expert_weights,
+)
 from rubin_compile.ops.moe import pack_cpu_weight, unpack_cpu_weight
 
 CPU_MOE = "_C::cpu_fused_moe"
@@ -53,8 +56,14 @@ def test_softmax_topk_layer(make_layer, vllm_config, dtype, af_v2):
     "routing",
     [
         dict(renormalize=False),
-        dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
-             e_score_correction_bias=torch.randn(8), routed_scaling_factor=2.5),
+        dict(
+            use_grouped_topk=True,
+            num_expert_group=4,
+            topk_group=2,
+            scoring_func="sigmoid",
+            e_score_correction_bias=torch.randn(8),
+            routed_scaling_factor=2.5,
+        ),
         dict(use_grouped_topk=True, num_expert_group=2, topk_group=1, scoring_func="softmax"),
     ],
     ids=["softmax-no-renormalize", "sigmoid-grouped-bias-scaled", "softmax-grouped"],
@@ -119,8 +128,7 @@ def test_mixed_dtypes_left_unchanged(make_layer, vllm_config):
         call = next(n for n in graph.nodes if op_name(n) == CPU_MOE)
         key = "input"
         with graph.inserting_before(call):
-            cast = graph.call_function(torch.ops.prims.convert_element_type.default,
-                                       (call.kwargs[key], torch.bfloat16))
+            cast = graph.call_function(torch.ops.prims.convert_element_type.default, (call.kwargs[key], torch.bfloat16))
             cast.meta["val"] = call.kwargs[key].meta["val"].to(torch.bfloat16)
         call.kwargs = {**call.kwargs, key: cast}
 
@@ -187,8 +195,9 @@ def test_vllm_cpu_kernel_is_rubin_moe_on_packed_weights(dtype):
     weights = torch.softmax(top, -1)
     p13, p2 = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
     for act, biases in (("silu", (None, None)), ("gelu_tanh", (b13, b2))):
-        got = torch.ops.rubin.moe(x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec",
-                                  impl="vllm_cpu@cpu")
+        got = torch.ops.rubin.moe(
+            x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec", impl="vllm_cpu@cpu"
+        )
         assert_close(got, moe_reference(x, w13, w2, weights, ids, act, *biases))
         forced_ref = torch.ops.rubin.moe(x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec")
         assert_close(forced_ref, moe_reference(x, w13, w2, weights, ids, act, *biases))
@@ -247,5 +256,6 @@ def test_cpu_weight_packing_matches_vllm(dtype, isa):
         assert not vnni  # the 16-row layout whatever the CPU
     assert cpu_pack_unsupported_reason(isa, dtype, 96, 64) is None
     # shapes vLLM's packing would abort the process on are refused before it runs
-    assert "needs N" in cpu_pack_unsupported_reason(isa, dtype, 48, 64) and "got N=48" in \
-        cpu_pack_unsupported_reason(isa, dtype, 48, 64)
+    assert "needs N" in cpu_pack_unsupported_reason(isa, dtype, 48, 64) and "got N=48" in cpu_pack_unsupported_reason(
+        isa, dtype, 48, 64
+    )

@@ -61,13 +61,28 @@ class Engines:
             return self.cache[name]
         out = self.workdir / f"{name}.json"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
-        environ.update(VLLM_CACHE_ROOT=str(self.vllm_cache), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       TORCHINDUCTOR_CACHE_DIR=str(self.workdir / "inductor-cache"), **(env or {}))
+        environ.update(
+            VLLM_CACHE_ROOT=str(self.vllm_cache),
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            TORCHINDUCTOR_CACHE_DIR=str(self.workdir / "inductor-cache"),
+            **(env or {}),
+        )
         dump_dir = self.workdir / f"dump-{name}"
         if dump:
             environ["RUBIN_DUMP_DIR"] = str(dump_dir)
-        cmd = [sys.executable, "-m", "tests.vllm.engine_run", "--model", str(self.model), "--route", route,
-               "--prompts", str(self.prompts), "--out", str(out)] + (["--moe-op"] if moe_op else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.vllm.engine_run",
+            "--model",
+            str(self.model),
+            "--route",
+            route,
+            "--prompts",
+            str(self.prompts),
+            "--out",
+            str(out),
+        ] + (["--moe-op"] if moe_op else [])
         proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{name} engine failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         result = json.loads(out.read_text())
@@ -126,13 +141,19 @@ def test_pass_route(engines):
     assert_every_moe_rewritten(ours, "vllm _C.cpu_fused_moe", "rubin.moe")
     for r in match_moe(report)["rewrites"]:
         d = r["details"]
-        assert (d["E"], d["H"], d["I"], d["k"]) == (QWEN3_MOE["num_experts"], QWEN3_MOE["hidden_size"],
-                                                    QWEN3_MOE["moe_intermediate_size"], QWEN3_MOE["num_experts_per_tok"])
+        assert (d["E"], d["H"], d["I"], d["k"]) == (
+            QWEN3_MOE["num_experts"],
+            QWEN3_MOE["hidden_size"],
+            QWEN3_MOE["moe_intermediate_size"],
+            QWEN3_MOE["num_experts_per_tok"],
+        )
         assert d["routing"]["order"] == "topk_then_softmax" and d["routing"]["router"].startswith("linear")
     # chain_pdl takes the execution mode from vLLM (its config, or its default when the config is not in
     # scope, as in vLLM 0.32), never from the backend option, and decides per MoE node (the CPU: no PDL)
     pdl = next(p for p in report["passes"] if p["name"] == "chain_pdl")
-    assert any("vLLM cudagraph_mode=" in n or "assuming vLLM's default CUDA graphs" in n for n in pdl["notes"]), pdl["notes"]
+    assert any("vLLM cudagraph_mode=" in n or "assuming vLLM's default CUDA graphs" in n for n in pdl["notes"]), pdl[
+        "notes"
+    ]
     assert [d["decision"] for d in pdl["decisions"]] == ["pdl off"] * NUM_MOE_LAYERS
     assert all("has no PDL" in d["reason"] for d in pdl["decisions"])
     assert_same_generation(ours, base)
@@ -144,8 +165,7 @@ def test_pass_route_gpu_form(engines):
     ours = engines.run("pass-moe-op", "pass", moe_op=True, dump=True)
     rewrites = match_moe(ours["reports"][0])["rewrites"]
     assert_every_moe_rewritten(ours, "vllm.moe_forward (layer op)", "rubin.vllm_moe_layer")
-    assert {r["details"]["layer"] for r in rewrites} == {
-        f"model.layers.{i}.mlp.experts" for i in range(NUM_MOE_LAYERS)}
+    assert {r["details"]["layer"] for r in rewrites} == {f"model.layers.{i}.mlp.experts" for i in range(NUM_MOE_LAYERS)}
     assert all(r["details"]["gate_in_layer"] for r in rewrites)  # Qwen3-MoE's router runs inside the layer
     assert_same_generation(ours, base)
 

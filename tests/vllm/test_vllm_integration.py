@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_exported_at_package_top():
     assert getattr(rubin_compile, "vllm_pass", None) is vllm_pass, (
-        "rubin_compile/__init__.py must re-export the pass: "
-        "`from rubin_compile.integrations.vllm import vllm_pass`")
+        "rubin_compile/__init__.py must re-export the pass: `from rubin_compile.integrations.vllm import vllm_pass`"
+    )
 
 
 def test_vllm_resolves_the_name_and_keeps_our_uuid():
@@ -42,7 +42,8 @@ def test_vllm_config_hash_follows_rubin_options(monkeypatch):
 
     def config_hash() -> str:
         return CompilationConfig(
-            inductor_passes={"post_grad_custom_post_pass": "rubin_compile.vllm_pass"}).compute_hash()
+            inductor_passes={"post_grad_custom_post_pass": "rubin_compile.vllm_pass"}
+        ).compute_hash()
 
     monkeypatch.delenv("RUBIN_PASSES", raising=False)
     default = config_hash()

@@ -23,9 +23,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 ROUTINGS = {
     "softmax-renormalize": dict(),
     "softmax-no-renormalize": dict(renormalize=False),
-    "sigmoid-grouped-bias-scaled": dict(use_grouped_topk=True, num_expert_group=4, topk_group=2,
-                                        scoring_func="sigmoid", routed_scaling_factor=2.5,
-                                        e_score_correction_bias="random"),
+    "sigmoid-grouped-bias-scaled": dict(
+        use_grouped_topk=True,
+        num_expert_group=4,
+        topk_group=2,
+        scoring_func="sigmoid",
+        routed_scaling_factor=2.5,
+        e_score_correction_bias="random",
+    ),
     "softmax-grouped": dict(use_grouped_topk=True, num_expert_group=2, topk_group=1),
 }
 
@@ -38,8 +43,10 @@ def routing_kwargs(name):
 
 
 def fresh_inputs(layer, dtype, tokens=7):
-    return (torch.randn(tokens, layer.moe_config.hidden_dim, dtype=dtype),
-            torch.randn(tokens, layer.moe_config.num_experts, dtype=dtype))
+    return (
+        torch.randn(tokens, layer.moe_config.hidden_dim, dtype=dtype),
+        torch.randn(tokens, layer.moe_config.num_experts, dtype=dtype),
+    )
 
 
 def check(layer, vllm_config, dtype, shared=False, af_v2=False):
@@ -97,9 +104,15 @@ def test_routing_settings(make_layer, vllm_config, dtype, routing):
     d, run = check(layer, vllm_config, dtype)
     r, router = d["routing"], layer.router
     assert (r["scoring_func"], r["renormalize"], r["use_grouped_topk"]) == (
-        router.scoring_func, router.renormalize, router.use_grouped_topk)
+        router.scoring_func,
+        router.renormalize,
+        router.use_grouped_topk,
+    )
     assert (r["num_expert_group"], r["topk_group"], r["routed_scaling_factor"]) == (
-        router.num_expert_group, router.topk_group, router.routed_scaling_factor)
+        router.num_expert_group,
+        router.topk_group,
+        router.routed_scaling_factor,
+    )
     assert (r["e_score_correction_bias"] is not None) == (router.e_score_correction_bias is not None)
 
     x, logits = fresh_inputs(layer, dtype)
@@ -119,8 +132,9 @@ def reference_routing(details, logits, correction_bias):
         T, E = scores.shape
         select = scores + correction_bias if r["e_score_correction_bias"] is not None else scores
         grouped = select.view(T, r["num_expert_group"], -1)
-        group_score = (grouped.topk(2, -1).values.sum(-1) if r["e_score_correction_bias"] is not None
-                       else grouped.max(-1).values)
+        group_score = (
+            grouped.topk(2, -1).values.sum(-1) if r["e_score_correction_bias"] is not None else grouped.max(-1).values
+        )
         keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(r["topk_group"], -1).indices, 1)
         masked = select.masked_fill(~keep.repeat_interleave(E // r["num_expert_group"], 1).bool(), float("-inf"))
         ids = masked.topk(k, -1).indices

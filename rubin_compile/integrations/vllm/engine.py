@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 BACKEND_KERNELS: dict[str, str] = {
     "CPU_ATTN": "vLLM's _C.cpu_attention_with_kv_cache (cpu_attn.py)",
     "FLASH_ATTN": "vllm_flash_attn flash_attn_varlen_func, FA2 or FA3 (flash_attn.py)",
-    "FLASHINFER": ("FlashInfer's paged prefill / decode wrappers (fa2 / fa3), or trtllm-gen "
-                   "(trtllm_batch_context / decode_with_kv_cache) where vLLM's use_trtllm_attention allows "
-                   "(flashinfer.py)"),
+    "FLASHINFER": (
+        "FlashInfer's paged prefill / decode wrappers (fa2 / fa3), or trtllm-gen "
+        "(trtllm_batch_context / decode_with_kv_cache) where vLLM's use_trtllm_attention allows "
+        "(flashinfer.py)"
+    ),
     "TRITON_ATTN": "vLLM's Triton unified_attention (triton_attn.py)",
     "FLEX_ATTENTION": "torch flex_attention (flex_attention.py)",
     "FLASHINFER_MLA": "FlashInfer trtllm-gen MLA decode (mla/flashinfer_mla.py)",
@@ -40,7 +42,7 @@ BACKEND_KERNELS: dict[str, str] = {
 # Registry kernel -> the vLLM switches that make vLLM run it (vllm/config/attention.py, vLLM 0.32).
 ATTENTION_SWITCHES: dict[str, str] = {
     "flashinfer_trtllm": "--attention-backend FLASHINFER (trtllm-gen; force with "
-                         "--attention-config.use_trtllm_attention=true)",
+    "--attention-config.use_trtllm_attention=true)",
     "flashinfer_fa3": "--attention-backend FLASHINFER (FlashInfer's fa3 on sm_90)",
     "flashinfer_fa2": "--attention-backend FLASHINFER (fa2)",
 }
@@ -80,8 +82,10 @@ class VllmEngine(Engine):
         if current is None:
             # vLLM 0.32 runs its post-grad passes outside set_current_vllm_config: its cudagraph_mode cannot be
             # read here. vLLM captures CUDA graphs unless enforce_eager is set, so assume its default.
-            return True, ("vLLM's config is not in scope when its pass manager runs ours: assuming vLLM's default "
-                          "CUDA graphs (with enforce_eager, set RUBIN_PDL=off)")
+            return True, (
+                "vLLM's config is not in scope when its pass manager runs ours: assuming vLLM's default "
+                "CUDA graphs (with enforce_eager, set RUBIN_PDL=off)"
+            )
         mode = current.compilation_config.cudagraph_mode
         name = getattr(mode, "name", str(mode))
         return name != "NONE", f"vLLM cudagraph_mode={name}"
@@ -112,7 +116,8 @@ class VllmEngine(Engine):
             backend = getattr(backend_cls, "__name__", str(backend_cls))
         impl = getattr(layer, "impl", None)
         kernel = BACKEND_KERNELS.get(backend) or (
-            f"{type(impl).__module__}.{type(impl).__name__}" if impl is not None else "unknown")
+            f"{type(impl).__module__}.{type(impl).__name__}" if impl is not None else "unknown"
+        )
         isa = getattr(layer, "isa", None)
         if isa:
             kernel += f", isa={isa}"

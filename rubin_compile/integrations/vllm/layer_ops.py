@@ -69,8 +69,10 @@ def cpu_weight_layout(isa: str, dtype: torch.dtype, n: int, k: int) -> tuple[Opt
     knows)."""
     if n % _PACK_ALIGN or (isa == "amx" and k % _PACK_ALIGN):
         what = "N and K" if isa == "amx" else "N"
-        return None, (f"vLLM's CPU MoE packing for isa={isa!r} needs {what} multiples of {_PACK_ALIGN} (it aborts "
-                      f"the process otherwise); got N={n}, K={k}")
+        return None, (
+            f"vLLM's CPU MoE packing for isa={isa!r} needs {what} multiples of {_PACK_ALIGN} (it aborts "
+            f"the process otherwise); got N={n}, K={k}"
+        )
     prepack = getattr(getattr(torch.ops, "_C", None), "prepack_moe_weight", None)
     if prepack is None:
         return None, "vLLM's _C.prepack_moe_weight is not available to check the weight layout"
@@ -87,8 +89,10 @@ def cpu_weight_layout(isa: str, dtype: torch.dtype, n: int, k: int) -> tuple[Opt
         for layout in (WeightLayout("vllm_cpu", isa), WeightLayout("vllm_cpu", isa, vnni=True)):
             if torch.equal(pack_cpu_weight(w, layout.vnni), packed):
                 return layout.encode(), None
-    return None, (f"weights prepacked for isa={isa!r} ({dtype}) are in neither layout rubin knows how to unpack "
-                  f"({PLAIN_CPU.describe()}; {VNNI_CPU.describe()})")
+    return None, (
+        f"weights prepacked for isa={isa!r} ({dtype}) are in neither layout rubin knows how to unpack "
+        f"({PLAIN_CPU.describe()}; {VNNI_CPU.describe()})"
+    )
 
 
 def cpu_pack_unsupported_reason(isa: str, dtype: torch.dtype, n: int, k: int) -> Optional[str]:
@@ -182,12 +186,19 @@ def _weights_unsupported_reason(experts: Any) -> Optional[str]:
     return f"vLLM MoE backend {backend.value} re-lays out the expert weights in a way rubin does not undo"
 
 
-def layer_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], str]:
+def layer_expert_weights(
+    layer: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], str]:
     """The layer's (w13, w2, w13_bias, w2_bias, weight_layout) as stored, no copy: ``"plain"``, or
     ``"vllm_cpu:<isa>[:vnni]"`` where vLLM's CPU build prepacked them (rubin.moe's layouts)."""
     experts = layer.routed_experts
-    return (experts.w13_weight, experts.w2_weight, getattr(experts, "w13_bias", None),
-            getattr(experts, "w2_bias", None), layer_weight_layout(layer))
+    return (
+        experts.w13_weight,
+        experts.w2_weight,
+        getattr(experts, "w13_bias", None),
+        getattr(experts, "w2_bias", None),
+        layer_weight_layout(layer),
+    )
 
 
 def layer_weight_layout(layer: Any) -> str:
@@ -197,8 +208,9 @@ def layer_weight_layout(layer: Any) -> str:
     experts = layer.routed_experts
     method = experts.quant_method
     if method.unquantized_backend == UnquantizedMoeBackend.CPU:
-        layout, reason = packed_weights_layout(method.moe_kernel.fused_experts.isa, experts.w13_weight,
-                                               experts.w2_weight)
+        layout, reason = packed_weights_layout(
+            method.moe_kernel.fused_experts.isa, experts.w13_weight, experts.w2_weight
+        )
         if layout is None:  # layer_unsupported_reason rejects such a layer before it is rewritten
             raise ValueError(f"rubin: vLLM layer {layer.layer_name}: {reason}")
         return layout
@@ -264,8 +276,17 @@ def run_layer(
         input_ids=input_ids,
     )
     w13, w2, b13, b2, layout = layer_expert_weights(layer)
-    args = MoEArgs(hidden_states, w13, w2, topk_weights, topk_ids, GATED_ACTIVATIONS[layer.activation.value], b13,
-                   b2, weight_layout=WeightLayout.decode(layout))
+    args = MoEArgs(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        GATED_ACTIVATIONS[layer.activation.value],
+        b13,
+        b2,
+        weight_layout=WeightLayout.decode(layout),
+    )
     return shared_out, MOE.run(impl, args, Launch.decode(pdl, placement))
 
 
@@ -292,8 +313,9 @@ def compile_time_layer(name: str) -> tuple[Any, Optional[str]]:
     except (ImportError, AssertionError, AttributeError):
         layer = None
     if layer is None:
-        return None, (f"layer {name!r} is not in vLLM's forward context at compile time, so its settings "
-                      "cannot be checked")
+        return None, (
+            f"layer {name!r} is not in vLLM's forward context at compile time, so its settings cannot be checked"
+        )
     return layer, None
 
 
@@ -330,11 +352,18 @@ def define_ops() -> None:
         placement: str = "",
     ) -> torch.Tensor:
         layer = find_layer(layer_name_value(layer_name))
-        return run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl, pdl,
-                         placement)[1]
+        return run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl, pdl, placement)[1]
 
-    def vllm_moe_layer_fake(hidden_states, router_logits, shared_experts_input, input_ids, layer_name,
-                            impl="reference", pdl=False, placement=""):
+    def vllm_moe_layer_fake(
+        hidden_states,
+        router_logits,
+        shared_experts_input,
+        input_ids,
+        layer_name,
+        impl="reference",
+        pdl=False,
+        placement="",
+    ):
         return torch.empty_like(hidden_states)
 
     def vllm_moe_layer_shared(
@@ -348,12 +377,21 @@ def define_ops() -> None:
         placement: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = find_layer(layer_name_value(layer_name))
-        shared, fused = run_layer(layer, hidden_states, router_logits, shared_experts_input, input_ids, impl,
-                                  pdl, placement)
+        shared, fused = run_layer(
+            layer, hidden_states, router_logits, shared_experts_input, input_ids, impl, pdl, placement
+        )
         return shared, fused
 
-    def vllm_moe_layer_shared_fake(hidden_states, router_logits, shared_experts_input, input_ids,
-                                   layer_name, impl="reference", pdl=False, placement=""):
+    def vllm_moe_layer_shared_fake(
+        hidden_states,
+        router_logits,
+        shared_experts_input,
+        input_ids,
+        layer_name,
+        impl="reference",
+        pdl=False,
+        placement="",
+    ):
         shared_like = shared_experts_input if shared_experts_input is not None else hidden_states
         return torch.empty_like(shared_like), torch.empty_like(hidden_states)
 
@@ -390,11 +428,23 @@ def layer_spec(node: torch.fx.Node) -> KernelSpec:
     name = layer_name_value(value) if value is not None else None
     layer = compile_time_layer(name)[0] if isinstance(name, str) else None
     details = layer_details(layer) if layer is not None else {}
-    sizes = {"T": static_size(hidden, 0), "E": details.get("E"), "H": static_size(hidden, 1), "I": details.get("I"),
-             "k": details.get("k")}
-    return KernelSpec(op="moe", quant="none", act_dtype=dtype, weight_dtype=dtype,
-                      shape=tuple((k, v) for k, v in sizes.items() if v is not None), node=node.name,
-                      activation=details.get("activation"), weight_layout=details.get("weight_layout", "plain"))
+    sizes = {
+        "T": static_size(hidden, 0),
+        "E": details.get("E"),
+        "H": static_size(hidden, 1),
+        "I": details.get("I"),
+        "k": details.get("k"),
+    }
+    return KernelSpec(
+        op="moe",
+        quant="none",
+        act_dtype=dtype,
+        weight_dtype=dtype,
+        shape=tuple((k, v) for k, v in sizes.items() if v is not None),
+        node=node.name,
+        activation=details.get("activation"),
+        weight_layout=details.get("weight_layout", "plain"),
+    )
 
 
 # rubin.moe's kernels run these ops (selection binds their impl argument); their specs come from the layer.

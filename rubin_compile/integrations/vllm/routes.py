@@ -113,4 +113,3 @@ def backend_route_cache_key(options: OptionsLike = None) -> dict[str, Any]:
     """
     uuid = PassManager(RubinOptions.resolve(options), source="backend").uuid()
     return {"additional_config": {"rubin_uuid": uuid}}
-

@@ -42,16 +42,24 @@ def _runnable(here: Target) -> Optional[str]:
         return "the Triton MoE kernels need the 'triton' package, which is not installed"
     # The kernels run on the device itself, whatever target this machine is taken for.
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return ("the Triton MoE kernels need a CUDA GPU and torch.cuda.is_available() is False "
-                "(set TRITON_INTERPRET=1 only to run them slowly on the CPU for tests)")
+        return (
+            "the Triton MoE kernels need a CUDA GPU and torch.cuda.is_available() is False "
+            "(set TRITON_INTERPRET=1 only to run them slowly on the CPU for tests)"
+        )
     return None
 
 
 # Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on Blackwell
 # FlashInfer first and Triton after it; on Hopper Triton first (docs/kernels/selection.md).
-@MOE.register_kernel("triton", supports=_moe_supports, priority={"*": 10, "sm90": 30}, runnable=_runnable,
-                     entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe", pdl=lambda spec: None,
-                     placements=("split_n",))
+@MOE.register_kernel(
+    "triton",
+    supports=_moe_supports,
+    priority={"*": 10, "sm90": 30},
+    runnable=_runnable,
+    entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe",
+    pdl=lambda spec: None,
+    placements=("split_n",),
+)
 def triton_moe(args: MoEArgs, launch: Launch) -> torch.Tensor:
     """The fused Triton MoE (kernels/triton/moe.py: ``run``)."""
     # Imported here, not at the top: registering the kernel must need neither Triton nor a GPU.

@@ -151,8 +151,14 @@ def heuristic_config(
         mode = "prefill"
         fc1 = GemmConfig(BM=128, BN=64, BK=min(64, bk), num_warps=8, num_stages=3)
         fc2 = GemmConfig(BM=128, BN=128, BK=min(64, bk), num_warps=8, num_stages=3)
-        return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, w_elt), fc2=fit_smem(fc2, "fc2", 2, w_elt),
-                         cap=128, fused_sum=True, a_fp8=False)
+        return MoEConfig(
+            mode=mode,
+            fc1=fit_smem(fc1, "fc1", 2, w_elt),
+            fc2=fit_smem(fc2, "fc2", 2, w_elt),
+            cap=128,
+            fused_sum=True,
+            a_fp8=False,
+        )
     mode = "slot" if S <= SLOT_MAX else "grouped"
     bm = _pow2_at_least(rows, 16, 64)
 
@@ -170,13 +176,20 @@ def heuristic_config(
         # bottleneck of the W8A16 path on this design)
         fc1 = GemmConfig(BM=bm, BN=min(64, max(32, pick_bn(I, 128))), BK=bk, num_warps=4, num_stages=4, swap=True)
         fc2 = GemmConfig(BM=bm, BN=min(64, max(32, pick_bn(H, 128))), BK=bk, num_warps=4, num_stages=4, swap=True)
-        return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, 1), fc2=fit_smem(fc2, "fc2", 2, 1),
-                         cap=0, fused_sum=True, a_fp8=True)
+        return MoEConfig(
+            mode=mode, fc1=fit_smem(fc1, "fc1", 2, 1), fc2=fit_smem(fc2, "fc2", 2, 1), cap=0, fused_sum=True, a_fp8=True
+        )
     # (FC2's fused-sum epilogue spills at BN=128 with 4 warps, hence its narrower widest tile)
     fc1 = GemmConfig(BM=bm, BN=pick_bn(I, 128), BK=bk, num_warps=4, num_stages=4)
     fc2 = GemmConfig(BM=bm, BN=pick_bn(H, 64), BK=bk, num_warps=4, num_stages=4)
-    return MoEConfig(mode=mode, fc1=fit_smem(fc1, "fc1", 2, w_elt), fc2=fit_smem(fc2, "fc2", 2, w_elt),
-                     cap=0, fused_sum=True, a_fp8=False)
+    return MoEConfig(
+        mode=mode,
+        fc1=fit_smem(fc1, "fc1", 2, w_elt),
+        fc2=fit_smem(fc2, "fc2", 2, w_elt),
+        cap=0,
+        fused_sum=True,
+        a_fp8=False,
+    )
 
 
 SMEM_LIMIT = 225 * 1024  # of the H100 / H200's 227 KB per block, with room for Triton's scratch
@@ -338,8 +351,7 @@ def _group_rows(
 
 
 @triton.jit
-def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: tl.constexpr,
-              DOT_PREC: tl.constexpr):
+def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc + x . w over one K tile.
 
     Plain: x [BM, BK], w [BK, BN], acc [BM, BN]. Swapped (``SWAP``): w [BN, BK], x [BK, BM], acc [BN, BM],
@@ -375,17 +387,75 @@ def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: t
     return out
 
 
-@triton.jit(do_not_specialize=["S", "K_TOP", "cnt_numel", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk",
-                                "KCH", "stride_is", "stride_w2e"])
+@triton.jit(
+    do_not_specialize=[
+        "S",
+        "K_TOP",
+        "cnt_numel",
+        "stride_be",
+        "stride_bn",
+        "stride_se",
+        "stride_sn",
+        "stride_sk",
+        "KCH",
+        "stride_is",
+        "stride_w2e",
+    ]
+)
 def _moe_fc1_kernel(
-    x_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, inter_ptr, cnt_ptr, w2_ptr,
-    S, K_TOP, H, I, N_UP, cnt_numel, KCH,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_se, stride_sn, stride_sk, stride_it, stride_is, stride_w2e, SCALE_BN, SCALE_BK,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, SWAP: tl.constexpr,
-    SPLIT: tl.constexpr, EARLY: tl.constexpr, W2_L2: tl.constexpr, W2_CHUNK: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    ws_ptr,
+    ids_ptr,
+    sorted_ptr,
+    gexp_ptr,
+    gstart_ptr,
+    gcount_ptr,
+    inter_ptr,
+    cnt_ptr,
+    w2_ptr,
+    S,
+    K_TOP,
+    H,
+    I,
+    N_UP,
+    cnt_numel,
+    KCH,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_it,
+    stride_is,
+    stride_w2e,
+    SCALE_BN,
+    SCALE_BK,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ROUTE: tl.constexpr,
+    SLOT_P2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PF_CHUNK: tl.constexpr,
+    SWAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EARLY: tl.constexpr,
+    W2_L2: tl.constexpr,
+    W2_CHUNK: tl.constexpr,
 ):
     """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, N_UP + n]), n < I.
 
@@ -416,9 +486,12 @@ def _moe_fc1_kernel(
         per = tl.cdiv(cnt_numel, tl.num_programs(1))
         for c0 in range(0, per, 1024):
             zo = c0 + tl.arange(0, 1024)
-            tl.store(cnt_ptr + pid_n * per + zo, tl.zeros([1024], tl.int32), mask=(zo < per) & (pid_n * per + zo < cnt_numel))
-    e, skip, start, count, match, rank = _program_group(ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g,
-                                                        ROUTE, SLOT_P2)
+            tl.store(
+                cnt_ptr + pid_n * per + zo, tl.zeros([1024], tl.int32), mask=(zo < per) & (pid_n * per + zo < cnt_numel)
+            )
+    e, skip, start, count, match, rank = _program_group(
+        ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g, ROUTE, SLOT_P2
+    )
     if skip:
         return
     e64 = e.to(tl.int64)
@@ -474,7 +547,9 @@ def _moe_fc1_kernel(
             if W_SCALE == 2:
                 kb = k0 // SCALE_BK
                 sg = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-                su = tl.load(s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+                su = tl.load(
+                    s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0
+                )
             acc_g = _mma_step(x, wg, acc_g, sg, W_SCALE, A_FP8, SWAP, DOT_PREC)
             acc_u = _mma_step(x, wu, acc_u, su, W_SCALE, A_FP8, SWAP, DOT_PREC)
             x_ptrs += BK * stride_xh
@@ -508,18 +583,58 @@ def _moe_fc1_kernel(
             tl.store(i_ptrs + N_UP, acc_u, mask=i_mask)
 
 
-@triton.jit(do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk",
-                                "stride_as"])
+@triton.jit(
+    do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk", "stride_as"]
+)
 def _moe_fc2_kernel(
-    a_ptr, w_ptr, b_ptr, ws_ptr, ids_ptr, tw_ptr, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr,
-    part_ptr, out_ptr, cnt_ptr,
-    S, K_TOP, H, I,
-    stride_at, stride_as, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_se, stride_sn, stride_sk, stride_pt, stride_ot, SCALE_BN, SCALE_BK,
-    HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROUTE: tl.constexpr, SLOT_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
-    FUSED_SUM: tl.constexpr, SWAP: tl.constexpr, SPLIT1: tl.constexpr, ACT: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    b_ptr,
+    ws_ptr,
+    ids_ptr,
+    tw_ptr,
+    sorted_ptr,
+    gexp_ptr,
+    gstart_ptr,
+    gcount_ptr,
+    part_ptr,
+    out_ptr,
+    cnt_ptr,
+    S,
+    K_TOP,
+    H,
+    I,
+    stride_at,
+    stride_as,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_pt,
+    stride_ot,
+    SCALE_BN,
+    SCALE_BK,
+    HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ROUTE: tl.constexpr,
+    SLOT_P2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PF_CHUNK: tl.constexpr,
+    FUSED_SUM: tl.constexpr,
+    SWAP: tl.constexpr,
+    SPLIT1: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """FC2 + top-k weighted sum: out[t, n] = sum_j w[t, j] * (inter[t*k + j] . w2[e_j, n]).
 
@@ -534,8 +649,9 @@ def _moe_fc2_kernel(
     offs_k = tl.arange(0, BK)
     # Routing data (ids, route tables) was complete before FC1 passed its gdc_wait, and FC1 lets this grid
     # start only after that, so reading it here, before our own wait, is safe.
-    e, skip, start, count, match, rank = _program_group(ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g,
-                                                        ROUTE, SLOT_P2)
+    e, skip, start, count, match, rank = _program_group(
+        ids_ptr, gexp_ptr, gstart_ptr, gcount_ptr, S, pid_g, ROUTE, SLOT_P2
+    )
     if skip:
         return
     e64 = e.to(tl.int64)
@@ -579,7 +695,9 @@ def _moe_fc2_kernel(
                     a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
             sw = 1.0
             if W_SCALE == 2:
-                sw = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask, other=0.0)
+                sw = tl.load(
+                    s_base + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask, other=0.0
+                )
             acc = _mma_step(a, w, acc, sw, W_SCALE, A_FP8, SWAP, DOT_PREC)
             a_ptrs += BK
             w_ptrs += BK * stride_wk
@@ -606,8 +724,9 @@ def _moe_fc2_kernel(
                 tot = tl.zeros([BM, BN], tl.float32)
                 q_ptrs = part_ptr + (tok * K_TOP)[:, None] * stride_pt + offs_n[None, :]
                 for j in range(0, K_TOP):
-                    p = tl.load(q_ptrs + j * stride_pt, mask=last[:, None] & n_mask[None, :], other=0.0,
-                                cache_modifier=".cg")
+                    p = tl.load(
+                        q_ptrs + j * stride_pt, mask=last[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg"
+                    )
                     tot += p.to(tl.float32)
                 o_ptrs = out_ptr + tok[:, None] * stride_ot + offs_n[None, :]
                 tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
@@ -631,8 +750,18 @@ def _moe_sum_kernel(part_ptr, out_ptr, H, K_TOP, stride_pt, stride_ot, BLOCK: tl
 
 @triton.jit(do_not_specialize=["S", "G", "CAP"])
 def _moe_route_kernel(
-    ids_ptr, S, G, CAP, sorted_ptr, gexp_ptr, gstart_ptr, gcount_ptr, scratch_ptr,
-    S_P2: tl.constexpr, G_P2: tl.constexpr, GDC: tl.constexpr,
+    ids_ptr,
+    S,
+    G,
+    CAP,
+    sorted_ptr,
+    gexp_ptr,
+    gstart_ptr,
+    gcount_ptr,
+    scratch_ptr,
+    S_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """One program: sort slots by expert (stable), cut them into groups of <= CAP rows per expert.
 
@@ -776,8 +905,14 @@ class MoEPlan:
     @property
     def common(self) -> dict[str, Any]:
         """Compile-time arguments both GEMM kernels take."""
-        return dict(W_SCALE=self.w_scale, A_FP8=self.a_fp8, DOT_PREC=self.dot_prec, ROUTE=self.route,
-                    SLOT_P2=SLOT_MAX, GDC=self.gdc)
+        return dict(
+            W_SCALE=self.w_scale,
+            A_FP8=self.a_fp8,
+            DOT_PREC=self.dot_prec,
+            ROUTE=self.route,
+            SLOT_P2=SLOT_MAX,
+            GDC=self.gdc,
+        )
 
     def _pdl(self, on: bool) -> dict[str, Any]:
         return {"launch_pdl": True} if on else {}
@@ -798,9 +933,20 @@ class MoEPlan:
         s_p2 = triton.next_power_of_2(S)
         scratch = torch.empty(s_p2, dtype=i32, device=dev)
         _moe_route_kernel[(1,)](
-            ids, S, G, self.cap, sorted_slots, gexp, gstart, gcount, scratch,
-            S_P2=s_p2, G_P2=triton.next_power_of_2(G), GDC=self.gdc,
-            num_warps=4 if s_p2 <= 1024 else 8, **self._pdl(self.first_pdl),
+            ids,
+            S,
+            G,
+            self.cap,
+            sorted_slots,
+            gexp,
+            gstart,
+            gcount,
+            scratch,
+            S_P2=s_p2,
+            G_P2=triton.next_power_of_2(G),
+            GDC=self.gdc,
+            num_warps=4 if s_p2 <= 1024 else 8,
+            **self._pdl(self.first_pdl),
         )
         return sorted_slots, gexp, gstart, gcount
 
@@ -813,9 +959,20 @@ class MoEPlan:
 
     # the two GEMMs -------------------------------------------------------------------------------
 
-    def launch_fc1(self, c: "_Call", w: torch.Tensor, n_up: int, i_len: int, b: Optional[torch.Tensor],
-                   sc: tuple, inter_v: torch.Tensor, cnt: torch.Tensor, cnt_numel: int, w2_l2: bool,
-                   pdl: bool) -> None:
+    def launch_fc1(
+        self,
+        c: "_Call",
+        w: torch.Tensor,
+        n_up: int,
+        i_len: int,
+        b: Optional[torch.Tensor],
+        sc: tuple,
+        inter_v: torch.Tensor,
+        cnt: torch.Tensor,
+        cnt_numel: int,
+        w2_l2: bool,
+        pdl: bool,
+    ) -> None:
         """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v``."""
         fc1, H, elt = self.fc1, self.H, w.element_size()
         pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
@@ -832,34 +989,115 @@ class MoEPlan:
         bb = b if b is not None else out
         scale, s_e, s_n, s_k = sc
         _moe_fc1_kernel[(self.groups, nt1, self.split)](
-            x, w, bb, scale if scale is not None else out, c.ids, *c.routes, inter_v, cnt, c.args.w2,
-            self.S, self.k, H, i_len, n_up, cnt_numel, self.kch,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
-            s_e, s_n, s_k, inter_v.stride(1), inter_v.stride(0), c.args.w2.stride(0), *self.block,
-            ACT=self.act, HAS_BIAS=b is not None, BM=fc1.BM, BN=fc1.BN, BK=fc1.BK, EVEN_K=H % fc1.BK == 0,
-            PREFETCH=pf1, PF_CHUNK=_pf_chunk(pf1, fc1), SWAP=fc1.swap, SPLIT=self.split,
-            EARLY=bool(self.config.early_launch and pdl), W2_L2=w2_l2_bytes, W2_CHUNK=max(16, w2_chunk),
-            num_warps=fc1.num_warps, num_stages=fc1.num_stages, **self.common, **self._pdl(pdl),
+            x,
+            w,
+            bb,
+            scale if scale is not None else out,
+            c.ids,
+            *c.routes,
+            inter_v,
+            cnt,
+            c.args.w2,
+            self.S,
+            self.k,
+            H,
+            i_len,
+            n_up,
+            cnt_numel,
+            self.kch,
+            x.stride(0),
+            x.stride(1),
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            bb.stride(0) if b is not None else 0,
+            bb.stride(1) if b is not None else 0,
+            s_e,
+            s_n,
+            s_k,
+            inter_v.stride(1),
+            inter_v.stride(0),
+            c.args.w2.stride(0),
+            *self.block,
+            ACT=self.act,
+            HAS_BIAS=b is not None,
+            BM=fc1.BM,
+            BN=fc1.BN,
+            BK=fc1.BK,
+            EVEN_K=H % fc1.BK == 0,
+            PREFETCH=pf1,
+            PF_CHUNK=_pf_chunk(pf1, fc1),
+            SWAP=fc1.swap,
+            SPLIT=self.split,
+            EARLY=bool(self.config.early_launch and pdl),
+            W2_L2=w2_l2_bytes,
+            W2_CHUNK=max(16, w2_chunk),
+            num_warps=fc1.num_warps,
+            num_stages=fc1.num_stages,
+            **self.common,
+            **self._pdl(pdl),
         )
 
-    def launch_fc2(self, c: "_Call", w: torch.Tensor, h_len: int, b: Optional[torch.Tensor], sc: tuple,
-                   part_v: torch.Tensor, out_v: torch.Tensor, cnt: torch.Tensor, pdl: bool) -> None:
+    def launch_fc2(
+        self,
+        c: "_Call",
+        w: torch.Tensor,
+        h_len: int,
+        b: Optional[torch.Tensor],
+        sc: tuple,
+        part_v: torch.Tensor,
+        out_v: torch.Tensor,
+        cnt: torch.Tensor,
+        pdl: bool,
+    ) -> None:
         """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first."""
         fc2, inter, I, elt = self.fc2, c.inter, self.I, w.element_size()
         pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
         bb = b if b is not None else c.out
         scale, s_e, s_n, s_k = sc
         _moe_fc2_kernel[(self.groups, triton.cdiv(h_len, fc2.BN))](
-            inter, w, bb, scale if scale is not None else c.out, c.ids, c.tw, *c.routes, part_v, out_v, cnt,
-            self.S, self.k, h_len, I,
-            inter.stride(1), inter.stride(0), w.stride(0), w.stride(1), w.stride(2),
-            bb.stride(0) if b is not None else 0, bb.stride(1) if b is not None else 0,
-            s_e, s_n, s_k, part_v.stride(0), out_v.stride(0), *self.block,
-            HAS_BIAS=b is not None, BM=fc2.BM, BN=fc2.BN, BK=fc2.BK, EVEN_K=I % fc2.BK == 0,
-            PREFETCH=pf2, PF_CHUNK=_pf_chunk(pf2, fc2), FUSED_SUM=self.config.fused_sum, SWAP=fc2.swap,
-            SPLIT1=self.split, ACT=self.act, num_warps=fc2.num_warps, num_stages=fc2.num_stages,
-            **self.common, **self._pdl(pdl),
+            inter,
+            w,
+            bb,
+            scale if scale is not None else c.out,
+            c.ids,
+            c.tw,
+            *c.routes,
+            part_v,
+            out_v,
+            cnt,
+            self.S,
+            self.k,
+            h_len,
+            I,
+            inter.stride(1),
+            inter.stride(0),
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            bb.stride(0) if b is not None else 0,
+            bb.stride(1) if b is not None else 0,
+            s_e,
+            s_n,
+            s_k,
+            part_v.stride(0),
+            out_v.stride(0),
+            *self.block,
+            HAS_BIAS=b is not None,
+            BM=fc2.BM,
+            BN=fc2.BN,
+            BK=fc2.BK,
+            EVEN_K=I % fc2.BK == 0,
+            PREFETCH=pf2,
+            PF_CHUNK=_pf_chunk(pf2, fc2),
+            FUSED_SUM=self.config.fused_sum,
+            SWAP=fc2.swap,
+            SPLIT1=self.split,
+            ACT=self.act,
+            num_warps=fc2.num_warps,
+            num_stages=fc2.num_stages,
+            **self.common,
+            **self._pdl(pdl),
         )
 
     # the two ways to run it ----------------------------------------------------------------------
@@ -870,17 +1108,44 @@ class MoEPlan:
         nt2 = triton.cdiv(self.H, self.fc2.BN)
         cnt = torch.empty((self.T, nt2), dtype=torch.int32, device=dev) if self.config.fused_sum else c.out
         w2, elt = args.w2, args.w2.element_size()
-        w2_l2 = bool(self.config.w2_l2 and self.config.mode != "prefill" and not _INTERPRET and (
-            w2.stride(2) == 1 and w2.stride(1) == self.I and (self.H * self.I * elt) % 16 == 0
-            and w2.data_ptr() % 16 == 0))
-        self.launch_fc1(c, args.w13, self.I, self.I, args.w13_bias, c.s13, c.inter, cnt,
-                        self.T * nt2 if self.config.fused_sum else 0, w2_l2, c.fc1_pdl)
+        w2_l2 = bool(
+            self.config.w2_l2
+            and self.config.mode != "prefill"
+            and not _INTERPRET
+            and (
+                w2.stride(2) == 1
+                and w2.stride(1) == self.I
+                and (self.H * self.I * elt) % 16 == 0
+                and w2.data_ptr() % 16 == 0
+            )
+        )
+        self.launch_fc1(
+            c,
+            args.w13,
+            self.I,
+            self.I,
+            args.w13_bias,
+            c.s13,
+            c.inter,
+            cnt,
+            self.T * nt2 if self.config.fused_sum else 0,
+            w2_l2,
+            c.fc1_pdl,
+        )
         self.launch_fc2(c, w2, self.H, args.w2_bias, c.s2, c.part, c.out, cnt, self.chain_pdl)
         if not self.config.fused_sum:
             block = min(1024, triton.next_power_of_2(self.H))
             _moe_sum_kernel[(self.T, triton.cdiv(self.H, block))](
-                c.part, c.out, self.H, self.k, c.part.stride(0), c.out.stride(0), BLOCK=block, GDC=self.gdc,
-                num_warps=4, **self._pdl(self.chain_pdl),
+                c.part,
+                c.out,
+                self.H,
+                self.k,
+                c.part.stride(0),
+                c.out.stride(0),
+                BLOCK=block,
+                GDC=self.gdc,
+                num_warps=4,
+                **self._pdl(self.chain_pdl),
             )
 
     def run_split_n(self, c: "_Call", dom: locality.Domains) -> None:
@@ -907,18 +1172,31 @@ class MoEPlan:
             sc2 = [_scale_args(s, True) for s in locality.shards(c.s2[0], dom, "s2", blk(hb))]
         else:  # per-tensor / per-expert scales (or none) are shared
             sc13, sc2 = [c.s13] * n, [c.s2] * n
-        cnts = [torch.empty((self.T, triton.cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev)
-                for lo, hi in hb]
+        cnts = [
+            torch.empty((self.T, triton.cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb
+        ]
 
         def fc1(d: int) -> None:
             lo, hi = ib[d]
-            self.launch_fc1(c, w13s[d], (hi - lo) if local else I, hi - lo, b13s[d] if b13s else None, sc13[d],
-                            c.inter[:, :, lo:], cnts[d], cnts[d].numel(), False, False)
+            self.launch_fc1(
+                c,
+                w13s[d],
+                (hi - lo) if local else I,
+                hi - lo,
+                b13s[d] if b13s else None,
+                sc13[d],
+                c.inter[:, :, lo:],
+                cnts[d],
+                cnts[d].numel(),
+                False,
+                False,
+            )
 
         def fc2(d: int) -> None:
             lo, hi = hb[d]
-            self.launch_fc2(c, w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], c.part[:, lo:], c.out[:, lo:],
-                            cnts[d], False)
+            self.launch_fc2(
+                c, w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], c.part[:, lo:], c.out[:, lo:], cnts[d], False
+            )
 
         if any(st is None for st in dom.streams):  # sequential domains (interpreter, tests): same order, one stream
             for d in range(n):
@@ -928,7 +1206,7 @@ class MoEPlan:
             return
         cur = torch.cuda.current_stream(dev)
         ev = dom.events(1 + 2 * n)
-        fork, done1, done2 = ev[0], ev[1:1 + n], ev[1 + n:]
+        fork, done1, done2 = ev[0], ev[1 : 1 + n], ev[1 + n :]
         fork.record(cur)
         for d, s in enumerate(dom.streams):
             s.wait_event(fork)
@@ -963,9 +1241,22 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_call(T: int, H: int, E: int, I: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,  # noqa: E741
-              block_shape: Optional[tuple[int, int]], activation: str, config: MoEConfig, has_pdl: bool,
-              pdl: bool, split_n: bool, interpret: bool) -> MoEPlan:
+def plan_call(
+    T: int,
+    H: int,
+    E: int,
+    I: int,
+    k: int,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,  # noqa: E741
+    block_shape: Optional[tuple[int, int]],
+    activation: str,
+    config: MoEConfig,
+    has_pdl: bool,
+    pdl: bool,
+    split_n: bool,
+    interpret: bool,
+) -> MoEPlan:
     """The launch plan of one call shape (see ``MoEPlan``); ``config`` is the chosen one (table or heuristic),
     ``split_n`` whether the call runs over locality domains (whose split-K form is not per domain: FC1 then
     runs unsplit over K)."""
@@ -997,12 +1288,29 @@ def plan_call(T: int, H: int, E: int, I: int, k: int, x_dtype: torch.dtype, w_dt
         fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
     return MoEPlan(
-        T=T, H=H, E=E, I=I, k=k, config=config, fc1=fc1, fc2=fc2, route=route, groups=groups, cap=cap,
-        route_kernel=route_kernel, split=split, kch=kch, act=0 if activation == "silu" else 1, w_scale=w_scale,
+        T=T,
+        H=H,
+        E=E,
+        I=I,
+        k=k,
+        config=config,
+        fc1=fc1,
+        fc2=fc2,
+        route=route,
+        groups=groups,
+        cap=cap,
+        route_kernel=route_kernel,
+        split=split,
+        kch=kch,
+        act=0 if activation == "silu" else 1,
+        w_scale=w_scale,
         block=(int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1),
-        gdc=gdc, first_pdl=pdl and gdc, chain_pdl=(pdl or config.chain) and gdc,
+        gdc=gdc,
+        first_pdl=pdl and gdc,
+        chain_pdl=(pdl or config.chain) and gdc,
         a_fp8=bool(config.a_fp8 and fp8 and not interpret),
-        dot_prec="ieee" if x_dtype == torch.float32 else "tf32", x_dtype=x_dtype,
+        dot_prec="ieee" if x_dtype == torch.float32 else "tf32",
+        x_dtype=x_dtype,
     )
 
 
@@ -1018,8 +1326,14 @@ def _domains_for(placement: Placement, args: MoEArgs, dev: torch.device, domains
     return locality.get(dev, placement.mode, placement.domains)
 
 
-def run(args: MoEArgs, launch: Launch = Launch(), *, config: Optional[MoEConfig] = None,
-        out: Optional[torch.Tensor] = None, domains: Optional[locality.Domains] = None) -> torch.Tensor:
+def run(
+    args: MoEArgs,
+    launch: Launch = Launch(),
+    *,
+    config: Optional[MoEConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    domains: Optional[locality.Domains] = None,
+) -> torch.Tensor:
     """``rubin.moe`` on the GPU with the fused Triton kernels (the registered adapter; same result as the
     reference).
 
@@ -1048,17 +1362,40 @@ def run(args: MoEArgs, launch: Launch = Launch(), *, config: Optional[MoEConfig]
         config, _ = lookup_config(T, E, H, I, k, args.w13.dtype, args.block_shape, name, num_sms)
     placed = launch.placement is not None and launch.placement.applies(T)
     dom = _domains_for(launch.placement, args, dev, domains) if placed else None
-    plan = plan_call(T, H, E, I, k, dtype, args.w13.dtype, args.block_shape, args.activation, config, has_pdl,
-                     launch.pdl, placed, _INTERPRET)
+    plan = plan_call(
+        T,
+        H,
+        E,
+        I,
+        k,
+        dtype,
+        args.w13.dtype,
+        args.block_shape,
+        args.activation,
+        config,
+        has_pdl,
+        launch.pdl,
+        placed,
+        _INTERPRET,
+    )
     ids = args.topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     tw = args.topk_weights.reshape(-1)
     tw = tw if tw.is_contiguous() else tw.contiguous()
     routes = plan.routing(ids)
     block_scaled = plan.w_scale == 2
-    call = _Call(args, out, ids, tw, routes, plan.intermediate(dev), torch.empty((plan.S, H), dtype=dtype, device=dev),
-                 _scale_args(args.w13_scale, block_scaled), _scale_args(args.w2_scale, block_scaled),
-                 fc1_pdl=plan.chain_pdl if plan.route_kernel else plan.first_pdl)
+    call = _Call(
+        args,
+        out,
+        ids,
+        tw,
+        routes,
+        plan.intermediate(dev),
+        torch.empty((plan.S, H), dtype=dtype, device=dev),
+        _scale_args(args.w13_scale, block_scaled),
+        _scale_args(args.w2_scale, block_scaled),
+        fc1_pdl=plan.chain_pdl if plan.route_kernel else plan.first_pdl,
+    )
     if dom is not None:
         if not plan.config.fused_sum:
             raise ValueError("rubin.moe[triton]: split-N needs the fused top-k sum (config.fused_sum)")
@@ -1068,11 +1405,16 @@ def run(args: MoEArgs, launch: Launch = Launch(), *, config: Optional[MoEConfig]
     return out
 
 
-def fused_moe(*op_args, pdl: bool = False, placement: str = "", config: Optional[MoEConfig] = None,
-              out: Optional[torch.Tensor] = None, domains: Optional[locality.Domains] = None,
-              **op_kwargs) -> torch.Tensor:
+def fused_moe(
+    *op_args,
+    pdl: bool = False,
+    placement: str = "",
+    config: Optional[MoEConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    domains: Optional[locality.Domains] = None,
+    **op_kwargs,
+) -> torch.Tensor:
     """``run`` called like the op: its data arguments (positionally or by name, as ``MoEArgs`` takes them),
     ``pdl`` and ``placement`` as the op's strings; ``config`` / ``out`` / ``domains`` as in ``run``. The
     benchmarks, the tuner and the GPU tests call the kernels this way."""
-    return run(MoEArgs(*op_args, **op_kwargs), Launch.decode(pdl, placement), config=config, out=out,
-               domains=domains)
+    return run(MoEArgs(*op_args, **op_kwargs), Launch.decode(pdl, placement), config=config, out=out, domains=domains)

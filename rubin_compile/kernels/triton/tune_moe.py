@@ -64,7 +64,9 @@ def make_weights(E: int, H: int, I: int, wfmt: str, device="cuda", seed: int = 0
         for name, (n, kdim) in (("w13", (2 * I, H)), ("w2", (H, I))):
             w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
             for e in range(E):
-                w[e] = (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+                w[e] = (
+                    (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+                )
             s = torch.rand((E, -(-n // bn), -(-kdim // bk)), generator=g, device=device) / (64 * math.sqrt(kdim))
             out[name], out[name + "_scale"] = w, s + 1e-4 / math.sqrt(kdim)
         out["block_shape"] = list(BLOCK)
@@ -182,8 +184,11 @@ def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool 
         if bn > max(16, 2 * n):
             continue
         for bk, st in ((128, 4), (256, 3)) if (wfmt == "bf16" and bn <= 32) else ((128, 4),):
-            out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=8 if (which == "fc2" and bn >= 128) else 4,
-                                  num_stages=st))
+            out.append(
+                GemmConfig(
+                    BM=base.BM, BN=bn, BK=bk, num_warps=8 if (which == "fc2" and bn >= 128) else 4, num_stages=st
+                )
+            )
     for bn in (64, 128):  # swapped: the weight tile is the wgmma's M side
         for bk, st in ((128, 3), (64, 4)):
             out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=4, num_stages=st, swap=True))
@@ -227,7 +232,7 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
     cands = [base]
     if table_entry is not None:
         cands.append(moe._fit_mode(moe.MoEConfig.from_json(table_entry), T, k))
-    for a8 in ((False, True) if wfmt != "bf16" else (False,)):
+    for a8 in (False, True) if wfmt != "bf16" else (False,):
         b = replace(base, a_fp8=a8)
         for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8):
             cands.append(replace(b, fc1=c))
@@ -240,8 +245,13 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
         cands += _split_candidates(moe, base, T, E, H, I, k)
         cands += _overlap_variants(moe, base, H, I, wfmt)
     if base.mode == "grouped" and T >= 64:  # also try splitting experts into 64-row blocks
-        p = replace(base, mode="prefill", cap=64, fc1=replace(base.fc1, BM=64, num_stages=3),
-                    fc2=replace(base.fc2, BM=64, num_stages=3))
+        p = replace(
+            base,
+            mode="prefill",
+            cap=64,
+            fc1=replace(base.fc1, BM=64, num_stages=3),
+            fc2=replace(base.fc2, BM=64, num_stages=3),
+        )
         if _fits(p.fc1, "fc1", wfmt) and _fits(p.fc2, "fc2", wfmt):
             cands.append(p)
     return list(dict.fromkeys(cands))
@@ -250,6 +260,7 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
 def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
     """Round 2: the best FC1 (of the configs that kept the heuristic FC2) with the best FC2 (of those that
     kept the heuristic FC1), and the round-1 winner, each with every kernel-boundary option."""
+
     def best_with(pred):
         rs = [c for t, c in sorted(results, key=lambda r: r[0]) if pred(c)]
         return rs[0] if rs else None
@@ -272,13 +283,23 @@ def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
 
 def describe(cfg) -> str:
     """Short text of a config for logs."""
+
     def g(c):
-        return (f"{c.BM}x{c.BN}x{c.BK}/s{c.num_stages}w{c.num_warps}" + (f"/pf{c.prefetch // 1024}k" if c.prefetch else "")
-                + ("/swap" if c.swap else "") + (f"/splitk{c.split_k}" if c.split_k > 1 else ""))
-    return (f"{cfg.mode}{'' if not cfg.cap else f'(cap {cfg.cap})'} fc1={g(cfg.fc1)} fc2={g(cfg.fc2)}"
-            + ("" if cfg.fused_sum else " unfused-sum") + (" a_fp8" if cfg.a_fp8 else "")
-            + (" w2->L2" if cfg.w2_l2 else "") + (" early" if cfg.early_launch else "")
-            + (" chain" if cfg.chain else ""))
+        return (
+            f"{c.BM}x{c.BN}x{c.BK}/s{c.num_stages}w{c.num_warps}"
+            + (f"/pf{c.prefetch // 1024}k" if c.prefetch else "")
+            + ("/swap" if c.swap else "")
+            + (f"/splitk{c.split_k}" if c.split_k > 1 else "")
+        )
+
+    return (
+        f"{cfg.mode}{'' if not cfg.cap else f'(cap {cfg.cap})'} fc1={g(cfg.fc1)} fc2={g(cfg.fc2)}"
+        + ("" if cfg.fused_sum else " unfused-sum")
+        + (" a_fp8" if cfg.a_fp8 else "")
+        + (" w2->L2" if cfg.w2_l2 else "")
+        + (" early" if cfg.early_launch else "")
+        + (" chain" if cfg.chain else "")
+    )
 
 
 def _warm_one(job):
@@ -291,8 +312,21 @@ def _warm_one(job):
     x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
     tw, ids = make_routing(T, E, min(k, E))
     try:
-        moe.fused_moe(x, w["w13"], w["w2"], tw, ids, "silu", None, None, w.get("w13_scale"), w.get("w2_scale"),
-                      w.get("block_shape"), pdl=pdl, config=moe.MoEConfig.from_json(json.loads(cfg_json)))
+        moe.fused_moe(
+            x,
+            w["w13"],
+            w["w2"],
+            tw,
+            ids,
+            "silu",
+            None,
+            None,
+            w.get("w13_scale"),
+            w.get("w2_scale"),
+            w.get("block_shape"),
+            pdl=pdl,
+            config=moe.MoEConfig.from_json(json.loads(cfg_json)),
+        )
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # reported, not hidden: the caller prints it and drops the candidate
@@ -315,8 +349,9 @@ def _warm_key(H, I, k, T, wfmt, cfg, pdl):
     return (H, I, k, mode_T, wfmt, json.dumps(cfg.to_json(), sort_keys=True), pdl)
 
 
-def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps: int, workers: int, log,
-         merge: bool = False) -> dict:
+def tune(
+    shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps: int, workers: int, log, merge: bool = False
+) -> dict:
     moe = moe_kernels
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth_gbs()
@@ -325,15 +360,25 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
     old = json.loads(path.read_text()).get("configs", {}) if path.is_file() else {}
 
     def table_key(sh, wf):
-        return moe.shape_key(sh["E"], sh["H"], sh["I"], sh["k"], torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
-                             BLOCK if wf == "fp8_block" else None)
+        return moe.shape_key(
+            sh["E"],
+            sh["H"],
+            sh["I"],
+            sh["k"],
+            torch.bfloat16 if wf == "bf16" else torch.float8_e4m3fn,
+            BLOCK if wf == "fp8_block" else None,
+        )
 
     def old_entry(s, wf, T):
         return old.get(table_key(shapes[s], wf), {}).get(str(T))
 
     cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
-    cand = {c: candidate_configs(moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1],
-                                 table_entry=old_entry(*c)) for c in cases}
+    cand = {
+        c: candidate_configs(
+            moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1], table_entry=old_entry(*c)
+        )
+        for c in cases
+    }
     bad = set()
 
     def compile_all(pairs) -> None:  # pairs: (case, config); failures are logged and the config dropped
@@ -351,10 +396,14 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
 
     compile_all([(c, cfg) for c, cs in cand.items() for cfg in cs])
 
-    table = {"device": name, "triton": __import__("triton").__version__, "torch": torch.__version__,
-             "copy_gbs": round(copy_gbs),
-             "method": f"CUDA-graph replays of 4 back-to-back calls on 2 rotating weight copies, median of {reps}",
-             "configs": {}}
+    table = {
+        "device": name,
+        "triton": __import__("triton").__version__,
+        "torch": torch.__version__,
+        "copy_gbs": round(copy_gbs),
+        "method": f"CUDA-graph replays of 4 back-to-back calls on 2 rotating weight copies, median of {reps}",
+        "configs": {},
+    }
     if merge:  # keep entries of shapes / token counts not tuned in this run
         table["configs"] = old
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -373,10 +422,23 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
                         if (wf, json.dumps(cfg.to_json(), sort_keys=True)) in bad:
                             continue
                         calls = [
-                            (lambda i=i, cfg=cfg: moe.fused_moe(
-                                xs[i], weights[i % 2]["w13"], weights[i % 2]["w2"], routes[i][0], routes[i][1],
-                                "silu", None, None, weights[i % 2].get("w13_scale"), weights[i % 2].get("w2_scale"),
-                                weights[i % 2].get("block_shape"), pdl=True, config=cfg))
+                            (
+                                lambda i=i, cfg=cfg: moe.fused_moe(
+                                    xs[i],
+                                    weights[i % 2]["w13"],
+                                    weights[i % 2]["w2"],
+                                    routes[i][0],
+                                    routes[i][1],
+                                    "silu",
+                                    None,
+                                    None,
+                                    weights[i % 2].get("w13_scale"),
+                                    weights[i % 2].get("w2_scale"),
+                                    weights[i % 2].get("block_shape"),
+                                    pdl=True,
+                                    config=cfg,
+                                )
+                            )
                             for i in range(4)
                         ]
                         t = statistics.median(time_graph(calls, reps=reps, warmup=3))
@@ -397,22 +459,44 @@ def tune(shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps
                 best_t, best = results[0]
                 # the winner must be right: compare with the reference (float32 upcast) on one call
                 w0 = weights[0]
-                got = moe.fused_moe(xs[0], w0["w13"], w0["w2"], routes[0][0], routes[0][1], config=best,
-                                    w13_scale=w0.get("w13_scale"), w2_scale=w0.get("w2_scale"),
-                                    block_shape=w0.get("block_shape"))
+                got = moe.fused_moe(
+                    xs[0],
+                    w0["w13"],
+                    w0["w2"],
+                    routes[0][0],
+                    routes[0][1],
+                    config=best,
+                    w13_scale=w0.get("w13_scale"),
+                    w2_scale=w0.get("w2_scale"),
+                    block_shape=w0.get("block_shape"),
+                )
                 up = (lambda w: w.float()) if wf == "bf16" else (lambda w: w)  # FP8: the reference dequantises
-                ref = moe_reference(xs[0].float(), up(w0["w13"]), up(w0["w2"]), routes[0][0], routes[0][1],
-                                    w13_scale=w0.get("w13_scale"), w2_scale=w0.get("w2_scale"),
-                                    block_shape=w0.get("block_shape"))
+                ref = moe_reference(
+                    xs[0].float(),
+                    up(w0["w13"]),
+                    up(w0["w2"]),
+                    routes[0][0],
+                    routes[0][1],
+                    w13_scale=w0.get("w13_scale"),
+                    w2_scale=w0.get("w2_scale"),
+                    block_shape=w0.get("block_shape"),
+                )
                 err = ((got.float() - ref).norm() / ref.norm()).item()
-                entry[str(T)] = dict(best.to_json(), us=round(best_t, 2), rel_err=float(f"{err:.2e}"),
-                                     heuristic_us=round(next(t for t, c in results if c == cand[(s, wf, T)][0]), 2)
-                                     if any(c == cand[(s, wf, T)][0] for _, c in results) else None)
+                entry[str(T)] = dict(
+                    best.to_json(),
+                    us=round(best_t, 2),
+                    rel_err=float(f"{err:.2e}"),
+                    heuristic_us=round(next(t for t, c in results if c == cand[(s, wf, T)][0]), 2)
+                    if any(c == cand[(s, wf, T)][0] for _, c in results)
+                    else None,
+                )
                 distinct = sum(int(torch.unique(r[1]).numel()) for r in routes) / len(routes)
                 floor = distinct * expert_bytes(H, I, wf) / (copy_gbs * 1e3)
-                log(f"{s:16s} {wf:9s} T={T:5d}: best {best_t:8.1f} us = {100 * floor / best_t:5.1f}% of copy bw "
+                log(
+                    f"{s:16s} {wf:9s} T={T:5d}: best {best_t:8.1f} us = {100 * floor / best_t:5.1f}% of copy bw "
                     f"(floor {floor:7.1f}; heuristic {entry[str(T)]['heuristic_us']} us; {len(results)} tried) "
-                    f"err {err:.1e} {describe(best)}")
+                    f"err {err:.1e} {describe(best)}"
+                )
                 if not err < (6e-2 if best.a_fp8 else 2e-2):  # never ship a wrong config: say so, leave it out
                     log(f"    WRONG RESULT (rel err {err:.2e}): entry not written")
                     del entry[str(T)]

@@ -27,8 +27,7 @@ def emit_moe(
     """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one); arguments that are
     their defaults are left out, so the dump reads like the call a person would write."""
     kwargs: dict[str, Any] = {"activation": activation}
-    for name, value in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("w13_scale", w13_scale),
-                        ("w2_scale", w2_scale)):
+    for name, value in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if value is not None:
             kwargs[name] = value
     if block_shape is not None:

@@ -47,8 +47,7 @@ aten = torch.ops.aten
 
 
 def _ffn(x, w_gate, w_up, w_down, act):
-    return torch.mm(act(torch.mm(x, w_gate.permute(1, 0))) * torch.mm(x, w_up.permute(1, 0)),
-                    w_down.permute(1, 0))
+    return torch.mm(act(torch.mm(x, w_gate.permute(1, 0))) * torch.mm(x, w_up.permute(1, 0)), w_down.permute(1, 0))
 
 
 def _ffn_silu(x, w_gate, w_up, w_down):
@@ -76,8 +75,12 @@ SUPPORTED = ("silu", "gelu_tanh")
 def _body_pattern(activation: str, dtype: torch.dtype):
     from torch._inductor.pattern_matcher import fwd_only, gen_pattern
 
-    args = [torch.empty(4, 8, dtype=dtype), torch.empty(6, 8, dtype=dtype), torch.empty(6, 8, dtype=dtype),
-            torch.empty(8, 6, dtype=dtype)]
+    args = [
+        torch.empty(4, 8, dtype=dtype),
+        torch.empty(6, 8, dtype=dtype),
+        torch.empty(6, 8, dtype=dtype),
+        torch.empty(8, 6, dtype=dtype),
+    ]
     return gen_pattern(_BODIES[activation], args, fwd_only)
 
 
@@ -102,8 +105,12 @@ def _mask_weight(eq: torch.fx.Node) -> tuple[Optional[torch.fx.Node], Optional[t
     if masked is None or masked.target not in (aten.mul.Tensor, aten.where.self):
         return None, None, "the expert mask (ids == e) is not used only to mask the top-k weights"
     summed = single_user(masked)
-    if summed is None or summed.target != aten.sum.dim_IntList or list(summed.args[1]) not in ([-1], [1]) \
-            or not (len(summed.args) > 2 and summed.args[2] or summed.kwargs.get("keepdim")):
+    if (
+        summed is None
+        or summed.target != aten.sum.dim_IntList
+        or list(summed.args[1]) not in ([-1], [1])
+        or not (len(summed.args) > 2 and summed.args[2] or summed.kwargs.get("keepdim"))
+    ):
         return None, None, "the masked top-k weights are not summed over k (keepdim) alone"
     return masked, summed, ""
 
@@ -174,7 +181,11 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
     for node in graph.nodes:
         if node.target == aten.eq.Scalar and isinstance(node.args[1], int) and isinstance(node.args[0], torch.fx.Node):
             ids = node.args[0]
-            if ids.target is operator.getitem and ids.args[1] == 1 and getattr(ids.args[0], "target", None) == aten.topk.default:
+            if (
+                ids.target is operator.getitem
+                and ids.args[1] == 1
+                and getattr(ids.args[0], "target", None) == aten.topk.default
+            ):
                 groups.setdefault(ids, []).append(node)
     for ids, eqs in groups.items():
         if len(eqs) < 2:
@@ -206,8 +217,10 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
         topk_weights = w
         experts[e] = _Expert(e, eq, masked, weight)
     if num_experts is None or sorted(experts) != list(range(num_experts)):
-        return (f"the loop covers experts {sorted(experts)} but the router chooses among {num_experts}; "
-                "tokens routed elsewhere would be dropped, which rubin.moe does not express")
+        return (
+            f"the loop covers experts {sorted(experts)} but the router chooses among {num_experts}; "
+            "tokens routed elsewhere would be dropped, which rubin.moe does not express"
+        )
     x_common = None
     for ex in experts.values():
         term = single_user(ex.weight)
@@ -239,8 +252,10 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     x_val, out_val = tensor_val(x_common), tensor_val(ordered[0].term)
     weight_dtypes = {tensor_val(n).dtype for ex in ordered for n in (ex.w_gate, ex.w_up, ex.w_down)}
     if weight_dtypes != {x_val.dtype} or out_val.dtype != x_val.dtype:
-        return (f"mixed dtypes: hidden states {x_val.dtype}, weights {sorted(map(str, weight_dtypes))}, "
-                f"weighted output {out_val.dtype} (rubin.moe computes and returns the hidden states' dtype)")
+        return (
+            f"mixed dtypes: hidden states {x_val.dtype}, weights {sorted(map(str, weight_dtypes))}, "
+            f"weighted output {out_val.dtype} (rubin.moe computes and returns the hidden states' dtype)"
+        )
     root, adds, why = _sum_tree([ex.term for ex in ordered])
     if root is None:
         return why
@@ -253,27 +268,47 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
         rows13 = [w for ex in ordered for w in (ex.w_gate, ex.w_up)]
         stack = torch.ops.rubin.stacked_weights.default
         w13 = call(graph, aten.view.default, (call(graph, stack, (rows13,)), [num_experts, 2 * num_inter, hidden]))
-        w2 = call(graph, aten.view.default, (call(graph, stack, ([ex.w_down for ex in ordered],)),
-                                             [num_experts, hidden, num_inter]))
+        w2 = call(
+            graph,
+            aten.view.default,
+            (call(graph, stack, ([ex.w_down for ex in ordered],)), [num_experts, hidden, num_inter]),
+        )
         moe = emit_moe(graph, x_common, w13, w2, topk_weights, ids, activation=acts.pop())
     inherit_source([w13.args[0], w13, w2.args[0], w2, moe], root)
     root.replace_all_uses_with(moe)
     replaced = []
     for n in reversed(list(graph.nodes)):  # erase the old loop, users before producers
-        if n is root or n in adds or any(n is ex.term or n is ex.weight or n is ex.masked or n is ex.eq
-                                         or n in ex.body_nodes for ex in ordered):
+        if (
+            n is root
+            or n in adds
+            or any(
+                n is ex.term or n is ex.weight or n is ex.masked or n is ex.eq or n in ex.body_nodes for ex in ordered
+            )
+        ):
             if not n.users:
                 replaced.append(n.name)
                 graph.erase_node(n)
     x_shape = tuple(x_val.shape)
     routing = describe_routing(topk_weights, ids)  # upstream of the loop, untouched by the rewrite
     return Rewrite(
-        node=moe.name, canonical_op="rubin.moe", source_idiom=IDIOM, replaced=sorted(replaced),
-        details={"T": report_value(x_shape[0]), "H": report_value(x_shape[1]), "E": num_experts, "I": num_inter,
-                 "k": tensor_val(ids).shape[-1], "dtype": dtype_name(x_val.dtype),
-                 "activation": moe.kwargs["activation"], "routing": routing,
-                 "weights": (f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
-                             f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)")},
+        node=moe.name,
+        canonical_op="rubin.moe",
+        source_idiom=IDIOM,
+        replaced=sorted(replaced),
+        details={
+            "T": report_value(x_shape[0]),
+            "H": report_value(x_shape[1]),
+            "E": num_experts,
+            "I": num_inter,
+            "k": tensor_val(ids).shape[-1],
+            "dtype": dtype_name(x_val.dtype),
+            "activation": moe.kwargs["activation"],
+            "routing": routing,
+            "weights": (
+                f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
+                f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)"
+            ),
+        },
     )
 
 

@@ -67,8 +67,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.fx import RESHAPES, call, dtype_name, getitem_of, inherit_source, is_call, report_value, \
-    single_user, strip_converts, tensor_val
+from rubin_compile.passes.fx import (
+    RESHAPES,
+    call,
+    dtype_name,
+    getitem_of,
+    inherit_source,
+    is_call,
+    report_value,
+    single_user,
+    strip_converts,
+    tensor_val,
+)
 from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing
 
@@ -129,8 +139,7 @@ def _sigmoid_mul(gate, up):
 
 
 # Gated activations (``_default_apply_gate``: ``act_fn(gate) * up``), supported ones first.
-_GATES = {"silu": _silu_mul, "gelu_tanh": _gelu_tanh_mul, "gelu": _gelu_mul, "relu": _relu_mul,
-          "sigmoid": _sigmoid_mul}
+_GATES = {"silu": _silu_mul, "gelu_tanh": _gelu_tanh_mul, "gelu": _gelu_mul, "relu": _relu_mul, "sigmoid": _sigmoid_mul}
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,7 +150,8 @@ def _gate_pattern(activation: str, low_precision: bool):
 
     dtype = torch.bfloat16 if low_precision else torch.float32
     pattern, search_gm = gen_pattern_and_search_gm(
-        _GATES[activation], [torch.empty(4, 8, dtype=dtype), torch.empty(4, 8, dtype=dtype)], fwd_only)
+        _GATES[activation], [torch.empty(4, 8, dtype=dtype), torch.empty(4, 8, dtype=dtype)], fwd_only
+    )
     return pattern, _constants(n for n in search_gm.graph.nodes if n.op == "call_function")
 
 
@@ -185,8 +195,10 @@ def _sole_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
     user = single_user(node)
     if user is None:
         users = list(node.users)
-        raise _NoMatch(f"{what} ({node.name}) has {len(users)} users ({', '.join(u.name for u in users)}) "
-                       "where the idiom has one: a user outside the experts block, or not this idiom")
+        raise _NoMatch(
+            f"{what} ({node.name}) has {len(users)} users ({', '.join(u.name for u in users)}) "
+            "where the idiom has one: a user outside the experts block, or not this idiom"
+        )
     return user
 
 
@@ -204,12 +216,15 @@ def _view_input(node: Any, what: str) -> torch.fx.Node:
 def _match_bookkeeping(b: _Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Node]:
     """offsets = cumsum(histc(ids_g), dtype=int32); (ids_g, perm) = sort(topk_ids.reshape(-1))."""
     if not is_call(offs, aten.cumsum.default):
-        raise _NoMatch(f"the grouped mm offsets ({getattr(offs, 'name', offs)}) are not a cumsum of "
-                       "per-expert token counts")
+        raise _NoMatch(
+            f"the grouped mm offsets ({getattr(offs, 'name', offs)}) are not a cumsum of per-expert token counts"
+        )
     histc = offs.args[0]
     if not is_call(histc, aten.histc.default):
-        raise _NoMatch(f"the offsets are a cumsum of {getattr(histc, 'name', histc)}, not of torch.histc "
-                       "(transformers 5.x counts tokens per expert with histc)")
+        raise _NoMatch(
+            f"the offsets are a cumsum of {getattr(histc, 'name', histc)}, not of torch.histc "
+            "(transformers 5.x counts tokens per expert with histc)"
+        )
     given = dict(zip(("bins", "min", "max"), histc.args[1:]), **histc.kwargs)
     bins, lo, hi = given.get("bins", 100), given.get("min", 0), given.get("max", 0)
     hval = tensor_val(histc.args[0])
@@ -234,8 +249,9 @@ def _match_bookkeeping(b: _Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.No
     if ids_val is None or ids_val.dim() != 2:
         raise _NoMatch("the sorted expert ids are not a reshape of a [T, k] top-k index tensor")
     if not (_same(bins, tensor_val(b.w13).shape[0]) and lo == 0 and _same(hi, bins - 1)):
-        raise _NoMatch(f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..E-1 "
-                       f"for E={tensor_val(b.w13).shape[0]}")
+        raise _NoMatch(
+            f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..E-1 for E={tensor_val(b.w13).shape[0]}"
+        )
     b.flow += [sort.args[0], sort, ids_g, perm, offs, histc]
     b.flow += [n for n in _converts_between(histc.args[0], ids_g)]
     return ids_g, perm
@@ -259,8 +275,7 @@ def _match_weight(b: _Block, weight: Any, which: str) -> tuple[torch.fx.Node, bo
         b.aux.append(weight)
         return weight.args[0], False
     if tensor_val(weight) is None or tensor_val(weight).dim() != 3:
-        raise _NoMatch(f"the {which} weight of the grouped mm ({getattr(weight, 'name', weight)}) "
-                       "is not [E, K, N]")
+        raise _NoMatch(f"the {which} weight of the grouped mm ({getattr(weight, 'name', weight)}) is not [E, K, N]")
     return weight, True
 
 
@@ -274,8 +289,10 @@ def _match_bias(
         if is_call(other, aten.index.Tensor) and len(other.args[1]) == 1 and other.args[1][0] is ids_g:
             b.flow += [user, other]
             return user, other.args[0]
-        raise _NoMatch(f"the {what} grouped mm output is added to {getattr(other, 'name', other)}, "
-                       "not to a per-expert bias gathered by the sorted expert ids")
+        raise _NoMatch(
+            f"the {what} grouped mm output is added to {getattr(other, 'name', other)}, "
+            "not to a per-expert bias gathered by the sorted expert ids"
+        )
     return out, None
 
 
@@ -291,8 +308,9 @@ def _split_gate_up(b: _Block, h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx
             size, dim = split.args[1], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
             halves = size == [two_i // 2] * 2 if isinstance(size, (list, tuple)) else _same(size * 2, two_i)
             if dim % val.dim() != val.dim() - 1 or not halves:
-                raise _NoMatch(f"the gate_up output is split by {size} along dim {dim}, not into two halves of "
-                               "the last dim")
+                raise _NoMatch(
+                    f"the gate_up output is split by {size} along dim {dim}, not into two halves of the last dim"
+                )
             for g in split.users:
                 if not is_call(g, operator.getitem):
                     raise _NoMatch(f"the gate_up split has a user {g.name} that is not gate or up")
@@ -303,22 +321,32 @@ def _split_gate_up(b: _Block, h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx
         return parts[0][0], parts[1][0]
     slices = [u for u in users if is_call(u, aten.slice.Tensor)]
     if len(slices) == 2 and len(users) == 2:
+
         def bounds(s):
-            a = list(s.args) + [0, None, None, 1][len(s.args) - 1:]
+            a = list(s.args) + [0, None, None, 1][len(s.args) - 1 :]
             return a[1] % val.dim(), a[2], a[3], a[4]
+
         steps = {bounds(s)[3] for s in slices}
         if steps != {1}:
-            raise _NoMatch("gate and up are interleaved columns of gate_up (gate_up[..., ::2], gate_up[..., 1::2], "
-                           "as GPT-OSS stores them); rubin.moe takes gate rows then up rows, and reordering would "
-                           "copy every expert's weights on every call")
+            raise _NoMatch(
+                "gate and up are interleaved columns of gate_up (gate_up[..., ::2], gate_up[..., 1::2], "
+                "as GPT-OSS stores them); rubin.moe takes gate rows then up rows, and reordering would "
+                "copy every expert's weights on every call"
+            )
         g, u = sorted(slices, key=lambda s: 0 if bounds(s)[1] in (0, None) else 1)
         (g_dim, g_start, g_end, _), (u_dim, u_start, _, _) = bounds(g), bounds(u)
-        if g_dim == u_dim == val.dim() - 1 and g_start in (0, None) and _same(g_end, two_i // 2) \
-                and _same(u_start, two_i // 2):
+        if (
+            g_dim == u_dim == val.dim() - 1
+            and g_start in (0, None)
+            and _same(g_end, two_i // 2)
+            and _same(u_start, two_i // 2)
+        ):
             b.flow += [g, u]
             return g, u
-    raise _NoMatch("the gate_up output is not split into gate and up halves (chunk(2, dim=-1)); "
-                   "non-gated experts (has_gate=False) and custom _apply_gate functions are not this idiom")
+    raise _NoMatch(
+        "the gate_up output is not split into gate and up halves (chunk(2, dim=-1)); "
+        "non-gated experts (has_gate=False) and custom _apply_gate functions are not this idiom"
+    )
 
 
 def _match_activation(b: _Block, gate: torch.fx.Node, up: torch.fx.Node, act_out: Any) -> None:
@@ -338,27 +366,33 @@ def _match_activation(b: _Block, gate: torch.fx.Node, up: torch.fx.Node, act_out
             continue
         if m.kwargs.get("gate") is gate and m.kwargs.get("up") is up and _constants(m.nodes) == constants:
             if name not in ACTIVATIONS:
-                raise _NoMatch(f"the experts' activation is {name}(gate) * up; "
-                               f"rubin.moe implements {list(ACTIVATIONS)}")
+                raise _NoMatch(
+                    f"the experts' activation is {name}(gate) * up; rubin.moe implements {list(ACTIVATIONS)}"
+                )
             b.activation = name
             b.flow += [n for n in m.nodes if n not in (gate, up)]
             return
     if extra_user:
         raise _NoMatch(f"an intermediate of the gate/up activation ({name_of}) has a user outside the experts block")
-    raise _NoMatch(f"the input of the down grouped mm ({name_of}) is not act(gate) * up with a recognised "
-                   f"activation (rubin.moe implements {list(ACTIVATIONS)}); a custom _apply_gate?")
+    raise _NoMatch(
+        f"the input of the down grouped mm ({name_of}) is not act(gate) * up with a recognised "
+        f"activation (rubin.moe implements {list(ACTIVATIONS)}); a custom _apply_gate?"
+    )
 
 
 def _match_combine(b: _Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     """``(y * w[perm].unsqueeze(-1))[inv_perm].view(T, k, H).sum(1)`` [``.to(hidden.dtype)``]."""
     mul = _sole_user(y, "the down grouped mm output")
     if not is_call(mul, aten.mul.Tensor):
-        raise _NoMatch(f"the down projection output feeds {mul.name} ({mul.target}), not the multiplication by "
-                       "the routing weights")
+        raise _NoMatch(
+            f"the down projection output feeds {mul.name} ({mul.target}), not the multiplication by the routing weights"
+        )
     sw = mul.args[1] if mul.args[0] is y else mul.args[0]
     if not is_call(sw, aten.unsqueeze.default):
-        raise _NoMatch("the down projection output is not multiplied by the routing weights gathered by the sort "
-                       "permutation (sample_weights_g.unsqueeze(-1))")
+        raise _NoMatch(
+            "the down projection output is not multiplied by the routing weights gathered by the sort "
+            "permutation (sample_weights_g.unsqueeze(-1))"
+        )
     gathered = sw.args[0]
     if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and gathered.args[1][0] is perm):
         raise _NoMatch("the routing weights are not gathered by the sort permutation")
@@ -369,11 +403,17 @@ def _match_combine(b: _Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     if not (is_call(unperm, aten.index.Tensor) and len(unperm.args[1]) == 1):
         raise _NoMatch("the weighted expert output is not put back in token order (weighted_out[inv_perm])")
     inv = unperm.args[1][0]
-    ok = (is_call(inv, aten.index_put.default) and len(inv.args[1]) == 1 and inv.args[1][0] is perm
-          and is_call(inv.args[2], prims.iota.default, aten.arange.default, aten.arange.start))
+    ok = (
+        is_call(inv, aten.index_put.default)
+        and len(inv.args[1]) == 1
+        and inv.args[1][0] is perm
+        and is_call(inv.args[2], prims.iota.default, aten.arange.default, aten.arange.start)
+    )
     if not ok:
-        raise _NoMatch("the weighted expert output is gathered by something other than the inverse sort "
-                       "permutation (inv_perm[perm] = arange)")
+        raise _NoMatch(
+            "the weighted expert output is gathered by something other than the inverse sort "
+            "permutation (inv_perm[perm] = arange)"
+        )
     b.flow += [unperm, inv]
     b.aux += [inv.args[0], inv.args[2]]
 
@@ -399,8 +439,10 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     """Recognise the experts block around two grouped mms that share ``offs``; raise _NoMatch(reason)."""
     forms = {_grouped_mm_form(m) for m in mms}
     if len(mms) != 2:
-        raise _NoMatch(f"{len(mms)} grouped mm(s) share the offsets {getattr(offs, 'name', offs)}; "
-                       "the Hugging Face experts block has exactly two (gate_up and down)")
+        raise _NoMatch(
+            f"{len(mms)} grouped mm(s) share the offsets {getattr(offs, 'name', offs)}; "
+            "the Hugging Face experts block has exactly two (gate_up and down)"
+        )
     if len(forms) != 1:
         raise _NoMatch(f"the two grouped mms are of different kinds {sorted(forms)}")
     fc1, fc2 = sorted(mms, key=order.__getitem__)
@@ -414,19 +456,26 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
 
     # hidden_states[perm // k] (.to(weight.dtype): a cast here means mixed dtypes)
     if is_call(x1, prims.convert_element_type.default):
-        raise _NoMatch(f"mixed dtypes: the hidden states ({tensor_val(x1.args[0]).dtype}) are cast to the "
-                       f"expert weights' dtype ({tensor_val(x1).dtype}) before the grouped mm; rubin.moe computes "
-                       "in one dtype")
+        raise _NoMatch(
+            f"mixed dtypes: the hidden states ({tensor_val(x1.args[0]).dtype}) are cast to the "
+            f"expert weights' dtype ({tensor_val(x1).dtype}) before the grouped mm; rubin.moe computes "
+            "in one dtype"
+        )
     if is_call(x1, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        raise _NoMatch("the gathered hidden states are masked before the grouped mm: transformers' "
-                       "expert-parallel sentinel handling (_is_expert_parallel), whose out-of-range expert ids "
-                       "rubin.moe does not take")
+        raise _NoMatch(
+            "the gathered hidden states are masked before the grouped mm: transformers' "
+            "expert-parallel sentinel handling (_is_expert_parallel), whose out-of-range expert ids "
+            "rubin.moe does not take"
+        )
     if not (is_call(x1, aten.index.Tensor) and len(x1.args[1]) == 1):
-        raise _NoMatch("the gate_up grouped mm input is not hidden_states gathered by token "
-                       "(hidden_states[perm // k])")
+        raise _NoMatch("the gate_up grouped mm input is not hidden_states gathered by token (hidden_states[perm // k])")
     q = x1.args[1][0]
-    if is_call(q, aten.div.Tensor_mode, aten.floor_divide.default) and q.args[0] is perm and q.args[1] == k \
-            and q.kwargs.get("rounding_mode", "floor") == "floor":
+    if (
+        is_call(q, aten.div.Tensor_mode, aten.floor_divide.default)
+        and q.args[0] is perm
+        and q.args[1] == k
+        and q.kwargs.get("rounding_mode", "floor") == "floor"
+    ):
         b.flow.append(q)
     elif not (q is perm and k == 1):
         raise _NoMatch("the hidden states are not gathered by perm // k (the token of each sorted slot)")
@@ -446,13 +495,23 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     hv, w13v, w2v = tensor_val(b.hidden), tensor_val(b.w13), tensor_val(b.w2)
     biases = [tensor_val(x).dtype for x in (b.w13_bias, b.w2_bias) if x is not None]
     if len({hv.dtype, w13v.dtype, w2v.dtype, *biases}) != 1:
-        raise _NoMatch(f"mixed dtypes: hidden states {hv.dtype}, gate_up {w13v.dtype}, down {w2v.dtype}, "
-                       f"biases {biases}; rubin.moe computes in the hidden states' dtype")
+        raise _NoMatch(
+            f"mixed dtypes: hidden states {hv.dtype}, gate_up {w13v.dtype}, down {w2v.dtype}, "
+            f"biases {biases}; rubin.moe computes in the hidden states' dtype"
+        )
     w13c = w13v.transpose(1, 2) if b.w13_transposed else w13v
     w2c = w2v.transpose(1, 2) if b.w2_transposed else w2v
     try:  # what rubin.moe's fake implementation will check, before the graph is touched
-        MoEArgs(hv, w13c, w2c, tensor_val(b.topk_weights), tensor_val(b.topk_ids), b.activation,
-                tensor_val(b.w13_bias), tensor_val(b.w2_bias))
+        MoEArgs(
+            hv,
+            w13c,
+            w2c,
+            tensor_val(b.topk_weights),
+            tensor_val(b.topk_ids),
+            b.activation,
+            tensor_val(b.w13_bias),
+            tensor_val(b.w2_bias),
+        )
     except MoEArgumentError as e:
         raise _NoMatch(f"the matched operands do not fit rubin.moe: {e}") from None
 
@@ -467,8 +526,10 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
             continue
         outside = [u for u in n.users if u not in inside]
         if outside:
-            raise _NoMatch(f"intermediate {n.name} of the experts block has a user outside it "
-                           f"({', '.join(u.name for u in outside)})")
+            raise _NoMatch(
+                f"intermediate {n.name} of the experts block has a user outside it "
+                f"({', '.join(u.name for u in outside)})"
+            )
     return b
 
 
@@ -492,8 +553,17 @@ def _rewrite(graph: torch.fx.Graph, b: _Block) -> Rewrite:
         if b.w2_transposed:
             w2 = call(graph, aten.permute.default, (b.w2, [0, 2, 1]))
             notes.append("down_proj is stored [E, I, H]; w2 is its permute(0, 2, 1) view (no copy)")
-        moe = emit_moe(graph, b.hidden, w13, w2, b.topk_weights, b.topk_ids, activation=b.activation,
-                       w13_bias=b.w13_bias, w2_bias=b.w2_bias)
+        moe = emit_moe(
+            graph,
+            b.hidden,
+            w13,
+            w2,
+            b.topk_weights,
+            b.topk_ids,
+            activation=b.activation,
+            w13_bias=b.w13_bias,
+            w2_bias=b.w2_bias,
+        )
     inherit_source([n for n in (w13, w2, moe) if n not in (b.w13, b.w2)], b.fc1)
     b.final.replace_all_uses_with(moe)
     replaced = []
@@ -508,16 +578,25 @@ def _rewrite(graph: torch.fx.Graph, b: _Block) -> Rewrite:
     details: dict[str, Any] = {
         "form": b.form,
         "module": _module_path(b.fc1),
-        "T": report_value(hv.shape[0]), "H": report_value(hv.shape[1]), "E": E, "I": inter,
-        "k": tensor_val(b.topk_ids).shape[1], "dtype": dtype_name(hv.dtype),
+        "T": report_value(hv.shape[0]),
+        "H": report_value(hv.shape[1]),
+        "E": E,
+        "I": inter,
+        "k": tensor_val(b.topk_ids).shape[1],
+        "dtype": dtype_name(hv.dtype),
         "activation": b.activation,
         "bias": b.w13_bias is not None,
         "histc_input": b.histc_input,
         "weights": "as stored, no copy" if not notes else "; ".join(notes),
         "routing": routing,
     }
-    return Rewrite(node=moe.name, canonical_op="rubin.moe", source_idiom=f"{IDIOM} ({b.form})",
-                   replaced=sorted(replaced), details=details)
+    return Rewrite(
+        node=moe.name,
+        canonical_op="rubin.moe",
+        source_idiom=f"{IDIOM} ({b.form})",
+        replaced=sorted(replaced),
+        details=details,
+    )
 
 
 def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[Unchanged]]:

@@ -113,9 +113,19 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
     Mixtral gives ``{"order": "softmax_then_topk", "renormalize": True, "router_bias": False, ...}``.
     """
     info: dict[str, Any] = {
-        "recognised": False, "order": "unknown", "scoring": None, "renormalize": False, "router": None,
-        "router_bias": False, "score_correction_bias": False, "group_limited": False, "scale": None,
-        "per_expert_scale": False, "top_k": None, "num_experts": None, "weights_dtype": None,
+        "recognised": False,
+        "order": "unknown",
+        "scoring": None,
+        "renormalize": False,
+        "router": None,
+        "router_bias": False,
+        "score_correction_bias": False,
+        "group_limited": False,
+        "scale": None,
+        "per_expert_scale": False,
+        "top_k": None,
+        "num_experts": None,
+        "weights_dtype": None,
     }
     wval = tensor_val(topk_weights)
     if wval is not None:
@@ -138,8 +148,9 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
         info["group_limited"] = True  # masked_fill(~group_mask, -inf), as Inductor writes it
         sel = strip_converts(sel.args[2])
     if is_call(sel, aten.add.Tensor):
-        scored = [a for a in sel.args
-                  if is_call(strip_converts(a), aten.sigmoid.default) or softmax_input(a) is not None]
+        scored = [
+            a for a in sel.args if is_call(strip_converts(a), aten.sigmoid.default) or softmax_input(a) is not None
+        ]
         if len(scored) == 1:
             info["score_correction_bias"] = True  # scores + e_score_correction_bias (selection only)
             sel = strip_converts(scored[0])
@@ -187,8 +198,11 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
         info["order"] = f"{info['scoring']}_then_topk"  # weights gathered from the unbiased scores
     elif info["scoring"] == "none" and getitem_of(softmax_input(w), 0, aten.topk.default) is topk:
         info["order"] = "topk_then_softmax"
-    elif (info["scoring"] == "none" and is_call(w, aten.sigmoid.default)
-          and getitem_of(strip_converts(w.args[0]), 0, aten.topk.default) is topk):
+    elif (
+        info["scoring"] == "none"
+        and is_call(w, aten.sigmoid.default)
+        and getitem_of(strip_converts(w.args[0]), 0, aten.topk.default) is topk
+    ):
         info["order"] = "topk_then_sigmoid"
     else:
         info["why"] = f"the routing weights ({getattr(w, 'name', w)}) are not derived from the same top-k"

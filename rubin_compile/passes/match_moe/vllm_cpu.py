@@ -122,8 +122,9 @@ def _graph_reason(mc: MutatingCall) -> Optional[str]:
     if missing:
         return f"no fake tensor recorded for {missing}"
     x, w13, w2 = vals["input"], vals["w13"], vals["w2"]
-    dtypes = {n: tensor_val(a[n]).dtype for n in ("input", "w13", "w2", "w13_bias", "w2_bias")
-              if tensor_val(a[n]) is not None}
+    dtypes = {
+        n: tensor_val(a[n]).dtype for n in ("input", "w13", "w2", "w13_bias", "w2_bias") if tensor_val(a[n]) is not None
+    }
     if len(set(dtypes.values())) != 1:
         return "mixed dtypes: " + ", ".join(f"{n} {dtype_name(d)}" for n, d in dtypes.items())
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -148,8 +149,18 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layout: str) -> Rewrite:
             # Weights of one, shaped like the router's; x ** 0 == 1 for every x (full_like has no
             # post-grad lowering).
             weights = call(graph, aten.pow.Tensor_Scalar, (weights, 0))
-        new = emit_moe(graph, x, a["w13"], a["w2"], weights, ids, activation=a["act"],
-                       w13_bias=a["w13_bias"], w2_bias=a["w2_bias"], weight_layout=layout)
+        new = emit_moe(
+            graph,
+            x,
+            a["w13"],
+            a["w2"],
+            weights,
+            ids,
+            activation=a["act"],
+            w13_bias=a["w13_bias"],
+            w2_bias=a["w2_bias"],
+            weight_layout=layout,
+        )
     inherit_source([n for n in graph.nodes if n not in existing], node)
     replaced = [node.name]
     for user in list(node.users):  # getitem nodes: the output's new value, and unused ones
@@ -164,7 +175,10 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layout: str) -> Rewrite:
     xv, w13v = tensor_val(x), tensor_val(a["w13"])
     E, two_i, H = w13v.shape
     details = {
-        "E": int(E), "H": int(H), "I": int(two_i) // 2, "k": int(tensor_val(ids).shape[-1]),
+        "E": int(E),
+        "H": int(H),
+        "I": int(two_i) // 2,
+        "k": int(tensor_val(ids).shape[-1]),
         "dtype": dtype_name(xv.dtype),
         "activation": a["act"],
         "isa": a["isa"],

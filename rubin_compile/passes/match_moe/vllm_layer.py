@@ -36,7 +36,14 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
-from rubin_compile.passes.fx import MutatingCall, bound_arguments, call, decode_mutating_call, inherit_source, schema_name
+from rubin_compile.passes.fx import (
+    MutatingCall,
+    bound_arguments,
+    call,
+    decode_mutating_call,
+    inherit_source,
+    schema_name,
+)
 
 IDIOM = "vllm.moe_forward (layer op)"
 
@@ -66,7 +73,11 @@ def _read_call(node: torch.fx.Node) -> Optional[MutatingCall]:
     mc = decode_mutating_call(node)
     if mc is not None:
         return mc if schema_name(mc.op) in OPS else None
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and schema_name(node.target) in OPS:
+    if (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and schema_name(node.target) in OPS
+    ):
         return MutatingCall(node, node.target, 0, bound_arguments(node), {})
     return None
 
@@ -83,8 +94,10 @@ def _layer_name(mc: MutatingCall, ctx: PassContext) -> tuple[Optional[str], Opti
     if not isinstance(name, str):
         return None, f"layer_name is a {type(ln).__name__}"
     if name == "from_forward_context":
-        return None, ("the layer is resolved from the forward context's call order (VLLM_USE_LAYERNAME=0 or "
-                      "torch < 2.11); rubin needs the layer's name")
+        return None, (
+            "the layer is resolved from the forward context's call order (VLLM_USE_LAYERNAME=0 or "
+            "torch < 2.11); rubin needs the layer's name"
+        )
     return name, None
 
 
@@ -113,8 +126,11 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layer: Any, shared: bool, 
     node = mc.node
     target = ctx.engine.moe_layer_op(shared)
     with graph.inserting_before(node):
-        new = call(graph, target, (a["hidden_states"], a["router_logits"], a["shared_experts_input"],
-                                   a["input_ids"], a["layer_name"]))
+        new = call(
+            graph,
+            target,
+            (a["hidden_states"], a["router_logits"], a["shared_experts_input"], a["input_ids"], a["layer_name"]),
+        )
     inherit_source([new], node)
     replaced = [node.name]
     if shared:
@@ -130,5 +146,6 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layer: Any, shared: bool, 
     details = ctx.engine.moe_layer_details(layer)
     details["op"] = schema_name(mc.op)
     details["auto_functionalized"] = f"v{mc.version}" if mc.version else "none"
-    return Rewrite(new.name, "rubin.vllm_moe_layer_shared" if shared else "rubin.vllm_moe_layer",
-                   IDIOM, replaced, details)
+    return Rewrite(
+        new.name, "rubin.vllm_moe_layer_shared" if shared else "rubin.vllm_moe_layer", IDIOM, replaced, details
+    )

@@ -21,7 +21,9 @@ def test_pass_route_reads_vllms_cudagraph_mode(monkeypatch):
     graphs, how = engine.runs_under_cudagraphs(opts)
     assert graphs is True and "assuming vLLM's default CUDA graphs" in how
     for mode, expected in (("NONE", False), ("FULL_AND_PIECEWISE", True), ("PIECEWISE", True)):
-        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode)))
+        cfg = types.SimpleNamespace(
+            compilation_config=types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode))
+        )
         fake.get_current_vllm_config_or_none = lambda cfg=cfg: cfg
         assert engine.runs_under_cudagraphs(opts) == (expected, f"vLLM cudagraph_mode={mode}")
 

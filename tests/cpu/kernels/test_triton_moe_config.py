@@ -72,8 +72,9 @@ def test_the_registered_adapter_runs_the_kernels_with_the_launch(tmoe, monkeypat
     assert kernel.unavailable_here(detect()) is None
     calls = []
     monkeypatch.setattr(tmoe, "run", lambda args, launch: calls.append((args, launch)) or "ran")
-    args = MoEArgs(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3), torch.rand(2, 2),
-                   torch.randint(0, 4, (2, 2)))
+    args = MoEArgs(
+        torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3), torch.rand(2, 2), torch.randint(0, 4, (2, 2))
+    )
     launch = Launch(True, Placement("backfill", 2, 16))
     assert kernel.run(args, launch) == "ran" and calls == [(args, launch)]
 
@@ -84,8 +85,17 @@ def test_the_registered_adapter_runs_the_kernels_with_the_launch(tmoe, monkeypat
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("T,E,H,I,k", [(1, 128, 2048, 768, 8), (8, 128, 2048, 768, 8), (1, 8, 4096, 14336, 2),
-                                       (64, 256, 7168, 256, 8), (256, 256, 3072, 1536, 8), (4096, 128, 2048, 768, 8)])
+@pytest.mark.parametrize(
+    "T,E,H,I,k",
+    [
+        (1, 128, 2048, 768, 8),
+        (8, 128, 2048, 768, 8),
+        (1, 8, 4096, 14336, 2),
+        (64, 256, 7168, 256, 8),
+        (256, 256, 3072, 1536, 8),
+        (4096, 128, 2048, 768, 8),
+    ],
+)
 @pytest.mark.parametrize("wdt,block", [(BF16, None), (FP8, [128, 128]), (FP8, None)])
 def test_heuristic_is_valid(tmoe, T, E, H, I, k, wdt, block):
     cfg = tmoe.heuristic_config(T, E, H, I, k, wdt, block)
@@ -125,8 +135,14 @@ def test_smem_estimate_matches_compiled_kernels(tmoe):
     assert tmoe.smem_estimate(G(BM=16, BN=64, BK=128, num_stages=4, swap=True), "fc1", 2, 2) == 147456
     assert tmoe.smem_estimate(G(BM=128, BN=64, BK=64, num_warps=8, num_stages=3), "fc1", 2, 2) == 98304
     # FC2 after a K-split FC1, as ptxas reported them for sm_90 (Triton 3.9 AOT compile on the CPU)
-    for split, stages, swap, bn, reported in ((2, 2, False, 64, 49152), (4, 4, False, 64, 212992), (8, 2, False, 64, 147456),
-                                              (2, 3, True, 128, 102400), (4, 4, True, 128, 233472), (8, 2, True, 128, 167936)):
+    for split, stages, swap, bn, reported in (
+        (2, 2, False, 64, 49152),
+        (4, 4, False, 64, 212992),
+        (8, 2, False, 64, 147456),
+        (2, 3, True, 128, 102400),
+        (4, 4, True, 128, 233472),
+        (8, 2, True, 128, 167936),
+    ):
         est = tmoe.smem_estimate(G(BM=16, BN=bn, BK=128, num_stages=stages, swap=swap), "fc2", 2, 2, split1=split)
         assert reported <= est <= reported + 4096
     fitted = tmoe.fit_smem(G(BM=16, BN=128, BK=128, num_stages=4, swap=True), "fc2", 2, 2, split1=8)
@@ -251,15 +267,31 @@ INTERP_CASES = [
 ]
 
 
-def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused=True, route="random",
-                 noncontig=False, swap=False, split=1, split_n=None):
+def _interp_case(
+    tmoe,
+    T,
+    E,
+    H,
+    I,
+    k,
+    mode,
+    act="silu",
+    bias=False,
+    cap=0,
+    fused=True,
+    route="random",
+    noncontig=False,
+    swap=False,
+    split=1,
+    split_n=None,
+):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
     x = torch.randn((T, 2 * H) if noncontig else (T, H), generator=g)
     if noncontig:
         x = x[:, ::2]
-    w13 = torch.randn((E, 2 * I, H), generator=g) / H ** 0.5
-    w2 = torch.randn((E, H, I), generator=g) / I ** 0.5
+    w13 = torch.randn((E, 2 * I, H), generator=g) / H**0.5
+    w2 = torch.randn((E, H, I), generator=g) / I**0.5
     if route == "one_expert":
         ids = torch.full((T, k), E - 1, dtype=torch.int64)
     else:
@@ -269,8 +301,13 @@ def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused
     b2 = torch.randn((E, H), generator=g) if bias else None
     G = tmoe.GemmConfig
     tile = 64 if split_n else 16
-    cfg = tmoe.MoEConfig(mode=mode, cap=cap, fused_sum=fused, fc1=G(BM=16, BN=tile, BK=tile, swap=swap, split_k=split),
-                         fc2=G(BM=16, BN=tile, BK=tile, swap=swap))
+    cfg = tmoe.MoEConfig(
+        mode=mode,
+        cap=cap,
+        fused_sum=fused,
+        fc1=G(BM=16, BN=tile, BK=tile, swap=swap, split_k=split),
+        fc2=G(BM=16, BN=tile, BK=tile, swap=swap),
+    )
     out = torch.full((T, H), float("nan"))
     placement, domains = "", None
     if split_n:
@@ -279,8 +316,16 @@ def _interp_case(tmoe, T, E, H, I, k, mode, act="silu", bias=False, cap=0, fused
         placement = "split_n:default:2:64"
         domains = locality.sequential(2, x.device, localized_memory=split_n == "copies")
     tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains)
-    ref = moe_reference(x.double(), w13.double(), w2.double(), tw, ids, act,
-                        None if b13 is None else b13.double(), None if b2 is None else b2.double())
+    ref = moe_reference(
+        x.double(),
+        w13.double(),
+        w2.double(),
+        tw,
+        ids,
+        act,
+        None if b13 is None else b13.double(),
+        None if b2 is None else b2.double(),
+    )
     if T == 0:
         return 0.0, False
     return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any())
@@ -305,8 +350,11 @@ def _triton_version() -> tuple[int, ...]:
     return tuple(int(p) for p in version("triton").split(".")[:2])
 
 
-@pytest.mark.skipif(_triton_version() < (3, 9), reason="Triton < 3.9's interpreter (3.6 on the H200 machine) fails on "
-                    "a loop bounded by a tensor value; the compiled kernels are tested on the GPU (tests/gpu)")
+@pytest.mark.skipif(
+    _triton_version() < (3, 9),
+    reason="Triton < 3.9's interpreter (3.6 on the H200 machine) fails on "
+    "a loop bounded by a tensor value; the compiled kernels are tested on the GPU (tests/gpu)",
+)
 @pytest.mark.parametrize("i", range(len(INTERP_CASES)), ids=[f"{c[5]}-T{c[0]}-E{c[1]}-k{c[4]}" for c in INTERP_CASES])
 def test_kernels_match_reference_in_interpreter(interp_results, i):
     err, has_nan = interp_results[i]

@@ -42,7 +42,9 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> s
     params = inspect.signature(fn.fn).parameters
     sig = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
     src = compiler.ASTSource(fn, sig, constexprs=constexprs)
-    k = triton.compile(src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+    k = triton.compile(
+        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
+    )
     return k.asm["ptx"]
 
 
@@ -64,7 +66,9 @@ def compile_like_a_launch(fn, constexprs: dict, pointers: dict, ints: dict, num_
             if p not in dns and ints.get(p, 0) % 16 == 0 and ints.get(p, 0) > 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+    k = triton.compile(
+        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
+    )
     return k.asm["ptx"]
 
 
@@ -73,52 +77,154 @@ def async_copy_sizes(ptx: str) -> set[str]:
 
 
 # What a Qwen3-30B-A3B decode call passes (H = 2048, I = 768; contiguous weights and activations)
-QWEN3_INTS = dict(H=2048, I=768, N_UP=768, KCH=1024, S=8, K_TOP=8, cnt_numel=32, stride_xt=2048, stride_xh=1,
-                  stride_we=1536 * 2048, stride_wn=2048, stride_wk=1, stride_it=768, stride_is=8 * 768,
-                  stride_w2e=2048 * 768, stride_at=768, stride_as=8 * 768, stride_pt=2048, stride_ot=2048,
-                  SCALE_BN=1, SCALE_BK=1)
+QWEN3_INTS = dict(
+    H=2048,
+    I=768,
+    N_UP=768,
+    KCH=1024,
+    S=8,
+    K_TOP=8,
+    cnt_numel=32,
+    stride_xt=2048,
+    stride_xh=1,
+    stride_we=1536 * 2048,
+    stride_wn=2048,
+    stride_wk=1,
+    stride_it=768,
+    stride_is=8 * 768,
+    stride_w2e=2048 * 768,
+    stride_at=768,
+    stride_as=8 * 768,
+    stride_pt=2048,
+    stride_ot=2048,
+    SCALE_BN=1,
+    SCALE_BK=1,
+)
 
 
-FC1_PTRS = {"x_ptr": BF, "w_ptr": BF, "b_ptr": BF, "w2_ptr": BF, "ws_ptr": "*fp32", "ids_ptr": "*i64",
-            "sorted_ptr": "*i32", "gexp_ptr": "*i32", "gstart_ptr": "*i32", "gcount_ptr": "*i32", "cnt_ptr": "*i32"}
-FC1 = dict(ACT=0, HAS_BIAS=False, W_SCALE=0, A_FP8=False, DOT_PREC="tf32", ROUTE=0, SLOT_P2=64, BM=16, BN=32, BK=128,
-           EVEN_K=True, GDC=True, PREFETCH=0, PF_CHUNK=16, SWAP=False, SPLIT=1, EARLY=False, W2_L2=0, W2_CHUNK=16)
-FC2_PTRS = {"w_ptr": BF, "b_ptr": BF, "part_ptr": BF, "out_ptr": BF, "ws_ptr": "*fp32", "ids_ptr": "*i64",
-            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "gexp_ptr": "*i32", "gstart_ptr": "*i32", "gcount_ptr": "*i32",
-            "cnt_ptr": "*i32"}
-FC2 = dict(HAS_BIAS=False, W_SCALE=0, A_FP8=False, DOT_PREC="tf32", ROUTE=0, SLOT_P2=64, BM=16, BN=64, BK=128,
-           EVEN_K=True, GDC=True, PREFETCH=0, PF_CHUNK=16, FUSED_SUM=True, SWAP=False, SPLIT1=1, ACT=0)
+FC1_PTRS = {
+    "x_ptr": BF,
+    "w_ptr": BF,
+    "b_ptr": BF,
+    "w2_ptr": BF,
+    "ws_ptr": "*fp32",
+    "ids_ptr": "*i64",
+    "sorted_ptr": "*i32",
+    "gexp_ptr": "*i32",
+    "gstart_ptr": "*i32",
+    "gcount_ptr": "*i32",
+    "cnt_ptr": "*i32",
+}
+FC1 = dict(
+    ACT=0,
+    HAS_BIAS=False,
+    W_SCALE=0,
+    A_FP8=False,
+    DOT_PREC="tf32",
+    ROUTE=0,
+    SLOT_P2=64,
+    BM=16,
+    BN=32,
+    BK=128,
+    EVEN_K=True,
+    GDC=True,
+    PREFETCH=0,
+    PF_CHUNK=16,
+    SWAP=False,
+    SPLIT=1,
+    EARLY=False,
+    W2_L2=0,
+    W2_CHUNK=16,
+)
+FC2_PTRS = {
+    "w_ptr": BF,
+    "b_ptr": BF,
+    "part_ptr": BF,
+    "out_ptr": BF,
+    "ws_ptr": "*fp32",
+    "ids_ptr": "*i64",
+    "tw_ptr": "*fp32",
+    "sorted_ptr": "*i32",
+    "gexp_ptr": "*i32",
+    "gstart_ptr": "*i32",
+    "gcount_ptr": "*i32",
+    "cnt_ptr": "*i32",
+}
+FC2 = dict(
+    HAS_BIAS=False,
+    W_SCALE=0,
+    A_FP8=False,
+    DOT_PREC="tf32",
+    ROUTE=0,
+    SLOT_P2=64,
+    BM=16,
+    BN=64,
+    BK=128,
+    EVEN_K=True,
+    GDC=True,
+    PREFETCH=0,
+    PF_CHUNK=16,
+    FUSED_SUM=True,
+    SWAP=False,
+    SPLIT1=1,
+    ACT=0,
+)
 
 
-@pytest.mark.parametrize("over,split", [
-    ({}, 1),
-    ({"SPLIT": 4, "HAS_BIAS": True, "ACT": 1}, 4),
-    ({"SPLIT": 2, "SWAP": True, "BN": 64, "BK": 64, "ROUTE": 1}, 2),
-    ({"W2_L2": 16 * 128 * 96, "W2_CHUNK": 16 * 96, "EARLY": True}, 1),
-    ({"SPLIT": 2, "W2_L2": 16 * 128 * 48, "W2_CHUNK": 16 * 48, "EARLY": True, "ROUTE": 1}, 2),
-], ids=["plain", "split4-bias-gelu", "split2-swap-grouped", "w2l2-early", "split2-w2l2-early-grouped"])
+@pytest.mark.parametrize(
+    "over,split",
+    [
+        ({}, 1),
+        ({"SPLIT": 4, "HAS_BIAS": True, "ACT": 1}, 4),
+        ({"SPLIT": 2, "SWAP": True, "BN": 64, "BK": 64, "ROUTE": 1}, 2),
+        ({"W2_L2": 16 * 128 * 96, "W2_CHUNK": 16 * 96, "EARLY": True}, 1),
+        ({"SPLIT": 2, "W2_L2": 16 * 128 * 48, "W2_CHUNK": 16 * 48, "EARLY": True, "ROUTE": 1}, 2),
+    ],
+    ids=["plain", "split4-bias-gelu", "split2-swap-grouped", "w2l2-early", "split2-w2l2-early-grouped"],
+)
 def test_fc1_variants_compile_for_sm90(kernels, over, split):
-    ptx = compile_sm90(kernels._moe_fc1_kernel, dict(FC1, **over), dict(FC1_PTRS, inter_ptr="*fp32" if split > 1 else BF))
+    ptx = compile_sm90(
+        kernels._moe_fc1_kernel, dict(FC1, **over), dict(FC1_PTRS, inter_ptr="*fp32" if split > 1 else BF)
+    )
     assert ptx.count("griddepcontrol.wait") == 1
     assert ptx.count("griddepcontrol.launch_dependents") == (2 if over.get("EARLY") else 1)
     assert ptx.count("cp.async.bulk.prefetch.L2") == (1 if over.get("W2_L2") else 0)
     assert ("wgmma.mma_async" in ptx) == bool(over.get("SWAP"))
 
 
-@pytest.mark.parametrize("over,stages", [
-    ({}, 4), ({"SPLIT1": 4}, 4), ({"SPLIT1": 2, "SWAP": True, "ACT": 1}, 4), ({"SPLIT1": 8}, 2),
-    ({"PREFETCH": 131072, "PF_CHUNK": 1024}, 4),
-], ids=["plain", "split4", "split2-swap-gelu", "split8-2-stages", "prefetch"])
+@pytest.mark.parametrize(
+    "over,stages",
+    [
+        ({}, 4),
+        ({"SPLIT1": 4}, 4),
+        ({"SPLIT1": 2, "SWAP": True, "ACT": 1}, 4),
+        ({"SPLIT1": 8}, 2),
+        ({"PREFETCH": 131072, "PF_CHUNK": 1024}, 4),
+    ],
+    ids=["plain", "split4", "split2-swap-gelu", "split8-2-stages", "prefetch"],
+)
 def test_fc2_variants_compile_for_sm90(kernels, over, stages):
-    ptx = compile_sm90(kernels._moe_fc2_kernel, dict(FC2, **over),
-                       dict(FC2_PTRS, a_ptr="*fp32" if over.get("SPLIT1", 1) > 1 else BF), num_stages=stages)
+    ptx = compile_sm90(
+        kernels._moe_fc2_kernel,
+        dict(FC2, **over),
+        dict(FC2_PTRS, a_ptr="*fp32" if over.get("SPLIT1", 1) > 1 else BF),
+        num_stages=stages,
+    )
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert ptx.count("cp.async.bulk.prefetch.L2") == (1 if over.get("PREFETCH") else 0)
 
 
-@pytest.mark.parametrize("which,over", [
-    ("fc1", {}), ("fc1", {"SPLIT": 2}), ("fc1", {"SWAP": True, "BN": 64, "BK": 64}), ("fc2", {}), ("fc2", {"SWAP": True}),
-], ids=["fc1", "fc1-split2", "fc1-swap", "fc2", "fc2-swap"])
+@pytest.mark.parametrize(
+    "which,over",
+    [
+        ("fc1", {}),
+        ("fc1", {"SPLIT": 2}),
+        ("fc1", {"SWAP": True, "BN": 64, "BK": 64}),
+        ("fc2", {}),
+        ("fc2", {"SWAP": True}),
+    ],
+    ids=["fc1", "fc1-split2", "fc1-swap", "fc2", "fc2-swap"],
+)
 def test_weight_tiles_stream_through_16_byte_async_copies(kernels, which, over):
     """The decode kernels are bound by streaming weights: compiled as a launch specialises them, every
     global-to-shared copy is 16 bytes wide (vectorised, software-pipelined), and no weight or activation

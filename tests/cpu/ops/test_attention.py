@@ -30,15 +30,22 @@ def dense_attention(q, k, v, mask=None, is_causal=False, scale=None):
 
 
 def make(B=2, Hq=4, Hkv=2, S=5, Skv=7, D=8, Dv=8, dtype=torch.float32):
-    return (torch.randn(B, Hq, S, D, dtype=dtype), torch.randn(B, Hkv, Skv, D, dtype=dtype),
-            torch.randn(B, Hkv, Skv, Dv, dtype=dtype))
+    return (
+        torch.randn(B, Hq, S, D, dtype=dtype),
+        torch.randn(B, Hkv, Skv, D, dtype=dtype),
+        torch.randn(B, Hkv, Skv, Dv, dtype=dtype),
+    )
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "causal_S_lt_Skv", "bool_mask", "float_mask", "scale", "mha",
-                                  "mqa", "dv_differs"])
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "causal_S_lt_Skv", "bool_mask", "float_mask", "scale", "mha", "mqa", "dv_differs"]
+)
 def test_reference_matches_documented_semantics(case):
-    kw = {"Hkv": {"mha": 4, "mqa": 1}.get(case, 2), "Dv": 6 if case == "dv_differs" else 8,
-          "Skv": 5 if case == "causal" else 7}
+    kw = {
+        "Hkv": {"mha": 4, "mqa": 1}.get(case, 2),
+        "Dv": 6 if case == "dv_differs" else 8,
+        "Skv": 5 if case == "causal" else 7,
+    }
     q, k, v = make(**kw)
     mask, is_causal, scale = None, case.startswith("causal"), 0.37 if case == "scale" else None
     if case == "bool_mask":
@@ -77,17 +84,24 @@ def test_output_layout_is_bshd():
     assert fake.shape == out.shape and fake.stride() == out.stride()
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.update(query=a["query"][0]), "query must be 4-D"),
-    (lambda a: a.update(key=a["key"].double()), "share one dtype"),
-    (lambda a: a.update(key=a["key"][:, :1].expand(-1, 3, -1, -1), value=a["value"][:, :1].expand(-1, 3, -1, -1)),
-     "must be a multiple of key/value heads"),
-    (lambda a: a.update(value=a["value"][:, :, :-1]), "positions but value has"),
-    (lambda a: a.update(attn_mask=torch.zeros(2, 4, 5, 7), is_causal=True), "exclusive"),
-    (lambda a: a.update(attn_mask=torch.zeros(2, 4, 5, 7, dtype=torch.float64)), "attn_mask must be bool"),
-    (lambda a: a.update(attn_mask=torch.zeros(2, 4, 3, 7)), "does not broadcast"),
-    (lambda a: a.update(query=a["query"].int(), key=a["key"].int(), value=a["value"].int()), "dtype"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(query=a["query"][0]), "query must be 4-D"),
+        (lambda a: a.update(key=a["key"].double()), "share one dtype"),
+        (
+            lambda a: a.update(
+                key=a["key"][:, :1].expand(-1, 3, -1, -1), value=a["value"][:, :1].expand(-1, 3, -1, -1)
+            ),
+            "must be a multiple of key/value heads",
+        ),
+        (lambda a: a.update(value=a["value"][:, :, :-1]), "positions but value has"),
+        (lambda a: a.update(attn_mask=torch.zeros(2, 4, 5, 7), is_causal=True), "exclusive"),
+        (lambda a: a.update(attn_mask=torch.zeros(2, 4, 5, 7, dtype=torch.float64)), "attn_mask must be bool"),
+        (lambda a: a.update(attn_mask=torch.zeros(2, 4, 3, 7)), "does not broadcast"),
+        (lambda a: a.update(query=a["query"].int(), key=a["key"].int(), value=a["value"].int()), "dtype"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(mutate, message):
     q, k, v = make()
     args = dict(query=q, key=k, value=v)
@@ -116,7 +130,12 @@ def test_kernel_spec_for_selection():
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.rubin.attention.default]
     spec = attention_spec(node)
     assert (spec.op, spec.quant, spec.act_dtype, spec.weight_dtype, spec.activation) == (
-        "attention", "none", "bfloat16", "bfloat16", "causal")
+        "attention",
+        "none",
+        "bfloat16",
+        "bfloat16",
+        "causal",
+    )
     assert spec.dim("D") == 8 and spec.dim("Hq") == 4 and spec.dim("Hkv") == 2
     for name in ("cpu", "sm90", "sm107"):
         assert ATTENTION.select(spec, resolve(name)).chosen.name  # a kernel, never an exception

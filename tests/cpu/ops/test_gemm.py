@@ -12,7 +12,6 @@ from tests.conftest import ROWWISE_SKIP
 E4M3 = torch.float8_e4m3fn
 
 
-
 def dense_gemm(a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_scale=None):
     """Float64 restatement of the documented semantics (independent of the op's code)."""
     a, b = a.double(), b.double()
@@ -70,33 +69,53 @@ def test_fp8_is_scaled_mm(scales, out_dtype):
     M, K, N = 16, 32, 24
     a = torch.randn(M, K).to(E4M3)
     b = torch.randn(N, K).to(E4M3).t()  # column-major [K, N], as _scaled_mm wants it
-    sa, sb = ((torch.tensor(0.5), torch.tensor(2.0)) if scales == "tensor"
-              else (torch.rand(M, 1) + 0.5, torch.rand(1, N) + 0.5))
+    sa, sb = (
+        (torch.tensor(0.5), torch.tensor(2.0))
+        if scales == "tensor"
+        else (torch.rand(M, 1) + 0.5, torch.rand(1, N) + 0.5)
+    )
     bias = torch.randn(N, dtype=out_dtype)
     got = torch.ops.rubin.gemm(a, b, bias, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
     want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
     assert got.dtype == out_dtype
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(got.double(), dense_gemm(a.float(), b.float(), bias, a_scale=sa, b_scale=sb),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        got.double(), dense_gemm(a.float(), b.float(), bias, a_scale=sa, b_scale=sb), rtol=tol, atol=tol
+    )
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.update(epilogue="relu"), "epilogue='relu' is not supported"),
-    (lambda a: a.update(a=a["a"][:, :-1]), "a is \\[M, K=23\\]"),
-    (lambda a: a.update(b=a["b"].double()), "must have one dtype"),
-    (lambda a: a.update(bias=a["bias"][:-1]), "bias must be"),
-    (lambda a: a.update(epilogue="residual_add"), "residual is given exactly"),
-    (lambda a: a.update(residual=a["a"][:, :10].contiguous()), "residual is given exactly"),
-    (lambda a: a.update(b=a["b"][:, :9], bias=None), "even N"),
-    (lambda a: a.update(out_dtype=torch.bfloat16), "only FP8 GEMMs change dtype"),
-    (lambda a: a.update(a=a["a"].to(E4M3), b=a["b"].to(E4M3)), "need a_scale and b_scale"),
-    (lambda a: a.update(a=a["a"].to(E4M3), b=a["b"].to(E4M3), a_scale=torch.ones(3), b_scale=torch.ones(()),
-                        out_dtype=torch.float32, bias=None), "a_scale must be per tensor"),
-    (lambda a: a.update(a=a["a"].to(E4M3), b=a["b"].to(E4M3), a_scale=torch.ones(()), b_scale=torch.ones(()),
-                        bias=None), "need out_dtype"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(epilogue="relu"), "epilogue='relu' is not supported"),
+        (lambda a: a.update(a=a["a"][:, :-1]), "a is \\[M, K=23\\]"),
+        (lambda a: a.update(b=a["b"].double()), "must have one dtype"),
+        (lambda a: a.update(bias=a["bias"][:-1]), "bias must be"),
+        (lambda a: a.update(epilogue="residual_add"), "residual is given exactly"),
+        (lambda a: a.update(residual=a["a"][:, :10].contiguous()), "residual is given exactly"),
+        (lambda a: a.update(b=a["b"][:, :9], bias=None), "even N"),
+        (lambda a: a.update(out_dtype=torch.bfloat16), "only FP8 GEMMs change dtype"),
+        (lambda a: a.update(a=a["a"].to(E4M3), b=a["b"].to(E4M3)), "need a_scale and b_scale"),
+        (
+            lambda a: a.update(
+                a=a["a"].to(E4M3),
+                b=a["b"].to(E4M3),
+                a_scale=torch.ones(3),
+                b_scale=torch.ones(()),
+                out_dtype=torch.float32,
+                bias=None,
+            ),
+            "a_scale must be per tensor",
+        ),
+        (
+            lambda a: a.update(
+                a=a["a"].to(E4M3), b=a["b"].to(E4M3), a_scale=torch.ones(()), b_scale=torch.ones(()), bias=None
+            ),
+            "need out_dtype",
+        ),
+    ],
+)
 def test_bad_arguments_are_clear_errors(mutate, message):
     a, b, bias, _ = make()
     args = dict(a=a, b=b, bias=bias, epilogue="silu_and_mul")

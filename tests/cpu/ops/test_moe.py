@@ -56,8 +56,9 @@ def test_half_precision_close_to_float64(dtype, tol):
 def test_edge_cases_duplicate_ids_empty_batch_int32_ids():
     x, w13, w2, w, ids, _, _ = make(T=3, k=2)
     ids[:, 1] = ids[:, 0]  # the same expert twice in a row: both slots count
-    torch.testing.assert_close(torch.ops.rubin.moe(x, w13, w2, w, ids.int()).double(),
-                               dense_moe(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.ops.rubin.moe(x, w13, w2, w, ids.int()).double(), dense_moe(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5
+    )
     x0, w130, w20, w0, ids0, _, _ = make(T=0)
     assert torch.ops.rubin.moe(x0, w130, w20, w0, ids0).shape == (0, 24)
 
@@ -81,13 +82,16 @@ def test_fp8_block_and_per_tensor_dequantisation():
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
-    (lambda a: a.update(w2=a["w2"][:, :, :-1]), "w2 shape"),
-    (lambda a: a.update(w13=a["w13"].double()), "must have hidden_states' dtype"),
-    (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
-    (lambda a: a.update(topk_ids=a["topk_ids"][:-1], topk_weights=a["topk_weights"][:-1]), "rows"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
+        (lambda a: a.update(w2=a["w2"][:, :, :-1]), "w2 shape"),
+        (lambda a: a.update(w13=a["w13"].double()), "must have hidden_states' dtype"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:-1], topk_weights=a["topk_weights"][:-1]), "rows"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(mutate, message):
     x, w13, w2, w, ids, _, _ = make()
     args = dict(hidden_states=x, w13=w13, w2=w2, topk_weights=w, topk_ids=ids)

@@ -22,10 +22,16 @@ from rubin_compile.ops import registry as R
 DOC = Path(__file__).resolve().parents[3] / "docs" / "kernels" / "selection.md"
 TARGETS = {"sm_90": "sm90", "sm_100": "sm100", "sm_103": "sm103", "sm_107": "sm107", "cpu": "cpu"}
 DTYPES = {"bf16": "none", "FP8 per-tensor": "fp8_tensor", "FP8 block": "fp8_block", "NVFP4": "nvfp4", "MXFP4": "mxfp4"}
-PACKAGES = {"flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl", "cudnn": "nvidia-cudnn-frontend",
-            "triton": "triton"}
+PACKAGES = {
+    "flashinfer": "flashinfer-python",
+    "cutlass": "nvidia-cutlass-dsl",
+    "cudnn": "nvidia-cudnn-frontend",
+    "triton": "triton",
+}
 missing = [pip for module, pip in PACKAGES.items() if importlib.util.find_spec(module) is None]
-needs_packages = pytest.mark.skipif(bool(missing), reason=f"the selection table assumes {missing} installed (tests/run.sh)")
+needs_packages = pytest.mark.skipif(
+    bool(missing), reason=f"the selection table assumes {missing} installed (tests/run.sh)"
+)
 
 
 def example_spec(op: str, quant: str) -> R.KernelSpec:
@@ -116,12 +122,13 @@ def test_rules_copied_from_flashinfer_code_still_match_its_source():
     for cc in fi.CUTLASS_MOE_CCS:
         assert f'"{cc}"' in dispatch, cc
     assert "arch[0] < 10" in inspect.getsource(core.is_trtllm_moe_supported.__wrapped__)
-    assert 'FP8 block scaling not yet implemented for Blackwell' in inspect.getsource(core.cutlass_fused_moe)
+    assert "FP8 block scaling not yet implemented for Blackwell" in inspect.getsource(core.cutlass_fused_moe)
     utils = importlib.import_module("flashinfer.utils")
     assert "major == 9" in inspect.getsource(utils.is_sm90a_supported)
     decode = importlib.import_module("flashinfer.decode")
     assert '"trtllm-gen" if get_compute_capability(query.device)[0] == 10 else "xqa"' in inspect.getsource(
-        decode.trtllm_batch_decode_with_kv_cache)
+        decode.trtllm_batch_decode_with_kv_cache
+    )
 
 
 def test_cpu_chooses_the_reference_and_says_why_for_the_others():
@@ -159,14 +166,17 @@ def test_shape_dtype_and_cc_reasons():
     if importlib.util.find_spec("flashinfer"):
         assert "shape limit: I=24 must be a multiple of 128" in reasons["flashinfer_trtllm"]
         assert "cc [90] only, not on sm107" in reasons["flashinfer_cutedsl"]
-    fp32 = select(dataclasses.replace(example_spec("moe", "none"), act_dtype="float32", weight_dtype="float32"),
-                    T.resolve("sm90"))
+    fp32 = select(
+        dataclasses.replace(example_spec("moe", "none"), act_dtype="float32", weight_dtype="float32"), T.resolve("sm90")
+    )
     assert "activations in float32 are not supported" in dict(fp32.rejected)["triton"]
 
 
 def test_missing_packages_reject_their_candidates(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("flashinfer", "triton") else real(name, *a)
+    )
     sel = select(example_spec("moe", "fp8_tensor"), T.resolve("sm100"))
     reasons = dict(sel.rejected)
     assert reasons["flashinfer_trtllm"] == "package flashinfer-python is not installed"
@@ -193,7 +203,10 @@ def test_a_declaration_that_fails_becomes_a_reason():
         raise ImportError("no such module")
 
     kernel = R.Kernel("moe", "reference", broken, {"*": 0})
-    assert kernel.check(T.resolve("sm90"), example_spec("moe", "none")) == "could not check support: ImportError: no such module"
+    assert (
+        kernel.check(T.resolve("sm90"), example_spec("moe", "none"))
+        == "could not check support: ImportError: no such module"
+    )
 
 
 def test_impl_strings():

@@ -19,8 +19,16 @@ import torch
 from tests.conftest import assert_close_to_eager, assert_logits_close, stage_code  # noqa: F401  (the first two: used through this module)
 
 HIDDEN, VOCAB, LAYERS = 64, 128, 2
-COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, use_cache=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    use_cache=False,
+)
 
 
 def qwen3_moe():
@@ -28,8 +36,16 @@ def qwen3_moe():
     separate q / k / v / o projections, GQA 4 / 2 heads through SDPA."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    cfg = transformers.Qwen3MoeConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 

@@ -21,9 +21,11 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviou
 SM80 = Target("sm80", "Ampere (A100)", (8, 0), 108)  # no named target: pdl False by default
 SM90, SM107, CPU = resolve("sm90"), resolve("sm107"), resolve("cpu")
 
-NO_GRAPHS = ("pdl='auto' and the graph does not run under CUDA graphs, where a PDL launch's host cost can "
-             "outweigh the overlap; compile with mode='reduce-overhead' or options cudagraphs=True, or "
-             "force it with pdl='on'")
+NO_GRAPHS = (
+    "pdl='auto' and the graph does not run under CUDA graphs, where a PDL launch's host cost can "
+    "outweigh the overlap; compile with mode='reduce-overhead' or options cudagraphs=True, or "
+    "force it with pdl='on'"
+)
 REFERENCE_NO_PDL = "reference takes no PDL launch (its kernels do not wait on griddepcontrol)"
 
 
@@ -50,8 +52,9 @@ def compile_for_gpu_target(rubin_run, model, tokens=4, dynamic=None, **options):
         compiled = rubin_run.compile(model, **options)
     else:
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="rubin", dynamic=dynamic,
-                                 options={"dump_dir": str(rubin_run.dump_dir), **options})
+        compiled = torch.compile(
+            model, backend="rubin", dynamic=dynamic, options={"dump_dir": str(rubin_run.dump_dir), **options}
+        )
     with pytest.raises(KernelUnavailableError, match="cannot run on this machine"), torch.no_grad():
         compiled(torch.randn(tokens, model.H, dtype=torch.bfloat16))
 
@@ -85,7 +88,9 @@ def test_sm80_and_cpu_never_get_pdl(mode, cudagraphs):
 def test_pdl_capable_targets(target):
     name = target.name
     assert chain_pdl.decide("auto", target, None, True) == (
-        True, f"PDL-safe kernel on {name}, run under CUDA graphs (captured as a programmatic edge)")
+        True,
+        f"PDL-safe kernel on {name}, run under CUDA graphs (captured as a programmatic edge)",
+    )
     on, why = chain_pdl.decide("auto", target, None, False)
     assert on is False and why == NO_GRAPHS and "CUDA graphs" in why
     assert chain_pdl.decide("on", target, None, False) == (True, "options pdl='on'")
@@ -121,10 +126,13 @@ def _cuda_moe_graph(E=4, H=256, I=256, T=4, k=2):
 
     with FakeTensorMode():
         dev = "cuda"
-        args = [torch.empty(T, H, dtype=torch.bfloat16, device=dev),
-                torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev),
-                torch.empty(E, H, I, dtype=torch.bfloat16, device=dev), torch.empty(T, k, device=dev),
-                torch.zeros(T, k, dtype=torch.int64, device=dev)]
+        args = [
+            torch.empty(T, H, dtype=torch.bfloat16, device=dev),
+            torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev),
+            torch.empty(E, H, I, dtype=torch.bfloat16, device=dev),
+            torch.empty(T, k, device=dev),
+            torch.zeros(T, k, dtype=torch.int64, device=dev),
+        ]
         return make_fx(f, tracing_mode="fake")(*args).graph
 
 
@@ -145,14 +153,26 @@ def _moe_node(graph):
     return node
 
 
-@pytest.mark.parametrize("options, pdl, decision, reason", [
-    (dict(target="sm90", cudagraphs=True), True, "pdl on",
-     "PDL-safe kernel on sm90, run under CUDA graphs (captured as a programmatic edge)"),
-    (dict(target="sm90"), False, "pdl off", NO_GRAPHS),
-    (dict(target="sm90", pdl="on"), True, "pdl on", "options pdl='on'"),
-    (dict(target="sm90", pdl="off", cudagraphs=True), False, "pdl off", "options pdl='off'"),
-    (dict(target="sm90", pdl="on", cudagraphs=True, kernels={"moe": "reference"}), False, "pdl off", REFERENCE_NO_PDL),
-])
+@pytest.mark.parametrize(
+    "options, pdl, decision, reason",
+    [
+        (
+            dict(target="sm90", cudagraphs=True),
+            True,
+            "pdl on",
+            "PDL-safe kernel on sm90, run under CUDA graphs (captured as a programmatic edge)",
+        ),
+        (dict(target="sm90"), False, "pdl off", NO_GRAPHS),
+        (dict(target="sm90", pdl="on"), True, "pdl on", "options pdl='on'"),
+        (dict(target="sm90", pdl="off", cudagraphs=True), False, "pdl off", "options pdl='off'"),
+        (
+            dict(target="sm90", pdl="on", cudagraphs=True, kernels={"moe": "reference"}),
+            False,
+            "pdl off",
+            REFERENCE_NO_PDL,
+        ),
+    ],
+)
 def test_run_writes_the_pdl_argument_and_a_decision(options, pdl, decision, reason):
     graph = _cuda_moe_graph()
     result = _select_then_pdl(graph, **options)
@@ -163,16 +183,20 @@ def test_run_writes_the_pdl_argument_and_a_decision(options, pdl, decision, reas
     assert (d.node, d.canonical_op, d.decision, d.reason) == ("moe", "rubin.moe", decision, reason)
     kernel = options.get("kernels", {}).get("moe", "triton")
     assert d.details == {"kernel": kernel, "target": "sm90"}
-    assert result.notes[0] == (f"{int(pdl)} of 1 kernel node(s) launched with PDL (pdl={options.get('pdl', 'auto')!r}; "
-                               f"options cudagraphs={options.get('cudagraphs', False)})")
+    assert result.notes[0] == (
+        f"{int(pdl)} of 1 kernel node(s) launched with PDL (pdl={options.get('pdl', 'auto')!r}; "
+        f"options cudagraphs={options.get('cudagraphs', False)})"
+    )
 
 
 def test_run_turns_a_stale_pdl_flag_off():
     graph = _cuda_moe_graph()
     _select_then_pdl(graph, target="sm90", pdl="on")
     assert _moe_node(graph).kwargs["pdl"] is True
-    result = chain_pdl.run(graph, PassContext(options=RubinOptions.resolve({"target": "sm90", "pdl": "off"}, environ={}),
-                                              target=resolve("sm90")))
+    result = chain_pdl.run(
+        graph,
+        PassContext(options=RubinOptions.resolve({"target": "sm90", "pdl": "off"}, environ={}), target=resolve("sm90")),
+    )
     assert result.changed is True and _moe_node(graph).kwargs["pdl"] is False
     assert [d.decision for d in result.decisions] == ["pdl off"]
 
@@ -204,7 +228,9 @@ def test_sm90_under_cudagraphs_launches_the_moe_with_pdl(rubin_run):
     assert d["decision"] == "pdl on" and d["canonical_op"] == "rubin.moe"
     assert d["reason"] == "PDL-safe kernel on sm90, run under CUDA graphs (captured as a programmatic edge)"
     assert d["details"] == {"kernel": "triton", "target": "sm90"}
-    assert "1 of 1 kernel node(s) launched with PDL (pdl='auto'; options cudagraphs=True)" in pass_notes(rubin_run, "chain_pdl")
+    assert "1 of 1 kernel node(s) launched with PDL (pdl='auto'; options cudagraphs=True)" in pass_notes(
+        rubin_run, "chain_pdl"
+    )
     (report,) = rubin_run.reports()
     assert report["options"]["cudagraphs"] is True and report["options"]["pdl"] == "auto"
 
@@ -225,7 +251,9 @@ def test_sm90_pdl_on_without_graphs_and_mode_reduce_overhead(rubin_run, monkeypa
     compile_for_gpu_target(rubin_run, DirectMoE(), target="sm90", pdl=True)
     (line,) = moe_lines(rubin_run.stage_code("chain_pdl"))
     assert "pdl = True" in line
-    assert [(d["decision"], d["reason"]) for d in pass_decisions(rubin_run, "chain_pdl")] == [("pdl on", "options pdl='on'")]
+    assert [(d["decision"], d["reason"]) for d in pass_decisions(rubin_run, "chain_pdl")] == [
+        ("pdl on", "options pdl='on'")
+    ]
 
     # mode="reduce-overhead" (torch.compile takes mode or options, not both: the rest from RUBIN_*) implies
     # cudagraphs, so pdl="auto" turns on

@@ -25,8 +25,15 @@ def _graph():
 def test_pipeline_order():
     report = PassManager(RubinOptions.resolve({}, environ={})).run(_graph())
     assert [p["name"] for p in report["passes"]] == list(PASS_NAMES)
-    assert PASS_NAMES == ("canonicalize", "match_moe", "match_attention", "match_gemm", "select_kernels",
-                          "place_locality", "chain_pdl")
+    assert PASS_NAMES == (
+        "canonicalize",
+        "match_moe",
+        "match_attention",
+        "match_gemm",
+        "select_kernels",
+        "place_locality",
+        "chain_pdl",
+    )
 
 
 def test_a_pass_reads_only_what_its_entry_declares():
@@ -81,8 +88,12 @@ def test_dumps_and_explain(rubin_run):
     text = out.getvalue()
     assert "| moe_default | rubin.moe | expert loop |" in text
     assert "1 rewrite(s) in all" in text
-    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0 and "expert loop" in cli.stdout
     assert "## chain_pdl" in cli.stdout and "| pdl off |" in cli.stdout  # a decision per MoE node is shown
     assert "## match_attention" not in cli.stdout  # nothing matched, chosen or decided there
@@ -91,8 +102,12 @@ def test_dumps_and_explain(rubin_run):
 def test_explain_on_a_folder_without_dumps(tmp_path):
     with pytest.raises(ExplainError, match="no rubin dump here"):
         explain(str(tmp_path), io.StringIO())
-    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rubin_compile", "explain", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 2 and "no such folder" in cli.stderr
 
 
@@ -106,8 +121,14 @@ def test_env_dump_dir_and_torch_trace_artifacts(tmp_path):
             torch.compile(m, backend="rubin")(torch.randn(4, 32))
     """)
     env = dict(os.environ, RUBIN_DUMP_DIR=str(tmp_path / "dumps"), TORCH_TRACE=str(tmp_path / "trace"))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert list((tmp_path / "dumps").glob("*/report.json"))
     logs = "".join(p.read_text() for p in (tmp_path / "trace").glob("*.log"))
@@ -126,8 +147,16 @@ def test_a_second_compile_into_the_same_dump_dir_dumps_again(rubin_run):
 
 def test_package_import_stays_light():
     # (Triton and cuda.bindings are left out: torch itself imports them whenever they are installed.)
-    out = subprocess.run([sys.executable, "-c", "import sys, rubin_compile; "
-                          "print(sorted(m for m in ('vllm', 'flashinfer', 'cutlass', 'transformers') if m in sys.modules))"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, rubin_compile; "
+            "print(sorted(m for m in ('vllm', 'flashinfer', 'cutlass', 'transformers') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

@@ -63,8 +63,9 @@ def sdpa_forms(q, k, v, m):
     outs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),  # native GQA
         F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True),
-        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m,
-                                       scale=0.3),  # float mask, non-default scale
+        F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m, scale=0.3
+        ),  # float mask, non-default scale
         F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=m > 0),  # tiled heads
         F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat(1, 2, 1, 1)),  # not alike: no fold
     ]
@@ -85,8 +86,7 @@ EXPECTED_FORMS = [  # (gqa, masking, scale, Hkv, Dv) per SDPA call above, in gra
 def test_plain_sdpa_forms(rubin_run, dtype):
     compiled = rubin_run.compile(sdpa_forms)
     for _ in range(2):
-        args = (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16),
-                torch.randn(2, 1, 8, 8))
+        args = (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 1, 8, 8))
         args = tuple(a.to(dtype) for a in args)
         assert_close_to_eager(compiled(*args), sdpa_forms(*args), dtype)
     rewrites = attention_rewrites(rubin_run)
@@ -102,8 +102,14 @@ def test_plain_sdpa_forms(rubin_run, dtype):
     # it back to ATen (repeat_kv + SDPA) so Inductor lowers the attention itself
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.attention") == 0 and count_ops(code, CPU_SDPA) == len(EXPECTED_FORMS)
-    plans = [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels"
-             for pl in p["plans"] if pl["canonical_op"] == "rubin.attention"]
+    plans = [
+        pl
+        for rep in rubin_run.reports()
+        for p in rep["passes"]
+        if p["name"] == "select_kernels"
+        for pl in p["plans"]
+        if pl["canonical_op"] == "rubin.attention"
+    ]
     assert [(pl["kernel"], pl["lowered"]) for pl in plans] == [("reference", "aten")] * len(EXPECTED_FORMS)
 
 
@@ -169,26 +175,43 @@ def _trace(fn, *args) -> torch.fx.GraphModule:
 
 
 Q, KV = (2, 4, 8, 16), (2, 2, 8, 16)  # GQA shapes; MHA forms read key / value with 4 heads
+
+
 def _both(result):
     return result[0], result[1]
 
 
 CUDA_FORMS = {  # name -> (ATen form in the report, graph, SDPA semantics it must keep, key/value shape)
-    "flash": ("aten._scaled_dot_product_flash_attention",
-              lambda q, k, v, b: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, scale=0.2)[0],
-              lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2), Q),
-    "efficient": ("aten._scaled_dot_product_efficient_attention",
-                  lambda q, k, v, b: aten._scaled_dot_product_efficient_attention.default(q, k, v, b, True)[0],
-                  lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), Q),
-    "cudnn": ("aten._scaled_dot_product_cudnn_attention",
-              lambda q, k, v, b: aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, False, 0.0, True)[0],
-              lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True), Q),
-    "overrideable": ("aten._scaled_dot_product_fused_attention_overrideable",
-                     lambda q, k, v, b: aten._scaled_dot_product_fused_attention_overrideable.default(q, k, v, b)[0],
-                     lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), Q),
-    "composite_gqa": ("aten.scaled_dot_product_attention",
-                      lambda q, k, v, b: aten.scaled_dot_product_attention.default(q, k, v, b, enable_gqa=True),
-                      lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True), KV),
+    "flash": (
+        "aten._scaled_dot_product_flash_attention",
+        lambda q, k, v, b: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, scale=0.2)[0],
+        lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2),
+        Q,
+    ),
+    "efficient": (
+        "aten._scaled_dot_product_efficient_attention",
+        lambda q, k, v, b: aten._scaled_dot_product_efficient_attention.default(q, k, v, b, True)[0],
+        lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b),
+        Q,
+    ),
+    "cudnn": (
+        "aten._scaled_dot_product_cudnn_attention",
+        lambda q, k, v, b: aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, False, 0.0, True)[0],
+        lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        Q,
+    ),
+    "overrideable": (
+        "aten._scaled_dot_product_fused_attention_overrideable",
+        lambda q, k, v, b: aten._scaled_dot_product_fused_attention_overrideable.default(q, k, v, b)[0],
+        lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b),
+        Q,
+    ),
+    "composite_gqa": (
+        "aten.scaled_dot_product_attention",
+        lambda q, k, v, b: aten.scaled_dot_product_attention.default(q, k, v, b, enable_gqa=True),
+        lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, enable_gqa=True),
+        KV,
+    ),
 }
 
 
@@ -206,14 +229,22 @@ def test_device_forms_rewritten(form):
     assert_close_to_eager(gm(*fresh), semantics(*fresh))
 
 
-@pytest.mark.parametrize("build, reason", [
-    (lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.1, True)[0], "dropout_p=0.1"),
-    (lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, False, True)[0],
-     "return_debug_mask"),
-    (lambda q, k, v: _both(aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True)),
-     "log_sumexp output is used"),
-    (lambda q, k, v: aten.scaled_dot_product_attention.default(q[0], k[0], v[0]), "query is 3-D"),
-], ids=["dropout", "debug_mask", "logsumexp_used", "three_d"])
+@pytest.mark.parametrize(
+    "build, reason",
+    [
+        (lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.1, True)[0], "dropout_p=0.1"),
+        (
+            lambda q, k, v: aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, False, True)[0],
+            "return_debug_mask",
+        ),
+        (
+            lambda q, k, v: _both(aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True)),
+            "log_sumexp output is used",
+        ),
+        (lambda q, k, v: aten.scaled_dot_product_attention.default(q[0], k[0], v[0]), "query is 3-D"),
+    ],
+    ids=["dropout", "debug_mask", "logsumexp_used", "three_d"],
+)
 def test_device_form_near_misses(build, reason):
     """Dropout, a debug mask, a used logsumexp, a 3-D batch: left as they are, each with its reason."""
     gm = _trace(build, *(torch.randn(2, 4, 8, 16) for _ in range(3)))
@@ -226,31 +257,66 @@ def test_device_form_near_misses(build, reason):
 # --- what the report says of vLLM's attention, per target (the engine test sees one target) ------------------------
 
 
-@pytest.mark.parametrize("target, query, kv_cache, expect", [
-    ("sm107", "bfloat16", "auto", ["would prefer flashinfer_trtllm", "trtllm-gen", "(vLLM runs FLASH_ATTN now)",
-                                    "with an FP8 KV cache it would run flashinfer_trtllm FP8 attention: "
-                                    "--kv-cache-dtype fp8 --attention-backend FLASHINFER"]),
-    ("sm107", "bfloat16", "fp8", ["would prefer flashinfer_trtllm"]),
-    ("sm107", "float32", "auto", ["no attention kernel for this layer's float32", "activations in float32",
-                                   "a bfloat16 model would run flashinfer_trtllm"]),
-    ("sm90", "bfloat16", "auto", ["would prefer flashinfer_fa3",
-                                   "with an FP8 KV cache it would run flashinfer_fa2 FP8 attention"]),
-    ("cpu", "bfloat16", "auto", ["target cpu has no GPU attention kernel; vLLM's CPU backend is the one to run"]),
-])
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                    reason="the expected preferences come from FlashInfer's declarations (tests/run.sh installs it)")
+@pytest.mark.parametrize(
+    "target, query, kv_cache, expect",
+    [
+        (
+            "sm107",
+            "bfloat16",
+            "auto",
+            [
+                "would prefer flashinfer_trtllm",
+                "trtllm-gen",
+                "(vLLM runs FLASH_ATTN now)",
+                "with an FP8 KV cache it would run flashinfer_trtllm FP8 attention: "
+                "--kv-cache-dtype fp8 --attention-backend FLASHINFER",
+            ],
+        ),
+        ("sm107", "bfloat16", "fp8", ["would prefer flashinfer_trtllm"]),
+        (
+            "sm107",
+            "float32",
+            "auto",
+            [
+                "no attention kernel for this layer's float32",
+                "activations in float32",
+                "a bfloat16 model would run flashinfer_trtllm",
+            ],
+        ),
+        (
+            "sm90",
+            "bfloat16",
+            "auto",
+            ["would prefer flashinfer_fa3", "with an FP8 KV cache it would run flashinfer_fa2 FP8 attention"],
+        ),
+        ("cpu", "bfloat16", "auto", ["target cpu has no GPU attention kernel; vLLM's CPU backend is the one to run"]),
+    ],
+)
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="the expected preferences come from FlashInfer's declarations (tests/run.sh installs it)",
+)
 def test_kept_vllm_attention_note_per_target(target, query, kv_cache, expect):
     """A recorded vLLM attention layer (as read_vllm_attention builds it from the layer object, through the
     vLLM engine adapter) and what the kernel registry says the target would run: on Blackwell / Rubin trtllm-gen, whose FP8 attention needs an
     FP8 KV cache and the FlashInfer backend; FA3 on Hopper (FP8 KV on FA2: FA3 wants an FP8 query)."""
-    record = {"node": "auto_functionalized_1", "op": "vllm::unified_attention_with_output",
-              "layer": "model.layers.0.self_attn.attn", "backend": "FLASH_ATTN",
-              "kernel": BACKEND_KERNELS["FLASH_ATTN"], "query_dtype": query,
-              "kv_cache_dtype": kv_cache, "kv_cache_torch_dtype": "float8_e4m3fn" if kv_cache == "fp8" else query,
-              "num_heads": 32, "num_kv_heads": 8, "head_size": 128}
+    record = {
+        "node": "auto_functionalized_1",
+        "op": "vllm::unified_attention_with_output",
+        "layer": "model.layers.0.self_attn.attn",
+        "backend": "FLASH_ATTN",
+        "kernel": BACKEND_KERNELS["FLASH_ATTN"],
+        "query_dtype": query,
+        "kv_cache_dtype": kv_cache,
+        "kv_cache_torch_dtype": "float8_e4m3fn" if kv_cache == "fp8" else query,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_size": 128,
+    }
     options = RubinOptions.resolve({"target": target})
     record["target_preference"] = match_attention._target_preference(
-        record, PassContext(options=options, target=options.resolved_target(), engine=VllmEngine()))
+        record, PassContext(options=options, target=options.resolved_target(), engine=VllmEngine())
+    )
     note = match_attention.describe_kept(record)
     assert note.startswith("kept vLLM's attention at auto_functionalized_1") and "stay vLLM's" in note
     for text in expect:

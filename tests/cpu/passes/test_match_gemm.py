@@ -21,7 +21,6 @@ FP32, BF16 = pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 
 
-
 def epilogues(rewrites: list[dict]) -> list[str]:
     return [r["details"]["epilogue"] for r in rewrites]
 
@@ -40,8 +39,9 @@ def test_qwen3_moe_linear_layers(dtype):
     result = run.result("match_gemm")
     assert result["unchanged"] == []
     # per layer q, k, v, o (+ residual); layer 1 gate, up, down (+ residual); lm_head
-    assert sorted(epilogues(result["rewrites"])) == sorted(["none"] * 3 * 2 + ["residual_add"] * 2 +
-                                                         ["none", "none", "residual_add"] + ["none"])
+    assert sorted(epilogues(result["rewrites"])) == sorted(
+        ["none"] * 3 * 2 + ["residual_add"] * 2 + ["none", "none", "residual_add"] + ["none"]
+    )
     for r in result["rewrites"]:
         assert r["details"]["b_layout"].startswith("weight.t()") and r["details"]["bias"] is False
     (router_note,) = [n for n in result["notes"] if "router" in n]
@@ -104,8 +104,9 @@ def run_block(rubin_run, dtype, block=None, tokens=(5,), dynamic=None, cast=True
     block = block or Block()
     block = (block.to(dtype) if cast else block).eval()
     torch._dynamo.reset()
-    compiled = torch.compile(block, backend="rubin", dynamic=dynamic,
-                             options={"dump_dir": str(rubin_run.dump_dir), **options})
+    compiled = torch.compile(
+        block, backend="rubin", dynamic=dynamic, options={"dump_dir": str(rubin_run.dump_dir), **options}
+    )
     with torch.no_grad():
         for t in tokens:
             x = torch.randn(2, t, 32, dtype=dtype)
@@ -132,8 +133,11 @@ def test_block_epilogues_and_policy(rubin_run, dtype):
     final = rubin_run.final_code()
     assert count_ops(final, "rubin.gemm") == 0 and count_ops(final, "aten.addmm") == 3
     assert count_ops(final, "aten.mm") == count_ops(code, "aten.mm") + 1  # router and the dequantised product stay
-    plans = [pl for pl in next(p for p in report["passes"] if p["name"] == "select_kernels")["plans"]
-             if pl["canonical_op"] == "rubin.gemm"]
+    plans = [
+        pl
+        for pl in next(p for p in report["passes"] if p["name"] == "select_kernels")["plans"]
+        if pl["canonical_op"] == "rubin.gemm"
+    ]
     assert len(plans) == 4 and all(pl["lowered"] == "aten" for pl in plans)
 
 
@@ -162,8 +166,9 @@ class Fp8Linear(nn.Module):
         x = x.reshape(-1, x.shape[-1])
         scale = (x.abs().amax(-1, keepdim=True) if self.rowwise else x.abs().amax()).float() / 448.0
         xq = (x / scale).clamp(-448, 448).to(E4M3)
-        return torch._scaled_mm(xq, self.w.t(), scale_a=scale, scale_b=self.w_scale, bias=self.bias,
-                                out_dtype=self.out_dtype)
+        return torch._scaled_mm(
+            xq, self.w.t(), scale_a=scale, scale_b=self.w_scale, bias=self.bias, out_dtype=self.out_dtype
+        )
 
 
 @pytest.mark.parametrize("rowwise", [False, pytest.param(True, marks=ROWWISE_SKIP)], ids=["per_tensor", "rowwise"])
@@ -272,8 +277,10 @@ def test_unfused_bias_add_gpu_form():
     gm.recompile()
     (r,) = result.rewrites
     assert r.details["epilogue"] == "silu_and_mul" and r.details["bias"] and r.details["bias_add"]  # add folded
-    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.permute.default,
-                                                                           torch.ops.rubin.gemm.default]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [
+        aten.permute.default,
+        torch.ops.rubin.gemm.default,
+    ]
     x, w, b = (torch.randn_like(a) for a in args)
     y = x @ w.t() + b
     assert_close_to_eager(gm(x, w, b), F.silu(y[:, :16]) * y[:, 16:])

@@ -17,11 +17,17 @@ from tests.cpu.passes.test_chain_pdl import DirectMoE, compile_for_gpu_target, m
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
 
 SM107_TRITON = dict(target="sm107", kernels={"moe": "triton"})
-SM107_BACKFILL = "2 domains x 106/106 SMs (backfill; localised memory; HBM locality domains (FlashInfer locality_domain, CUDA 13.4))"
-SM107_STRICT = ("2 domains x 100/100 SMs (default, 12 SMs idle; localised memory; HBM locality domains "
-                "(FlashInfer locality_domain, CUDA 13.4))")
-UNIFORM = ("locality='auto': sm90 has uniform memory (no HBM locality domains), where a split only adds a fork "
-           "and a join; force it with locality='default' or 'backfill'")
+SM107_BACKFILL = (
+    "2 domains x 106/106 SMs (backfill; localised memory; HBM locality domains (FlashInfer locality_domain, CUDA 13.4))"
+)
+SM107_STRICT = (
+    "2 domains x 100/100 SMs (default, 12 SMs idle; localised memory; HBM locality domains "
+    "(FlashInfer locality_domain, CUDA 13.4))"
+)
+UNIFORM = (
+    "locality='auto': sm90 has uniform memory (no HBM locality domains), where a split only adds a fork "
+    "and a join; force it with locality='default' or 'backfill'"
+)
 
 
 def _placement(rubin_run):
@@ -58,8 +64,10 @@ def test_sm107_backfill(rubin_run, locality_opt):
     }
     assert "106/106 SMs" in d["details"]["domains"]
     notes = pass_notes(rubin_run, "place_locality")
-    assert notes == [f"sm107 domains (backfill): {SM107_BACKFILL}",
-                     f"1 of 1 MoE node(s) split over locality domains (locality={locality_opt!r})"]
+    assert notes == [
+        f"sm107 domains (backfill): {SM107_BACKFILL}",
+        f"1 of 1 MoE node(s) split over locality domains (locality={locality_opt!r})",
+    ]
 
 
 @cpu_only
@@ -81,7 +89,8 @@ def test_sm107_off_and_flashinfer_kernel_have_no_placement(rubin_run):
     d = _decision(rubin_run)
     assert (d["decision"], d["reason"], d["details"]) == ("whole (current stream)", "options locality='off'", {})
     assert pass_notes(rubin_run, "place_locality") == [
-        "0 of 1 MoE node(s) split over locality domains (locality='off')"]
+        "0 of 1 MoE node(s) split over locality domains (locality='off')"
+    ]
 
 
 def test_kernel_without_split_n_form_runs_whole():
@@ -91,7 +100,10 @@ def test_kernel_without_split_n_form_runs_whole():
         kernel = MOE.kernel(name)
         assert "split_n" not in kernel.placements
         assert place_locality.decide("backfill", resolve("sm107"), kernel, spec, None, 16, (4, 4)) == (
-            None, f"kernel {name} has no split-N form", {})
+            None,
+            f"kernel {name} has no split-N form",
+            {},
+        )
     assert MOE.kernel("triton").placements == ("split_n",)
 
 
@@ -107,7 +119,9 @@ def test_sm90_auto_has_no_placement_uniform_memory(rubin_run):
 
 
 @cpu_only
-@pytest.mark.parametrize("mode, counts", [("default", "64/64 SMs (default, 4 SMs idle"), ("backfill", "64/68 SMs (backfill")])
+@pytest.mark.parametrize(
+    "mode, counts", [("default", "64/64 SMs (default, 4 SMs idle"), ("backfill", "64/68 SMs (backfill")]
+)
 def test_sm90_forced_green_context_domains(rubin_run, mode, counts):
     assert locality.green_context_split(132, 2, "default") == (64, 64)
     assert locality.green_context_split(132, 2, "backfill") == (64, 68)
@@ -145,7 +159,7 @@ def test_dynamic_tokens_are_decided_per_call(rubin_run):
     compile_for_gpu_target(rubin_run, DirectMoE(), tokens=32, dynamic=True, **SM107_TRITON)
     assert _placement(rubin_run) == "split_n:backfill:2:16"
     (line,) = moe_lines(rubin_run.stage_code("place_locality"))
-    assert 'bf16[s' in line  # the token count is symbolic in the graph
+    assert "bf16[s" in line  # the token count is symbolic in the graph
     d = _decision(rubin_run)
     assert d["reason"] == "decode-sized MoE (T <= 16) on sm107"
     assert d["details"]["tokens"] == "per call"
@@ -166,8 +180,10 @@ def test_domains_option_overrides_the_count(rubin_run):
     compile_for_gpu_target(rubin_run, DirectMoE(H=512, I=512), domains=4, locality="default", **SM107_TRITON)
     assert _placement(rubin_run) == "split_n:default:4:16"
     d = _decision(rubin_run)
-    assert d["details"]["domains"] == ("4 domains x 48/48/48/48 SMs (default, 20 SMs idle; memory un-localised; "
-                                       "green contexts (SM partitions) not matching the HBM domains)")
+    assert d["details"]["domains"] == (
+        "4 domains x 48/48/48/48 SMs (default, 20 SMs idle; memory un-localised; "
+        "green contexts (SM partitions) not matching the HBM domains)"
+    )
     assert d["details"]["FC1 I shares"] == [128, 128, 128, 128]
     assert d["details"]["shards"] == "views of the weights (uniform memory: no copy)"
 
@@ -187,12 +203,21 @@ def test_decide_edge_cases():
     spec = _Spec(E=8, H=256, I=256)
     sm107, sm90 = resolve("sm107"), resolve("sm90")
     assert place_locality.decide("backfill", resolve("cpu"), triton, spec, None, 16, (4, 4)) == (
-        None, "target cpu has no GPU: one domain", {})
+        None,
+        "target cpu has no GPU: one domain",
+        {},
+    )
     no_gc = Target("sm80", "Ampere (A100)", (8, 0), 108)
     assert place_locality.decide("default", no_gc, triton, spec, None, 16, (4, 4)) == (
-        None, "target sm80 has no green contexts", {})
+        None,
+        "target sm80 has no green contexts",
+        {},
+    )
     assert place_locality.decide("backfill", sm107, triton, _Spec(E=8, H=256), None, 16, (4, 4)) == (
-        None, "the node's I and H are not known statically", {})
+        None,
+        "the node's I and H are not known statically",
+        {},
+    )
     # a range with a lower bound above the threshold is prefill; an upper bound at it is always decode
     assert place_locality.decide("auto", sm107, triton, spec, None, 16, (17, None))[0] is None
     placement, why, details = place_locality.decide("auto", sm107, triton, spec, None, 16, (1, 16))
@@ -209,7 +234,13 @@ def test_locality_options_change_the_pass_uuid():
     def uuid(**o):
         return PassManager(RubinOptions.resolve({"target": "sm107", **o}, environ={})).uuid()
 
-    keys = {uuid(), uuid(locality="off"), uuid(locality="default"), uuid(locality="backfill"),
-            uuid(domains=4), uuid(locality_max_tokens=32)}
+    keys = {
+        uuid(),
+        uuid(locality="off"),
+        uuid(locality="default"),
+        uuid(locality="backfill"),
+        uuid(domains=4),
+        uuid(locality_max_tokens=32),
+    }
     assert len(keys) == 6
     assert uuid(locality="strict") == uuid(locality="default")

@@ -21,8 +21,10 @@ from rubin_compile.passes.manager import PassManager
 from tests.conftest import assert_close_to_eager
 from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
 
-needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                      reason="flashinfer-python is not installed (tests/run.sh installs it)")
+needs_flashinfer = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="flashinfer-python is not installed (tests/run.sh installs it)",
+)
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
 
 
@@ -35,8 +37,9 @@ def _model(dtype):
 
 
 def _plans(rubin_run):
-    return [pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels"
-            for pl in p["plans"]]
+    return [
+        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
+    ]
 
 
 def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4, k=2):
@@ -50,8 +53,13 @@ def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4,
         return torch.ops.rubin.moe(x, w13, w2, tw, ids, "silu", **kwargs)
 
     with FakeTensorMode():
-        args = [torch.empty(T, H, dtype=torch.bfloat16), torch.empty(E, 2 * I, H, dtype=w_dtype),
-                torch.empty(E, H, I, dtype=w_dtype), torch.empty(T, k), torch.zeros(T, k, dtype=torch.int64)]
+        args = [
+            torch.empty(T, H, dtype=torch.bfloat16),
+            torch.empty(E, 2 * I, H, dtype=w_dtype),
+            torch.empty(E, H, I, dtype=w_dtype),
+            torch.empty(T, k),
+            torch.zeros(T, k, dtype=torch.int64),
+        ]
         if w_dtype == torch.float8_e4m3fn:
             if block_shape:
                 bn, bk = block_shape
@@ -76,14 +84,17 @@ def _impl(graph):
     return node.kwargs.get("impl", "reference")
 
 
-@pytest.mark.parametrize("w_dtype, block, target, kernel, quant", [
-    (torch.bfloat16, None, "sm90", "triton", "none"),
-    (torch.float8_e4m3fn, None, "sm90", "triton", "fp8_tensor"),
-    (torch.float8_e4m3fn, [128, 128], "sm90", "triton", "fp8_block"),
-    (torch.float8_e4m3fn, [128, 128], "sm100", "flashinfer_trtllm", "fp8_block"),
-    (torch.bfloat16, None, "sm107", "flashinfer_trtllm", "none"),
-    (torch.bfloat16, None, "cpu", "reference", "none"),
-])
+@pytest.mark.parametrize(
+    "w_dtype, block, target, kernel, quant",
+    [
+        (torch.bfloat16, None, "sm90", "triton", "none"),
+        (torch.float8_e4m3fn, None, "sm90", "triton", "fp8_tensor"),
+        (torch.float8_e4m3fn, [128, 128], "sm90", "triton", "fp8_block"),
+        (torch.float8_e4m3fn, [128, 128], "sm100", "flashinfer_trtllm", "fp8_block"),
+        (torch.bfloat16, None, "sm107", "flashinfer_trtllm", "none"),
+        (torch.bfloat16, None, "cpu", "reference", "none"),
+    ],
+)
 def test_spec_from_the_node_and_the_kernel_written_into_it(w_dtype, block, target, kernel, quant):
     if kernel.startswith("flashinfer") and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer-python is not installed")
@@ -131,8 +142,12 @@ def test_plan_for_sm107_made_on_the_cpu_and_executing_it_raises_a_clear_error(ru
     assert "target: sm107 (Rubin)" in report_md
     assert "| moe_default | rubin.moe | bfloat16 T=5 E=6 H=32 I=24 k=2 silu | flashinfer_cutlass (sm107) |" in report_md
     assert "| moe_default | flashinfer_trtllm | shape limit: I=24 must be a multiple of 128 |" in report_md
-    cli = subprocess.run([sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--changed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0 and "flashinfer_cutlass (sm107)" in cli.stdout and "rejected kernel" in cli.stdout
 
 
@@ -144,8 +159,10 @@ def test_forced_kernel_rejected_with_its_reason_and_strict_makes_it_an_error():
     assert plan.forced == "flashinfer_cutedsl" and "cc [90] only, not on sm107" in plan.forced_reason
     assert plan.kernel == "flashinfer_trtllm"
     assert any("forced kernel 'flashinfer_cutedsl' rejected on sm107" in n for n in result.notes)
-    with pytest.raises(select_kernels.KernelSelectionError,
-                       match=r"rubin \(strict\): options.kernels forces 'flashinfer_cutedsl' for rubin.moe.*sm107.*cc \[90\]"):
+    with pytest.raises(
+        select_kernels.KernelSelectionError,
+        match=r"rubin \(strict\): options.kernels forces 'flashinfer_cutedsl' for rubin.moe.*sm107.*cc \[90\]",
+    ):
         _select(_moe_graph(), target="sm107", kernels={"moe": "flashinfer_cutedsl"}, strict=True)
 
 
@@ -175,7 +192,9 @@ def test_uuid_follows_the_target_and_forced_kernels():
     assert uuid(target="sm107") != uuid(target="sm90") != uuid(target="cpu")
     assert uuid(target="sm107") == uuid(target="sm_107") == uuid(target="rubin")
     assert uuid(target="sm90") != uuid(target="sm90", kernels={"moe": "triton"})
-    report = json.loads(json.dumps(PassManager(RubinOptions.resolve({"target": "sm107"}, environ={})).run(_moe_graph())))
+    report = json.loads(
+        json.dumps(PassManager(RubinOptions.resolve({"target": "sm107"}, environ={})).run(_moe_graph()))
+    )
     assert report["target"]["name"] == "sm107" and report["target"]["sm_count"] == 212
 
 
@@ -219,8 +238,15 @@ class _Mlp(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(g) * u)
 
 
-@pytest.mark.parametrize("target,kernel,dtype", [("cpu", "reference", torch.float32), ("cpu", "reference", torch.bfloat16),
-                                                ("sm90", "torch", torch.bfloat16), ("sm107", "torch", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "target,kernel,dtype",
+    [
+        ("cpu", "reference", torch.float32),
+        ("cpu", "reference", torch.bfloat16),
+        ("sm90", "torch", torch.bfloat16),
+        ("sm107", "torch", torch.bfloat16),
+    ],
+)
 def test_gemm_bound_to_aten_kernels_is_lowered_back_to_aten(rubin_run, target, kernel, dtype):
     """A rubin.gemm whose kernel is torch.mm / addmm (the torch kernel on a GPU, the reference on the CPU)
     goes back to those ATen ops, so Inductor fuses the epilogue as it would without rubin; the plan keeps

@@ -28,7 +28,8 @@ def test_plan_sm90_green_contexts():
     assert locality.plan(sm90, "default", 3) == DomainPlan(3, "default", (40, 40, 40), 12, False, GREEN)
     assert locality.plan(sm90, "backfill", 3) == DomainPlan(3, "backfill", (40, 40, 52), 0, False, GREEN)
     assert locality.plan(sm90, "default").describe() == (
-        "2 domains x 64/64 SMs (default, 4 SMs idle; memory un-localised; green contexts (SM partitions))")
+        "2 domains x 64/64 SMs (default, 4 SMs idle; memory un-localised; green contexts (SM partitions))"
+    )
     with pytest.raises(ValueError, match="count must be >= 1, got 0"):
         locality.plan(sm90, "default", 0)
     with pytest.raises(ValueError, match="cannot split 132 SMs into 20 green-context domains of at least 8"):
@@ -42,10 +43,14 @@ def test_plan_sm107_hbm_domains():
     assert locality.plan(sm107, "strict") == strict == locality.plan(sm107, "default", 2)
     assert locality.plan(sm107, "backfill") == backfill == locality.plan(sm107, "backfill", 2)
     assert locality.plan(sm107) == backfill  # backfill is the default mode
-    assert backfill.describe() == ("2 domains x 106/106 SMs (backfill; localised memory; HBM locality domains "
-                                   "(FlashInfer locality_domain, CUDA 13.4))")
-    assert strict.describe() == ("2 domains x 100/100 SMs (default, 12 SMs idle; localised memory; HBM locality "
-                                 "domains (FlashInfer locality_domain, CUDA 13.4))")
+    assert backfill.describe() == (
+        "2 domains x 106/106 SMs (backfill; localised memory; HBM locality domains "
+        "(FlashInfer locality_domain, CUDA 13.4))"
+    )
+    assert strict.describe() == (
+        "2 domains x 100/100 SMs (default, 12 SMs idle; localised memory; HBM locality "
+        "domains (FlashInfer locality_domain, CUDA 13.4))"
+    )
 
 
 def test_plan_sm107_with_other_domain_counts_uses_green_contexts():
@@ -93,11 +98,18 @@ def test_split_bounds():
 def test_split_n_unsupported():
     assert locality.split_n_unsupported(None, 256, 256, 2, None) is None
     assert locality.split_n_unsupported(None, 256, 256, 2, (128, 128)) is None
-    assert locality.split_n_unsupported(None, 192, 256, 2, None) == "I=192 does not split into 2 shares of a multiple of 128"
-    assert locality.split_n_unsupported(None, 256, 320, 2, None) == "H=320 does not split into 2 shares of a multiple of 128"
+    assert (
+        locality.split_n_unsupported(None, 192, 256, 2, None)
+        == "I=192 does not split into 2 shares of a multiple of 128"
+    )
+    assert (
+        locality.split_n_unsupported(None, 256, 320, 2, None)
+        == "H=320 does not split into 2 shares of a multiple of 128"
+    )
     assert locality.split_n_unsupported(None, 256, 256, 1, None) == "1 domain(s): nothing to split"
     assert locality.split_n_unsupported(None, 768, 768, 2, (96, 96)) == (
-        "block scales of [96, 96] do not align with the 128-row shards")
+        "block scales of [96, 96] do not align with the 128-row shards"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,7 +136,7 @@ def test_localized_shards_are_cached_copies_with_gate_and_up_rows():
     first = locality.shards(w13, dom, "w13", bounds, up=I)
     assert len(first) == 2
     for (lo, hi), shard in zip(bounds, first):
-        want = torch.cat([w13[:, lo:hi], w13[:, I + lo:I + hi]], dim=1)
+        want = torch.cat([w13[:, lo:hi], w13[:, I + lo : I + hi]], dim=1)
         assert shard.shape == (E, 2 * (hi - lo), H)
         assert torch.equal(shard, want)
         # a copy: its own storage, not a view of the weight
@@ -147,7 +159,7 @@ def test_localized_shards_are_cached_copies_with_gate_and_up_rows():
     assert locality.SHARD_STATS["misses"] == before["misses"] + 2
     assert locality.SHARD_STATS["hits"] == before["hits"] + 1
     for (lo, hi), shard, old in zip(bounds, third, first):
-        assert torch.equal(shard, torch.cat([w13[:, lo:hi], w13[:, I + lo:I + hi]], dim=1))
+        assert torch.equal(shard, torch.cat([w13[:, lo:hi], w13[:, I + lo : I + hi]], dim=1))
         assert torch.equal(shard, old + 1)
     assert all(a is b for a, b in zip(locality.shards(w13, dom, "w13", bounds, up=I), third))
     assert locality.SHARD_STATS["hits"] == before["hits"] + 2

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from tests.conftest import assert_close_to_eager, count_ops
 
-ACTS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu,
-        "gelu": F.gelu}
+ACTS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "gelu": F.gelu}
 
 
 class Expert(nn.Module):
@@ -28,12 +27,31 @@ class Expert(nn.Module):
 class LoopMoE(nn.Module):
     """Routing variants: softmax then top-k or top-k then softmax, renormalised or not, router bias."""
 
-    def __init__(self, hidden=32, inter=24, experts=6, k=2, act="silu", order="softmax_topk",
-                 renorm=True, router_bias=False, cast_weights=True, leak=False, skip_expert=None):
+    def __init__(
+        self,
+        hidden=32,
+        inter=24,
+        experts=6,
+        k=2,
+        act="silu",
+        order="softmax_topk",
+        renorm=True,
+        router_bias=False,
+        cast_weights=True,
+        leak=False,
+        skip_expert=None,
+    ):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=router_bias)
         self.experts = nn.ModuleList(Expert(hidden, inter, act) for _ in range(experts))
-        self.k, self.order, self.renorm, self.cast, self.leak, self.skip = k, order, renorm, cast_weights, leak, skip_expert
+        self.k, self.order, self.renorm, self.cast, self.leak, self.skip = (
+            k,
+            order,
+            renorm,
+            cast_weights,
+            leak,
+            skip_expert,
+        )
 
     def forward(self, x):
         logits = self.router(x)
@@ -71,12 +89,15 @@ def _run(rubin_run, model, dtype, tokens=7):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", [
-    dict(act="silu", order="softmax_topk", renorm=True),
-    dict(act="silu", order="softmax_topk", renorm=False, router_bias=True),
-    dict(act="gelu_tanh", order="topk_softmax"),
-    dict(act="silu", experts=5, k=1),  # E not a power of two, k = 1
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(act="silu", order="softmax_topk", renorm=True),
+        dict(act="silu", order="softmax_topk", renorm=False, router_bias=True),
+        dict(act="gelu_tanh", order="topk_softmax"),
+        dict(act="silu", experts=5, k=1),  # E not a power of two, k = 1
+    ],
+)
 def test_loop_rewritten_and_numerics(rubin_run, dtype, variant):
     got, want = _run(rubin_run, LoopMoE(**variant), dtype)
     assert_close_to_eager(got, want)
@@ -91,6 +112,7 @@ def test_loop_rewritten_and_numerics(rubin_run, dtype, variant):
     assert routing["router_bias"] == variant.get("router_bias", False)
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.moe") == 1
+
     # before: three mm per expert plus the router's mm / addmm; after: only the router's is left
     def matmuls(c):
         return count_ops(c, "aten.mm") + count_ops(c, "aten.addmm")
@@ -100,13 +122,16 @@ def test_loop_rewritten_and_numerics(rubin_run, dtype, variant):
     assert matmuls(first) == 1 + 3 * variant.get("experts", 6)
 
 
-@pytest.mark.parametrize("variant, reason", [
-    (dict(act="relu"), "activation relu"),
-    (dict(act="gelu"), "activation gelu"),
-    (dict(leak=True), "another user"),
-    (dict(cast_weights=False), "mixed dtypes"),
-    (dict(skip_expert=3), "covers experts"),
-])
+@pytest.mark.parametrize(
+    "variant, reason",
+    [
+        (dict(act="relu"), "activation relu"),
+        (dict(act="gelu"), "activation gelu"),
+        (dict(leak=True), "another user"),
+        (dict(cast_weights=False), "mixed dtypes"),
+        (dict(skip_expert=3), "covers experts"),
+    ],
+)
 def test_near_misses_left_unchanged_with_reason(rubin_run, variant, reason):
     dtype = torch.bfloat16 if variant.get("cast_weights") is False else torch.float32
     got, want = _run(rubin_run, LoopMoE(**variant), dtype)

@@ -27,13 +27,28 @@ from transformers.integrations import moe as hf_moe  # noqa: E402
 
 HIDDEN, VOCAB = 64, 128
 GROUPED_MMS = ("transformers.grouped_mm_fallback", "aten._grouped_mm")
-COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, use_cache=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    use_cache=False,
+)
 
 
 def qwen3_moe(**kw):
-    cfg = dict(COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-               num_experts_per_tok=4, norm_topk_prob=True)
+    cfg = dict(
+        COMMON,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+    )
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**cfg, **kw}))
 
 
@@ -48,23 +63,49 @@ def olmoe(**kw):
 
 
 def deepseek_v3(**kw):
-    cfg = dict(COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-               n_group=2, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=16,
-               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    cfg = dict(
+        COMMON,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**cfg, **kw}))
 
 
 def gpt_oss(**kw):
-    cfg = dict(COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-               layer_types=["full_attention"] * 2)
+    cfg = dict(
+        COMMON,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2,
+    )
     return transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**cfg, **kw}))
 
 
 def gemma4_block() -> nn.Module:
     """Gemma 4's MoE: GELU-tanh experts; the router renormalises, then scales by a per-expert weight."""
-    cfg = transformers.Gemma4TextConfig(**{**COMMON, "num_hidden_layers": 1}, head_dim=16, intermediate_size=64,
-                                        enable_moe_block=True, num_experts=8, top_k_experts=2,
-                                        moe_intermediate_size=32, layer_types=["full_attention"])
+    cfg = transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 1},
+        head_dim=16,
+        intermediate_size=64,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        layer_types=["full_attention"],
+    )
     layer = transformers.Gemma4ForCausalLM(cfg).model.layers[0]
     with torch.no_grad():
         layer.router.per_expert_scale.uniform_(0.5, 1.5)
@@ -154,24 +195,43 @@ def test_every_block_of_the_model_rewritten_and_logits_match(rubin_run, family, 
 
 FP32, BF16 = pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")
 BLOCK_VARIANTS = [  # (name, build, expected details / routing, dtypes)
-    ("qwen3_no_renorm", lambda: moe_block(qwen3_moe(norm_topk_prob=False)),
-     dict(order="softmax_then_topk", renormalize=False), (FP32, BF16)),
-    ("qwen3_top1", lambda: moe_block(qwen3_moe(num_experts_per_tok=1)),
-     dict(order="softmax_then_topk", top_k=1), (FP32,)),
-    ("qwen3_gelu_tanh", lambda: moe_block(qwen3_moe(hidden_act="gelu_pytorch_tanh")),
-     dict(activation="gelu_tanh"), (FP32, BF16)),
+    (
+        "qwen3_no_renorm",
+        lambda: moe_block(qwen3_moe(norm_topk_prob=False)),
+        dict(order="softmax_then_topk", renormalize=False),
+        (FP32, BF16),
+    ),
+    (
+        "qwen3_top1",
+        lambda: moe_block(qwen3_moe(num_experts_per_tok=1)),
+        dict(order="softmax_then_topk", top_k=1),
+        (FP32,),
+    ),
+    (
+        "qwen3_gelu_tanh",
+        lambda: moe_block(qwen3_moe(hidden_act="gelu_pytorch_tanh")),
+        dict(activation="gelu_tanh"),
+        (FP32, BF16),
+    ),
     ("olmoe", lambda: moe_block(olmoe()), dict(order="softmax_then_topk", renormalize=False), (FP32,)),
-    ("deepseek_v3", lambda: moe_block(deepseek_v3()), dict(
-        order="sigmoid_then_topk", renormalize=True, score_correction_bias=True, group_limited=True, scale=2.5),
-     (FP32, BF16)),
+    (
+        "deepseek_v3",
+        lambda: moe_block(deepseek_v3()),
+        dict(order="sigmoid_then_topk", renormalize=True, score_correction_bias=True, group_limited=True, scale=2.5),
+        (FP32, BF16),
+    ),
     ("gemma4", gemma4_block, dict(activation="gelu_tanh", renormalize=True, per_expert_scale=True), (FP32,)),
 ]
 
 
-@pytest.mark.parametrize("build, expect, dtype", [
-    pytest.param(build, expect, dtype.values[0], id=f"{name}-{dtype.id}")
-    for name, build, expect, dtypes in BLOCK_VARIANTS for dtype in dtypes
-])
+@pytest.mark.parametrize(
+    "build, expect, dtype",
+    [
+        pytest.param(build, expect, dtype.values[0], id=f"{name}-{dtype.id}")
+        for name, build, expect, dtypes in BLOCK_VARIANTS
+        for dtype in dtypes
+    ],
+)
 def test_block_variants_rewritten(rubin_run, build, expect, dtype):
     got, want = run_block(rubin_run, build(), dtype)
     assert_close_to_eager(got, want, dtype)
@@ -257,8 +317,14 @@ def synthetic_block(is_transposed=False, has_bias=False, router="qwen3", act="si
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    cfg = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=32, num_experts=8,
-                                      num_experts_per_tok=2, norm_topk_prob=True, num_local_experts=8)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_local_experts=8,
+    )
     cfg._experts_implementation = "grouped_mm"
     r = Qwen3MoeTopKRouter(cfg) if router == "qwen3" else GptOssTopKRouter(cfg)
     with torch.no_grad():
@@ -319,14 +385,18 @@ def _expert_parallel_block():
     return block
 
 
-@pytest.mark.parametrize("build, reason", [
-    (lambda mp: moe_block(qwen3_moe(hidden_act="gelu")), "activation is gelu(gate) * up"),
-    (lambda mp: moe_block(qwen3_moe(hidden_act="relu")), "activation is relu(gate) * up"),
-    (lambda mp: (_spy_on_first_projection(mp), moe_block(qwen3_moe()))[1], "user outside the experts block"),
-    (lambda mp: _mixed_dtype_block(), "mixed dtypes"),
-    (lambda mp: moe_block(gpt_oss()), "interleaved"),
-    (lambda mp: _expert_parallel_block(), "expert-parallel"),
-], ids=["gelu_erf", "relu", "extra_user", "mixed_dtypes", "gpt_oss_clamped_swiglu", "expert_parallel"])
+@pytest.mark.parametrize(
+    "build, reason",
+    [
+        (lambda mp: moe_block(qwen3_moe(hidden_act="gelu")), "activation is gelu(gate) * up"),
+        (lambda mp: moe_block(qwen3_moe(hidden_act="relu")), "activation is relu(gate) * up"),
+        (lambda mp: (_spy_on_first_projection(mp), moe_block(qwen3_moe()))[1], "user outside the experts block"),
+        (lambda mp: _mixed_dtype_block(), "mixed dtypes"),
+        (lambda mp: moe_block(gpt_oss()), "interleaved"),
+        (lambda mp: _expert_parallel_block(), "expert-parallel"),
+    ],
+    ids=["gelu_erf", "relu", "extra_user", "mixed_dtypes", "gpt_oss_clamped_swiglu", "expert_parallel"],
+)
 def test_near_misses_left_unchanged_with_reason(rubin_run, monkeypatch, build, reason):
     block = build(monkeypatch)
     got, want = run_block(rubin_run, block, torch.float32, cast=False)
@@ -386,8 +456,9 @@ ROUTERS = {
     softmax_topk_renorm: dict(order="softmax_then_topk", renormalize=True, router_bias=False, top_k=2),
     softmax_topk: dict(order="softmax_then_topk", renormalize=False),
     topk_softmax_bias: dict(order="topk_then_softmax", router_bias=True, renormalize=False),
-    sigmoid_correction_renorm_scale: dict(order="sigmoid_then_topk", score_correction_bias=True, renormalize=True,
-                                          scale=2.5),
+    sigmoid_correction_renorm_scale: dict(
+        order="sigmoid_then_topk", score_correction_bias=True, renormalize=True, scale=2.5
+    ),
     topk_sigmoid: dict(order="topk_then_sigmoid", top_k=1),
     per_expert_scale: dict(order="softmax_then_topk", renormalize=True, per_expert_scale=True),
 }
@@ -401,8 +472,9 @@ def test_describe_routing(router):
 
     expect = ROUTERS[router]
     E = 8
-    gm = fwd_only(router, [torch.randn(5, HIDDEN), torch.randn(E, HIDDEN), torch.randn(E), torch.randn(E),
-                           torch.rand(E)])
+    gm = fwd_only(
+        router, [torch.randn(5, HIDDEN), torch.randn(E, HIDDEN), torch.randn(E), torch.randn(E), torch.rand(E)]
+    )
     weights, ids = gm.graph.output_node().args[0]
     info = describe_routing(weights, ids)
     assert info["recognised"], info
