@@ -8,10 +8,13 @@ pass). An unknown name is an error that lists the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.registry import CANONICAL_OPS  # filled as ops/ defines each op (the package imports them)
 from rubin_compile.passes import PASS_NAMES
 from rubin_compile.target import LOCALITY_MODES, UnknownTargetError, locality_mode, resolve
@@ -23,7 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-class RubinOptionsError(ValueError):
+class RubinOptionsError(RubinError, ValueError):
     """Raised for an option that does not exist or has a value it cannot take."""
 
 
@@ -116,7 +119,9 @@ class RubinOptions:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-        """The settings given by ``RUBIN_*`` variables, as a dict of option values."""
+        """The settings given by ``RUBIN_*`` variables, as a dict of option values. A ``RUBIN_*`` variable that is
+        no option (a typo, or another program's ``RUBIN_HOME``) is ignored with a warning: the environment is
+        shared, so it must not stop every compile (an unknown name in ``options={...}`` is an error)."""
         environ = os.environ if environ is None else environ
         known = {f"RUBIN_{n.upper()}": n for n in cls.names() if n != "inductor"}
         out: dict[str, Any] = {}
@@ -124,7 +129,8 @@ class RubinOptions:
             if not key.startswith("RUBIN_"):
                 continue
             if key not in known:
-                raise RubinOptionsError(f"unknown environment variable {key}; the rubin backend reads {sorted(known)}")
+                _warn_unknown_variable(key, tuple(sorted(known)))
+                continue
             out[known[key]] = value
         return out
 
@@ -146,9 +152,27 @@ class RubinOptions:
         return cls(**{k: _convert(k, v) for k, v in merged.items()})
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_unknown_variable(key: str, known: tuple) -> None:
+    """Once per variable and process."""
+    warnings.warn(
+        f"rubin: ignoring the environment variable {key}, which is no rubin option; the rubin backend reads "
+        f"{list(known)}",
+        stacklevel=4,
+    )
+
+
 def _convert(name: str, value: Any) -> Any:
     if name == "dump_dir":
-        return None if value in (None, "") else os.fspath(value)
+        if value in (None, ""):
+            return None
+        path = os.fspath(value)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise RubinOptionsError(
+                f"option dump_dir (RUBIN_DUMP_DIR) is {path!r}, which is a file, not a folder; "
+                "give a folder (it is created when missing)"
+            )
+        return path
     if name in ("strict", "cudagraphs"):
         if isinstance(value, bool):
             return value

@@ -24,8 +24,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rubin_compile.errors import RubinError
 
-class UnknownTargetError(ValueError):
+
+class UnknownTargetError(RubinError, ValueError):
     """A target name that is neither a named target nor ``auto``."""
 
 

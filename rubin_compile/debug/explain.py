@@ -37,9 +37,11 @@ def explain(root: str, out: TextIO, only_changed: bool = False, graph: Optional[
             f"{root}: no rubin dump here (no */report.json). Set RUBIN_DUMP_DIR={root} or "
             "options={'dump_dir': ...} and compile again; a compile-cache hit writes no dump."
         )
+    loaded = [json.loads(p.read_text()) for p in reports]
+    if graph is not None and graph not in {r["graph_id"] for r in loaded}:
+        raise ExplainError(f"{root}: no graph {graph!r}; the graphs dumped here are {[r['graph_id'] for r in loaded]}")
     shown = 0
-    for report_path in reports:
-        report = json.loads(report_path.read_text())
+    for report in loaded:
         if graph is not None and report["graph_id"] != graph:
             continue
         if only_changed and not any(shown_when_changed(p) for p in report["passes"]):
@@ -48,6 +50,6 @@ def explain(root: str, out: TextIO, only_changed: bool = False, graph: Optional[
             report = {**report, "passes": [p for p in report["passes"] if shown_when_changed(p)]}
         out.write(render_markdown(report) + "\n")
         shown += 1
-    total = sum(len(p["rewrites"]) for r in reports for p in json.loads(r.read_text())["passes"])
+    total = sum(len(p["rewrites"]) for r in loaded for p in r["passes"])
     out.write(f"{len(reports)} graph(s) in {root}; {total} rewrite(s) in all\n")
     return shown

@@ -70,6 +70,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if target:
         lines.append(f"target: {target['name']} ({target.get('description', '')})")
         lines.append("")
+    for error in report.get("reporting_errors", []):
+        lines.append(f"- reporting error (the compile went on): {error}")
     for p in report["passes"]:
         status = [f"{len(p['rewrites'])} rewritten"]
         if p.get("plans"):

@@ -42,11 +42,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
 
-class AttentionArgumentError(ValueError):
+class AttentionArgumentError(RubinError, ValueError):
     """Raised when the arguments of ``rubin.attention`` do not describe a valid attention call."""
 
 

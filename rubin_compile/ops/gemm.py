@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import torch
 
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.moe import apply_activation
 from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
@@ -56,7 +57,7 @@ GATED = {"silu_and_mul": "silu", "gelu_tanh_and_mul": "gelu_tanh"}  # epilogue -
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class GemmArgumentError(ValueError):
+class GemmArgumentError(RubinError, ValueError):
     """Raised when the arguments of ``rubin.gemm`` do not describe a valid GEMM call."""
 
 

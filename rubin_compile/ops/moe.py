@@ -64,6 +64,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
@@ -72,7 +73,7 @@ WEIGHT_FP8_DTYPES = (torch.float8_e4m3fn,)  # rubin.moe's FP8 weights: e4m3, as 
 CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
 
 
-class MoEArgumentError(ValueError):
+class MoEArgumentError(RubinError, ValueError):
     """Raised when the arguments of ``rubin.moe`` do not describe a valid MoE call."""
 
 
@@ -205,8 +206,13 @@ def _validate(a: MoEArgs) -> tuple:
     if h13 != H or two_i % 2:
         _fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I")
     inter = two_i // 2
-    if tuple(w2.shape) != (E, H, inter):
-        _fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I={inter}]")
+    if tuple(w2.shape[:2]) != (E, H):
+        _fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I]")
+    if w2.shape[2] != inter:
+        _fail(
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on I: w2 has I={w2.shape[2]}, so w13 must "
+            f"be [E={E}, 2I={2 * w2.shape[2]}, H={H}] (gate rows, then up rows); w13 has {two_i} rows"
+        )
     quantized = w13.dtype in WEIGHT_FP8_DTYPES
     if (w2.dtype in WEIGHT_FP8_DTYPES) != quantized:
         _fail(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be FP8 or both unquantised")

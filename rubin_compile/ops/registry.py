@@ -17,7 +17,8 @@ the kernel again by that name when the compiled graph runs (``CanonicalOp.run``)
 ``impl`` strings: ``"<kernel>"`` or ``"<kernel>@<target>"``, e.g. ``"flashinfer_trtllm@sm107"``. The target
 is the one the plan was made for, so that a machine that cannot run the kernel says which target and which
 kernel (``KernelUnavailableError``) instead of crashing inside a kernel. The reference kernel runs
-everywhere and is written without a target.
+everywhere; in a plan for the CPU it is written without a target, in a plan for a GPU with it (so the passes
+after selection reason about the GPU the plan is for).
 
 Launch settings (``Launch``: PDL on or off, a locality ``Placement``) say how a kernel is launched, never what
 it computes; a kernel that declares neither runs without them.
@@ -32,6 +33,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from rubin_compile import target as target_mod
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import bound_arguments, device_type, schema_name
 from rubin_compile.target import Target, locality_mode
 
@@ -53,11 +55,11 @@ _EXAMPLE_WEIGHT_DTYPE = {
 }
 
 
-class KernelUnavailableError(RuntimeError):
+class KernelUnavailableError(RubinError, RuntimeError):
     """A compiled graph asks for a kernel this machine cannot run."""
 
 
-class UnknownKernelError(ValueError):
+class UnknownKernelError(RubinError, ValueError):
     """A kernel name (e.g. in ``options["kernels"]``) that no kernel of the op has, or an unknown op."""
 
 
@@ -266,7 +268,7 @@ class Selection:
 
 def format_impl(kernel: str, target: Target) -> str:
     """The ``impl`` argument for ``kernel`` chosen for ``target`` (see the module docstring)."""
-    return kernel if kernel == "reference" else f"{kernel}@{target.name}"
+    return kernel if kernel == "reference" and not target.is_cuda else f"{kernel}@{target.name}"
 
 
 def parse_impl(impl: str) -> tuple[str, Optional[str]]:
@@ -511,8 +513,8 @@ def bound_kernel(node: torch.fx.Node, default_target: Optional[Target]) -> Optio
     """The kernel a canonical node is bound to, read back from its ``impl`` argument (so later passes work on
     graphs that went through selection in another process too); ``None`` for any other node.
 
-    ``default_target``: the target of a node bound to the reference kernel (whose ``impl`` names none) when
-    its tensors live on a GPU; a node on the CPU is planned for the CPU."""
+    ``default_target``: the target of a node whose ``impl`` names none (the reference kernel planned for the CPU,
+    or a node selection has not seen) when its tensors live on a GPU; a node on the CPU is planned for the CPU."""
     form = canonical_form(node)
     if form is None:
         return None
@@ -529,6 +531,6 @@ def bound_kernel(node: torch.fx.Node, default_target: Optional[Target]) -> Optio
             target = here  # this machine's own SM count and name
     elif default_target is None or device_type(node) in (None, "cpu"):
         target = target_mod.resolve("cpu")
-    else:  # the reference kernel carries no target: it runs wherever it is
+    else:  # an impl without a target: the CPU's reference, or a node selection has not bound
         target = default_target
     return BoundKernel(op, kernel, target, spec(node))

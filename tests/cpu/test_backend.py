@@ -5,10 +5,14 @@ import subprocess
 import sys
 import textwrap
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.conftest import assert_close_to_eager
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Block(torch.nn.Module):
@@ -76,3 +80,67 @@ def test_inductor_settings_and_mode_pass_through():
         f = torch.compile(lambda x: x * 3, backend="rubin")
         f(torch.randn(4))
     assert len(seen) == 1
+
+
+def test_readme_model_at_two_sequence_lengths_and_dynamic(tmp_path):
+    """The README's example model called at sequence 16, then 24 (a recompile with a symbolic T), and compiled with
+    dynamic=True: before, the second shape failed with "Cannot access data pointer of Tensor (FakeTensor)"."""
+    from tests.conftest import check_two_shapes_and_dynamic
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from standalone_moe import TinyMoEModel
+
+    model = TinyMoEModel().eval()
+    check_two_shapes_and_dynamic(
+        tmp_path, model, lambda s: (torch.randint(0, 512, (2, s)),), (16, 24), "match_moe", "rubin.moe"
+    )
+
+
+def test_a_report_that_cannot_be_written_never_fails_the_compile(rubin_run, monkeypatch):
+    """Dumping and reporting are best effort: the error is logged and recorded, the compile goes on."""
+    from rubin_compile.debug.dump import GraphDump
+    from rubin_compile.passes.base import Rewrite, jsonable
+
+    def broken(self, report):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(GraphDump, "write_report", broken)
+    model = Block().eval()
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        assert_close_to_eager(rubin_run.compile(model)(x), model(x))
+    assert list(rubin_run.dump_dir.glob("*/report.json")) == []
+    # report values are made JSON-able field by field: symbolic sizes become their text
+    shape_env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+    s = shape_env.create_unbacked_symint()
+    assert jsonable(Rewrite("n", "rubin.moe", "loop", ["a"], {"T": s, "shape": (s, 4), "dtype": torch.bfloat16})) == {
+        "node": "n",
+        "canonical_op": "rubin.moe",
+        "source_idiom": "loop",
+        "replaced": ["a"],
+        "details": {"T": str(s), "shape": [str(s), 4], "dtype": "bfloat16"},
+    }
+
+
+def test_rubin_errors_reach_the_user_as_themselves():
+    """A rubin error raised while compiling (strict mode, a bad option) used to arrive as Dynamo's
+    BackendCompilerFailed / Inductor's InductorError, whose first line was theirs. Now the message starts with
+    rubin's error, and it is caught as that error, as RubinError and as BackendCompilerFailed."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from rubin_compile import RubinError, RubinOptionsError, RubinStrictError
+    from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+    model = LoopMoE(act="gelu").eval()  # exact GELU: recognised, left unchanged with the reason
+    torch._dynamo.reset()
+    with pytest.raises(RubinStrictError) as err, torch.no_grad():
+        torch.compile(model, backend="rubin", options={"strict": True})(torch.randn(5, 32))
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("RubinStrictError: rubin (strict): 1 recognised idiom(s)"), first
+    assert isinstance(err.value, RubinError) and isinstance(err.value, BackendCompilerFailed)
+    assert isinstance(err.value.inner_exception, RubinStrictError)
+    torch._dynamo.reset()
+    with pytest.raises(RubinOptionsError) as err:
+        torch.compile(model, backend="rubin", options={"stict": True})(torch.randn(5, 32))
+    assert str(err.value).startswith("RubinOptionsError: unknown rubin option 'stict'")
+    torch._dynamo.reset()

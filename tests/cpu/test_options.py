@@ -25,9 +25,17 @@ def test_unknown_option_names_the_valid_ones():
         RubinOptions.resolve({"dumpdir": "/tmp"}, environ={})
 
 
-def test_unknown_env_variable_and_bad_values():
-    with pytest.raises(RubinOptionsError, match="RUBIN_DUMPDIR"):
-        RubinOptions.resolve({}, environ={"RUBIN_DUMPDIR": "x"})
+def test_unknown_env_variable_is_ignored_with_a_warning():
+    """A shared environment may hold RUBIN_* variables that are not ours (RUBIN_HOME) or a typo: a warning, not an
+    error that would stop every compile (and vLLM's uuid()); options={...} stays strict."""
+    with pytest.warns(UserWarning, match=r"ignoring the environment variable RUBIN_DUMPDIR.*RUBIN_DUMP_DIR"):
+        opts = RubinOptions.resolve({}, environ={"RUBIN_DUMPDIR": "x", "RUBIN_STRICT": "1"})
+    assert opts.dump_dir is None and opts.strict is True
+    with pytest.raises(RubinOptionsError, match="unknown rubin option 'dumpdir'"):
+        RubinOptions.resolve({"dumpdir": "x"}, environ={})
+
+
+def test_bad_values():
     with pytest.raises(RubinOptionsError, match="unknown pass"):
         RubinOptions.resolve({"passes": ["match_everything"]}, environ={})
     with pytest.raises(RubinOptionsError, match="strict must be a bool"):
@@ -209,3 +217,14 @@ def test_mode_implies_cudagraphs_and_inductor_cudagraphs_patch():
     # the user's own Inductor setting still wins
     user = RubinOptions.resolve({"cudagraphs": True, "inductor": {"triton.cudagraphs": False}}, environ={})
     assert inductor_config_patches(user, None)["triton.cudagraphs"] is False
+
+
+def test_a_dump_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    """Before: a raw FileExistsError from the first compile, naming neither the option nor the fix."""
+    file = tmp_path / "dumps"
+    file.write_text("not a folder")
+    with pytest.raises(RubinOptionsError, match=r"option dump_dir \(RUBIN_DUMP_DIR\) is .*dumps', which is a file"):
+        RubinOptions.resolve({"dump_dir": str(file)}, environ={})
+    with pytest.raises(RubinOptionsError, match="which is a file"):
+        RubinOptions.resolve({}, environ={"RUBIN_DUMP_DIR": str(file)})
+    assert RubinOptions.resolve({"dump_dir": str(tmp_path / "new")}, environ={}).dump_dir == str(tmp_path / "new")

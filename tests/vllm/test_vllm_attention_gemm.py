@@ -13,12 +13,12 @@ numerics against vLLM without rubin are tests/vllm/test_vllm_e2e.py's.
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import seeded_random
 from tests.vllm.checkpoint import QWEN3_MOE, save_qwen3_moe
 from tests.vllm.test_vllm_e2e import Engines
 
@@ -27,11 +27,11 @@ PASSES = "canonicalize,match_moe,match_attention,match_gemm"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> dict:
+def served(tmp_path_factory, request) -> dict:
     workdir = tmp_path_factory.mktemp("vllm-attention-gemm")
-    model = save_qwen3_moe(workdir / "qwen3-moe", seed=random.randrange(2**31))
+    model = save_qwen3_moe(workdir / "qwen3-moe", seed=seeded_random(request).randrange(2**31))
     prompts = workdir / "prompts.json"
-    rng = random.Random()
+    rng = seeded_random(request)
     prompts.write_text(json.dumps([[rng.randrange(QWEN3_MOE["vocab_size"]) for _ in range(n)] for n in (5, 9)]))
     result = Engines(workdir, model, prompts).run(
         "pass-sm107", "pass", dump=True, env={"RUBIN_TARGET": "sm107", "RUBIN_PASSES": PASSES, "RUBIN_STRICT": "1"}

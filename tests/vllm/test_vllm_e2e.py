@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import seeded_random
 from tests.vllm.checkpoint import QWEN3_MOE, save_qwen3_moe
 
 LOGPROB_ATOL = 1e-4
@@ -35,13 +35,13 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(workdir) -> Path:
-    return save_qwen3_moe(workdir / "qwen3-moe", seed=random.randrange(2**31))
+def model(workdir, request) -> Path:
+    return save_qwen3_moe(workdir / "qwen3-moe", seed=seeded_random(request).randrange(2**31))
 
 
 @pytest.fixture(scope="module")
-def prompts(workdir) -> Path:
-    rng = random.Random()
+def prompts(workdir, request) -> Path:
+    rng = seeded_random(request)
     path = workdir / "prompts.json"
     path.write_text(json.dumps([[rng.randrange(QWEN3_MOE["vocab_size"]) for _ in range(n)] for n in (5, 11, 3)]))
     return path

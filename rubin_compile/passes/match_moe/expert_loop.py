@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
+from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
 from rubin_compile.passes.fx import call, dtype_name, inherit_source, report_value, single_user, tensor_val
 from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing
@@ -190,7 +190,7 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
     for ids, eqs in groups.items():
         if len(eqs) < 2:
             continue
-        result = _match_loop(graph, ids, eqs)
+        result = GRADIENTS_REASON if ctx.gradients else _match_loop(graph, ids, eqs)
         if isinstance(result, Rewrite):
             rewrites.append(result)
         else:

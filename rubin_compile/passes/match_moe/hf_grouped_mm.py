@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError
-from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
+from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
 from rubin_compile.passes.fx import (
     RESHAPES,
     call,
@@ -617,6 +617,9 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
     for offs, mms in groups.items():
         if not isinstance(offs, torch.fx.Node):
             unchanged.append(Unchanged(mms[0].name, IDIOM, "grouped mm without an offsets tensor"))
+            continue
+        if ctx.gradients:
+            unchanged.append(Unchanged(min(mms, key=order.__getitem__).name, IDIOM, GRADIENTS_REASON))
             continue
         try:
             block = _match_block(offs, mms, order)

@@ -86,7 +86,13 @@ def test_fp8_block_and_per_tensor_dequantisation():
     "mutate, message",
     [
         (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
-        (lambda a: a.update(w2=a["w2"][:, :, :-1]), "w2 shape"),
+        (lambda a: a.update(w2=a["w2"][:, :, :-1]), r"disagree on I: w2 has I=11, so w13 must be \[E=5, 2I=22"),
+        # a w13 with two rows too many names w13 (before: "w2 shape ... does not match")
+        (
+            lambda a: a.update(w13=torch.cat([a["w13"], a["w13"][:, :2]], 1)),
+            r"w13 \(5, 26, 24\) and w2 \(5, 24, 12\) disagree on I: .* w13 must be \[E=5, 2I=24, H=24\]",
+        ),
+        (lambda a: a.update(w2=a["w2"][:, :-1]), r"w2 shape \(5, 23, 12\) does not match \[E=5, H=24, I\]"),
         (lambda a: a.update(w13=a["w13"].double()), "must have hidden_states' dtype"),
         (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
         (lambda a: a.update(topk_ids=a["topk_ids"][:-1], topk_weights=a["topk_weights"][:-1]), "rows"),
@@ -151,3 +157,12 @@ def test_fake_impl_and_opcheck():
     with torch._subclasses.FakeTensorMode() as mode:
         out = torch.ops.rubin.moe(*(mode.from_tensor(t) for t in (x, w13, w2, w, ids)))
     assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_launch_settings_a_kernel_does_not_take_change_nothing():
+    """pdl=True and a placement on the reference kernel, which takes neither: it runs without them, as the op's
+    docstring says (before: TypeError from the kernel)."""
+    x, w13, w2, w, ids, b13, b2 = make(H=256, I=128, bias=True)
+    want = torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2)
+    got = torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2, pdl=True, placement="split_n:backfill:2:16")
+    assert torch.equal(got, want)

@@ -42,8 +42,12 @@ def select(spec: R.KernelSpec, target: T.Target, **kwargs) -> R.Selection:
     return R.op_of(spec.op).select(spec, target, **kwargs)
 
 
+PLAN_ONLY = " (plan only)"
+
+
 def documented_table() -> dict[tuple[str, str, str], tuple[str, str]]:
-    """(op, target, quant) -> (kernel, runs), parsed from the tables of docs/kernels/selection.md."""
+    """(op, target, quant) -> (kernel, runs), parsed from the tables of docs/kernels/selection.md (a kernel
+    without an adapter is written "<kernel> (plan only)")."""
     rows = {}
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
@@ -74,11 +78,22 @@ def documented_summary() -> dict[tuple[str, str, str], str]:
     return out
 
 
+def test_the_document_says_which_kernels_are_plans_only():
+    """A kernel written "(plan only)" in the tables has no adapter (running its plan raises); every other one
+    runs. Before, the FlashInfer entries read as if they ran."""
+    cells = list(documented_table().items()) + [(k, (v, None)) for k, v in documented_summary().items()]
+    assert cells
+    for (op, _, _), (kernel, _) in cells:
+        name = kernel.removesuffix(PLAN_ONLY)
+        assert kernel.endswith(PLAN_ONLY) == (R.op_of(op).kernel(name).run is None), (op, kernel)
+
+
 def test_the_document_covers_every_op_target_and_dtype():
     rows = documented_table()
     want = {(op, t, q) for op in R.CANONICAL_OPS for t in TARGETS.values() for q in R.QUANTS}
     assert set(rows) == want
     assert documented_summary() == {key: kernel for key, (kernel, _) in rows.items()}
+    assert set(documented_summary()) == want
 
 
 @needs_packages
@@ -89,7 +104,7 @@ def test_selection_matches_the_documented_table(op):
             continue
         spec = example_spec(op, quant)
         chosen = select(spec, T.resolve(target)).chosen
-        assert (chosen.name, chosen.entry(spec)) == (kernel, runs), (op, target, quant)
+        assert (chosen.name, chosen.entry(spec)) == (kernel.removesuffix(PLAN_ONLY), runs), (op, target, quant)
 
 
 @needs_packages
@@ -150,7 +165,7 @@ def test_weight_layout_gates_the_candidates():
     else:
         assert cpu.impl == "reference" and "package vllm is not installed" in dict(cpu.rejected)["vllm_cpu"]
     gpu = select(packed, T.resolve("sm90"))
-    assert gpu.impl == "reference"
+    assert gpu.impl == "reference@sm90"
     reasons = dict(gpu.rejected)
     assert "weights stored in layout 'vllm_cpu:vec'; triton reads only 'plain'" in reasons["triton"]
     assert "runs on the CPU, not on sm90" in reasons["vllm_cpu"]
@@ -210,7 +225,8 @@ def test_a_declaration_that_fails_becomes_a_reason():
 
 
 def test_impl_strings():
-    assert R.format_impl("reference", T.resolve("sm107")) == "reference"
+    assert R.format_impl("reference", T.resolve("cpu")) == "reference"
+    assert R.format_impl("reference", T.resolve("sm107")) == "reference@sm107"
     assert R.format_impl("flashinfer_trtllm", T.resolve("sm107")) == "flashinfer_trtllm@sm107"
     assert R.parse_impl("flashinfer_trtllm@sm107") == ("flashinfer_trtllm", "sm107")
     assert R.parse_impl("triton") == ("triton", None)

@@ -31,3 +31,32 @@ def test_other_tensors_at_a_reused_address_are_not_served_from_the_cache():
 def test_fake_impl_and_opcheck():
     parts = [torch.randn(2, 5), torch.randn(3, 5)]
     torch.library.opcheck(torch.ops.rubin.stacked_weights.default, (parts,))
+
+
+def test_inference_tensors_are_kept_by_identity_with_a_warning():
+    """Weights made under torch.inference_mode() have no version counter (before: "Inference tensors do not track
+    version counter" at run time): the stacked copy is kept while they are the same tensors, and the user is told
+    that an in-place update of them is not seen."""
+    import pytest
+
+    weights.clear_cache()
+    with torch.inference_mode():
+        parts = [torch.randn(3, 4) for _ in range(2)]
+    with pytest.warns(UserWarning, match="inference tensors .* carry no version counter"):
+        first = torch.ops.rubin.stacked_weights(parts)
+    assert torch.equal(first, torch.cat(parts))
+    assert torch.ops.rubin.stacked_weights(parts) is first
+
+
+def test_a_model_built_under_inference_mode_runs_compiled(rubin_run):
+    """The expert-loop MoE (stacked weights) built and run under inference_mode equals eager."""
+    from tests.conftest import assert_close_to_eager
+    from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+    with torch.inference_mode():
+        model = LoopMoE().eval()
+        x = torch.randn(5, 32)
+        compiled = rubin_run.compile(model)
+        for _ in range(2):
+            assert_close_to_eager(compiled(x), model(x))
+    assert len(rubin_run.rewrites()) == 1

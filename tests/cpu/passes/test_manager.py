@@ -97,6 +97,17 @@ def test_dumps_and_explain(rubin_run):
     assert cli.returncode == 0 and "expert loop" in cli.stdout
     assert "## chain_pdl" in cli.stdout and "| pdl off |" in cli.stdout  # a decision per MoE node is shown
     assert "## match_attention" not in cli.stdout  # nothing matched, chosen or decided there
+    # --graph with an id not dumped here: an error listing the ones that are (before: nothing, exit 0)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rubin_compile", "explain", str(rubin_run.dump_dir), "--graph", "g999-nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        cli.returncode == 2 and f"no graph 'g999-nope'; the graphs dumped here are ['{graph_dir.name}']" in cli.stderr
+    )
+    assert explain(str(rubin_run.dump_dir), io.StringIO(), graph=graph_dir.name) == 1
 
 
 def test_explain_on_a_folder_without_dumps(tmp_path):
@@ -160,3 +171,25 @@ def test_package_import_stays_light():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_uuid_changes_with_the_packages_that_decide_a_plan(monkeypatch):
+    """Installing or upgrading FlashInfer (or Triton, CuTe-DSL, vLLM) changes what selection chooses, so it must
+    change the cache key too (before: only rubin's sources, the options and torch were hashed)."""
+    import importlib.metadata
+
+    from rubin_compile.passes import manager as manager_mod
+
+    opts = RubinOptions.resolve({}, environ={})
+    manager_mod.package_versions.cache_clear()
+    before = PassManager(opts).uuid()
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "99.0" if name == "flashinfer-python" else real(name)
+    )
+    manager_mod.package_versions.cache_clear()
+    try:
+        assert manager_mod.package_versions()["flashinfer-python"] == "99.0"
+        assert PassManager(opts).uuid() != before
+    finally:
+        manager_mod.package_versions.cache_clear()

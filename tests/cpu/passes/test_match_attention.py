@@ -38,7 +38,7 @@ def test_hf_model_attention_rewritten_and_logits_match(dtype):
     pytest.importorskip("transformers")
     run = hf_models.run("qwen3_moe", dtype)
     for got, want in run.outputs:
-        hf_models.assert_logits_close(got, want, dtype)
+        hf_models.assert_close_to_eager(got, want, dtype)
     result = run.result("match_attention")
     assert result["unchanged"] == [] and len(result["rewrites"]) == hf_models.LAYERS
     for r in result["rewrites"]:

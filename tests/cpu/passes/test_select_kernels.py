@@ -103,8 +103,8 @@ def test_spec_from_the_node_and_the_kernel_written_into_it(w_dtype, block, targe
     (plan,) = result.plans
     assert plan.spec["quant"] == quant and plan.spec["shape"] == {"T": 4, "E": 8, "H": 256, "I": 256, "k": 2}
     assert plan.kernel == kernel and plan.target == target
-    assert _impl(graph) == plan.impl == (kernel if kernel == "reference" else f"{kernel}@{target}")
-    assert result.changed == (kernel != "reference")
+    assert _impl(graph) == plan.impl == (kernel if target == "cpu" else f"{kernel}@{target}")
+    assert result.changed == (target != "cpu")
 
 
 @cpu_only
@@ -169,7 +169,7 @@ def test_forced_kernel_rejected_with_its_reason_and_strict_makes_it_an_error():
 def test_forced_kernel_that_can_run_is_used_and_unknown_names_are_errors():
     graph = _moe_graph()
     (plan,) = _select(graph, target="sm90", kernels={"moe": "reference"}).plans
-    assert plan.kernel == "reference" and plan.forced_reason is None and _impl(graph) == "reference"
+    assert plan.kernel == "reference" and plan.forced_reason is None and _impl(graph) == "reference@sm90"
     with pytest.raises(ValueError, match=r"unknown kernel 'cutlass' for rubin.moe; its kernels are \[.*'triton'"):
         _select(_moe_graph(), target="sm90", kernels={"moe": "cutlass"})
 
@@ -282,3 +282,48 @@ def test_gemm_bound_to_another_kernel_stays_a_canonical_op(rubin_run):
     (plan,) = next(p for p in report["passes"] if p["name"] == "select_kernels")["plans"]
     assert plan["kernel"].startswith("flashinfer") and plan["lowered"] is None
     assert "rubin.gemm" in rubin_run.final_code()
+
+
+def test_a_plan_for_a_gpu_made_without_its_packages_says_so(rubin_run, monkeypatch):
+    """RUBIN_TARGET=sm107 where triton and flashinfer are not installed (the README's first command): the plan
+    binds the reference kernel, says once which packages are missing with the install command (a note and a
+    warning), and the passes after selection reason about sm107, not the CPU (before: "target cpu has no GPU")."""
+    import importlib.util
+
+    from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+    select_kernels._warn_once.cache_clear()
+    real = importlib.util.find_spec
+    hidden = ("triton", "flashinfer", "cutlass", "cudnn")
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.split(".")[0] in hidden else real(name, *a)
+    )
+    model = LoopMoE(hidden=256, inter=256).to(torch.bfloat16).eval()
+    with (
+        pytest.warns(UserWarning, match=r"the plan for sm107 may not be the one sm107 gets.*pip install"),
+        torch.no_grad(),
+    ):
+        rubin_run.compile(model, target="sm107", cudagraphs=True)(torch.randn(4, 256, dtype=torch.bfloat16))
+    (report,) = rubin_run.reports()
+    passes = {p["name"]: p for p in report["passes"]}
+    (plan,) = passes["select_kernels"]["plans"]
+    assert plan["impl"] == "reference@sm107"
+    (note,) = [n for n in passes["select_kernels"]["notes"] if "not installed here" in n]
+    assert "pip install flashinfer-python triton" in note and "triton" in note.split("(")[1]
+    assert [d["reason"] for d in passes["place_locality"]["decisions"]] == ["kernel reference has no split-N form"]
+    assert passes["chain_pdl"]["decisions"][0]["reason"].startswith("reference takes no PDL launch")
+    assert passes["chain_pdl"]["decisions"][0]["details"]["target"] == "sm107"
+
+
+def test_a_forced_kernel_that_cannot_run_warns(rubin_run):
+    """options.kernels={"moe": "triton"} on the CPU: without strict the reference runs, and the user is told so by a
+    warning, not only in the report (before: silently)."""
+    from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
+
+    select_kernels._warn_once.cache_clear()
+    model = LoopMoE().eval()
+    with (
+        pytest.warns(UserWarning, match=r"options.kernels: .*forced kernel 'triton' rejected on cpu.*strict=True"),
+        torch.no_grad(),
+    ):
+        rubin_run.compile(model, kernels={"moe": "triton"})(torch.randn(5, 32))

@@ -174,3 +174,31 @@ def test_expert_weights_stacked_once_and_restacked_after_an_update(rubin_run):
     assert "stacked into w13 / w2 once" in r["details"]["weights"]
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.stacked_weights") == 2 and count_ops(code, "aten.cat") == 0
+
+
+def test_two_shapes_and_dynamic_shapes(tmp_path):
+    """The token count changes (a recompile with a symbolic T) and dynamic=True: rewritten and exact each time.
+    Before, the symbolic T in the report details failed the compile (deep-copied into the report)."""
+    from tests.conftest import check_two_shapes_and_dynamic
+
+    model = LoopMoE().eval()
+    check_two_shapes_and_dynamic(tmp_path, model, lambda t: (torch.randn(t, 32),), (5, 9), "match_moe", "rubin.moe")
+
+
+def test_training_graph_says_why_each_loop_is_left_alone(rubin_run):
+    """A graph that computes gradients: every expert loop is left unchanged with that reason (before: a wrong one,
+    'the expert mask ... is not used only to mask the top-k weights'); strict mode raises it."""
+    from rubin_compile import RubinStrictError
+    from rubin_compile.passes.base import GRADIENTS_REASON
+
+    model = LoopMoE().train()
+    out = rubin_run.compile(model)(torch.randn(5, 32))
+    out.sum().backward()  # the compiled model trains as eager does
+    unchanged = rubin_run.unchanged()
+    assert [u["reason"] for u in unchanged] == [GRADIENTS_REASON] and unchanged[0]["idiom"] == "expert loop"
+    assert rubin_run.rewrites() == []
+    with pytest.raises(RubinStrictError, match="the graph computes gradients"):
+        rubin_run.compile(model, strict=True)(torch.randn(5, 32))
+    with torch.no_grad():
+        rubin_run.compile(model)(torch.randn(5, 32))
+    assert len(rubin_run.rewrites()) == 1  # the same model under no_grad is rewritten
