@@ -5,9 +5,10 @@ launch code (run on the GPU).
 
 Per shape and token count it measures, on random weights and routing:
 
-* ``host us``: the wall time of the Python call that enqueues the kernels (no synchronisation inside the timed
-  region; the GPU runs behind), median over 200 calls after warm-up. This is what a call costs the CPU outside a
-  CUDA graph: argument checks, the launch plan, buffer allocation, the launches.
+* ``host us``: the wall time of the Python call that enqueues the kernels, each call started on an idle GPU (a
+  synchronisation before it, outside the timed region, so no launch waits for a full queue), median over
+  ``--reps`` calls after warm-up. This is what a call costs the CPU outside a CUDA graph: argument checks, the
+  launch plan, buffer allocation, the launches.
 * ``device us``: CUDA-graph replays of 4 back-to-back calls (weights rotated over 2 copies), median, per call:
   the kernels alone (``tune_moe.time_graph``, as benchmarks/moe.py times them).
 
@@ -29,17 +30,15 @@ from rubin_compile.kernels.triton import moe as tmoe
 from rubin_compile.kernels.triton.tune_moe import BLOCK, SHAPES, make_routing, make_weights, time_graph
 
 
-def host_us(call, reps: int = 200, warmup: int = 20) -> float:
+def host_us(call, reps: int, warmup: int = 20) -> float:
     for _ in range(warmup):
         call()
-    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        torch.cuda.synchronize()
         start = time.perf_counter()
         call()
         times.append((time.perf_counter() - start) * 1e6)
-        if len(times) % 20 == 0:  # keep the queue short: the GPU must not fall seconds behind
-            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(times)
 
@@ -51,6 +50,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3-tp8")
     ap.add_argument("--tokens", default="1,16,256")
     ap.add_argument("--formats", default="bf16,fp8_block")
+    ap.add_argument("--reps", type=int, default=500)
     args = ap.parse_args()
     rows = []
     print(f"{'shape':16s} {'w':9s} {'T':>5s} {'host us':>8s} {'device us':>10s}  [{args.label}]")
@@ -81,7 +81,7 @@ def main() -> None:
                         pdl=True,
                     )
 
-                h = host_us(call)
+                h = host_us(call, args.reps)
                 d = statistics.median(time_graph([lambda i=i: call(i) for i in range(4)], reps=30, warmup=3))
                 rows.append(dict(shape=shape, wfmt=wfmt, T=T, host_us=h, device_us=d, label=args.label))
                 print(f"{shape:16s} {wfmt:9s} {T:5d} {h:8.1f} {d:10.1f}")
