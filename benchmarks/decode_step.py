@@ -140,6 +140,8 @@ def categorize(name: str) -> str:
         return "MoE FC2 + top-k sum (rubin)"
     if "_moe_route" in n or "_moe_sum" in n:
         return "MoE routing (rubin)"
+    if "_split_kv" in n or "_combine" in n:
+        return "attention (rubin split-KV decode)"
     if "gemm" in n or "gemv" in n or "cublas" in n or "sm90_xmma" in n or "cutlass" in n or "nvjet" in n:
         return "dense GEMM (cuBLAS)"
     if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n:

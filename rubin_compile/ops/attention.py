@@ -13,6 +13,8 @@ Schema::
                                               # additive float in the query's dtype
                      bool is_causal=False,  # query i attends key j <= i (upper-left aligned, as SDPA)
                      float? scale=None,     # None: 1 / sqrt(D)
+                     Tensor? k_scale=None,  # FP8 key / value only: per-tensor dequantisation scales (one
+                     Tensor? v_scale=None,  #   float32 element each; None = 1)
                      str impl="reference")  # which kernel runs it; chosen by select_kernels
       -> Tensor                             # [B, Hq, S, Dv] in the query's dtype
 
@@ -24,7 +26,9 @@ Semantics (``torch.nn.functional.scaled_dot_product_attention`` without dropout)
 where ``M`` is ``attn_mask`` (a bool mask contributes 0 / -inf) or, with ``is_causal``, the upper-left
 aligned causal mask ``tril(ones(S, Skv))``. Query head ``h`` reads key/value head ``h // n`` -- the grouping
 of SDPA's ``enable_gqa``, of Hugging Face's ``repeat_kv`` and of vLLM / FlashInfer (``num_qo_heads`` a multiple
-of ``num_kv_heads``). ``attn_mask`` and ``is_causal`` are exclusive, as in SDPA. A kernel whose causal mask is
+of ``num_kv_heads``). ``attn_mask`` and ``is_causal`` are exclusive, as in SDPA. An FP8 key / value (a
+quantised KV cache: ``float8_e4m3fn`` / ``float8_e5m2`` with bf16 / fp16 queries) is first dequantised,
+``K = (key.float() * k_scale).to(query.dtype)`` and likewise ``V``. A kernel whose causal mask is
 aligned bottom-right (FlashInfer, FlashAttention with ``S < Skv``) must shift it or decline ``S != Skv``.
 
 The result's memory layout is ``[B, S, Hq, Dv]`` seen as ``[B, Hq, S, Dv]`` (``out.transpose(1, 2)`` is
@@ -45,6 +49,11 @@ import torch.nn.functional as F
 from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+
+
+# A quantised KV cache: keys / values in FP8 with bf16 / fp16 queries (dequantised by per-tensor scales).
+KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class AttentionArgumentError(RubinError, ValueError):
@@ -72,6 +81,8 @@ class AttentionArgs:
     attn_mask: Optional[torch.Tensor] = None
     is_causal: bool = False
     scale: Optional[float] = None
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
     B: Any = field(init=False)
     Hq: Any = field(init=False)
     Hkv: Any = field(init=False)
@@ -93,8 +104,22 @@ def _validate(a: AttentionArgs) -> tuple:
             _fail(f"{name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}; add a batch dimension")
     if query.dtype not in FLOAT_DTYPES:
         _fail(f"query dtype {query.dtype} is not one of bf16 / fp16 / fp32 / fp64")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+    if key.dtype in KV_FP8_DTYPES or value.dtype in KV_FP8_DTYPES:
+        if key.dtype != value.dtype or query.dtype not in _HALF:
+            _fail(
+                f"an FP8 KV cache needs key and value in one FP8 dtype and a bf16 / fp16 query; got query "
+                f"{query.dtype}, key {key.dtype}, value {value.dtype}"
+            )
+    elif key.dtype != query.dtype or value.dtype != query.dtype:
         _fail(f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+    for name in ("k_scale", "v_scale"):
+        t = getattr(a, name)
+        if t is None:
+            continue
+        if key.dtype not in KV_FP8_DTYPES:
+            _fail(f"{name} is for an FP8 key / value; key is {key.dtype}: pass {name}=None")
+        if t.dtype != torch.float32 or (_known(t.numel()) and t.numel() != 1):
+            _fail(f"{name} must be one float32 element (a per-tensor scale), got {t.dtype} {tuple(t.shape)}")
     B, Hq, S, D = query.shape
     Bk, Hkv, Skv, Dk = key.shape
     Bv, Hv, Sv, Dv = value.shape
@@ -138,14 +163,24 @@ def _output_like(query: torch.Tensor, dv) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+def dequantized(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 key / value in the query's ``dtype``: ``(t.float() * scale).to(dtype)``; other tensors as they are."""
+    if t.dtype not in KV_FP8_DTYPES:
+        return t
+    t = t.to(torch.float32)
+    return (t if scale is None else t * scale.reshape(())).to(dtype)
+
+
 def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
-    """``rubin.attention`` as ATen ops: key / value heads repeated as Hugging Face's ``repeat_kv`` does
-    (expand + reshape), then SDPA. select_kernels lowers a node bound to ``torch`` or ``reference`` into
+    """``rubin.attention`` as ATen ops: an FP8 key / value dequantised, key / value heads repeated as Hugging
+    Face's ``repeat_kv`` does (expand + reshape), then SDPA. select_kernels lowers a node bound to ``torch`` or ``reference`` into
     these, so Inductor lowers the attention itself -- its SDPA backend choice, its mask padding for the
     memory-efficient kernel, its fusion of the repeat -- as it does without rubin (as an extern call it
     ran ATen's math-backend and copy kernels where Inductor alone runs fused ones: docs/pdl_locality.md).
     The result has SDPA's own layout, not the op's promised one; the graph's users are re-lowered with it."""
-    query, key, value = args.query, args.key, args.value
+    query = args.query
+    key = dequantized(args.key, args.k_scale, query.dtype)
+    value = dequantized(args.value, args.v_scale, query.dtype)
     B, Hq, Hkv, Skv, D, Dv = args.B, args.Hq, args.Hkv, args.Skv, args.D, args.Dv
     if Hq != Hkv:
         n = Hq // Hkv
@@ -189,15 +224,19 @@ def attention(
     attn_mask: Optional[torch.Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
     impl: str = "reference",
 ) -> torch.Tensor:
     """Canonical attention; see the module docstring. ``impl`` names the kernel (ops/registry.py)."""
-    return ATTENTION.run(impl, AttentionArgs(query, key, value, attn_mask, is_causal, scale))
+    return ATTENTION.run(impl, AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale))
 
 
 @attention.register_fake
-def _attention_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, impl="reference"):
-    return _output_like(query, AttentionArgs(query, key, value, attn_mask, is_causal, scale).Dv)
+def _attention_fake(
+    query, key, value, attn_mask=None, is_causal=False, scale=None, k_scale=None, v_scale=None, impl="reference"
+):
+    return _output_like(query, AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale).Dv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +255,7 @@ def masking(node: torch.fx.Node) -> str:
 def attention_spec(node: torch.fx.Node) -> KernelSpec:
     """The ``KernelSpec`` of a ``rubin.attention`` node.
 
-    ``quant`` is ``"none"`` (rubin.attention reads activations, not a quantised KV cache); ``act_dtype`` is the
+    ``quant`` is ``"fp8_tensor"`` for an FP8 key / value (a quantised KV cache), else ``"none"``; ``act_dtype`` is the
     query's dtype and ``weight_dtype`` the key/value dtype (the "KV cache" of the registry's attention rows);
     ``shape`` holds ``D`` (the head dim the registry checks) and, when static, ``Dv``, ``Hq``, ``Hkv``, ``S``,
     ``Skv`` and ``B``; ``activation`` carries the masking (``"causal"``, ``"mask"``, or ``None`` for none), so a
@@ -238,7 +277,7 @@ def attention_spec(node: torch.fx.Node) -> KernelSpec:
     kind = masking(node)
     return KernelSpec(
         op="attention",
-        quant="none",
+        quant="fp8_tensor" if k is not None and k.dtype in KV_FP8_DTYPES else "none",
         act_dtype=val_dtype(args["query"]),
         weight_dtype=val_dtype(args["key"]),
         shape=tuple((n, s) for n, s in sizes.items() if isinstance(s, int)),

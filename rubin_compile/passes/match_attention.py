@@ -23,7 +23,22 @@ graph (transformers' ``repeat_kv`` when there is a mask, or ``k.repeat_interleav
     k_rep = aten.reshape(aten.clone(aten.expand(aten.unsqueeze(k, 2), [B, Hkv, n, S, D])), [B, Hkv * n, S, D])
 
 which the rewrite folds away (``rubin.attention`` takes ``k`` itself, and the copy of every KV head ``n`` times
-disappears when nothing else reads it). A ``repeat`` that tiles heads (``h % Hkv``) is not GQA's grouping and
+disappears when nothing else reads it).
+
+A Hugging Face **static cache** (``cache_implementation="static"``, what ``generate()`` compiles) writes the new
+keys / values into preallocated ``[B, Hkv, max_cache_len, D]`` buffers and attends over the whole buffer, the
+positions not yet written masked out by the bool mask generate passes in::
+
+    k_all = aten.index_put(k_cache, [None, None, cache_position], k_new)     # keys.index_copy_(2, pos, k)
+    o = sdpa(q, repeat_kv(k_all), repeat_kv(v_all), where(mask, 0.0, -inf))  # over max_cache_len
+
+It is rewritten like any SDPA; the report says which graph input is the cache and how many positions the
+graph writes, and a decode kernel reads only the positions the mask lets some query see (kernels/triton/
+attention.py). An **FP8 KV cache** dequantised in the graph before attention -- ``k.to(q.dtype) * s``,
+``k.to(q.dtype)``, or ``(k.float() * s).to(q.dtype)``, ``k`` in ``float8_e4m3fn`` / ``float8_e5m2``, ``s`` a
+number or a one-element float tensor -- is folded into the op (``key`` in FP8, ``k_scale``), so a kernel reads
+one byte per element instead of the dequantised copy; where the graph multiplied in the query's dtype the
+scale is rounded to it first, so the result is the graph's. A ``repeat`` that tiles heads (``h % Hkv``) is not GQA's grouping and
 stays as it is (the op then sees ``Hq == Hkv``).
 
 Left unchanged, with the reason: an output besides the attention output is used (the logsumexp a training
@@ -56,13 +71,14 @@ patterns that fail without saying why. vLLM's op is mutating, behind ``auto_func
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import rubin_compile.kernels  # noqa: F401  (registers every kernel onto its op: the target's preference below)
-from rubin_compile.ops.attention import ATTENTION, AttentionArgs, AttentionArgumentError
+from rubin_compile.ops.attention import ATTENTION, KV_FP8_DTYPES, AttentionArgs, AttentionArgumentError
 from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
 from rubin_compile.passes.fx import (
@@ -74,6 +90,7 @@ from rubin_compile.passes.fx import (
     inherit_source,
     is_call,
     report_value,
+    scalar,
     schema_name,
     tensor_val,
 )
@@ -82,6 +99,7 @@ NAME = "match_attention"
 IDIOM = "sdpa"
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 # The ATen SDPA ops and the name the report gives each form.
 SDPA_FORMS: dict[Any, str] = {
@@ -215,6 +233,15 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         gqa = f"repeat_kv folded (key/value heads were repeated x{rk[1]} in the graph)"
     elif rk is not None or rv is not None:
         gqa = "repeated in the graph, not folded (key and value are not repeated alike)"
+    qdtype = vals["query"].dtype
+    dk, dv = _dequantized_fp8(k, qdtype), _dequantized_fp8(v, qdtype)
+    kv_cache = dtype_name(tensor_val(k).dtype) if tensor_val(k) is not None else "?"
+    fold = None
+    if dk is not None and dv is not None and tensor_val(dk.base).dtype == tensor_val(dv.base).dtype:
+        fold = {"k_scale": dk, "v_scale": dv}
+        k, v = dk.base, dv.base
+        folded_chains += dk.chain + dv.chain
+        kv_cache = f"{dtype_name(tensor_val(k).dtype)}, dequantised in the graph ({dk.form}): folded"
     kv, vv = tensor_val(k), tensor_val(v)
     try:
         checked = AttentionArgs(vals["query"], kv, vv, tensor_val(mask), is_causal, scale)
@@ -225,6 +252,10 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
     if mask is not None:
         kwargs = {"attn_mask": mask, **kwargs}
     with graph.inserting_before(node):
+        for name, dq in (fold or {}).items():
+            scale_node = dq.emit(graph, q, qdtype)
+            if scale_node is not None:
+                kwargs[name] = scale_node
         new = call(graph, torch.ops.rubin.attention.default, (q, k, v), kwargs)
     inherit_source([new], node)
     replaced = [node.name]
@@ -258,6 +289,7 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         if mval is None
         else {"dtype": dtype_name(mval.dtype), "shape": [report_value(s) for s in mval.shape]},
         "scale": scale if scale is not None else "1/sqrt(D)",
+        "kv_cache": _describe_cache(k, kv_cache),
     }
     return Rewrite(
         node=new.name,
@@ -266,6 +298,103 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         replaced=sorted(set(replaced)),
         details=details,
     )
+
+
+@dataclass
+class _Dequant:
+    """An FP8 key / value dequantised in the graph: the FP8 tensor, how it was scaled, the nodes doing it."""
+
+    base: torch.fx.Node
+    scale: Any  # None, a Python number, or a node of one float element
+    round_to_query: bool  # the graph multiplied in the query's dtype: the scale is rounded to it first
+    chain: list[torch.fx.Node]
+    form: str
+
+    def emit(self, graph: torch.fx.Graph, query: torch.fx.Node, qdtype: torch.dtype) -> Optional[torch.fx.Node]:
+        """The op's ``k_scale`` / ``v_scale`` argument: a float32 node with exactly the value the graph used."""
+        if self.scale is None:
+            return None
+        if not isinstance(self.scale, torch.fx.Node):
+            value = torch.tensor(float(self.scale), dtype=qdtype).item() if self.round_to_query else self.scale
+            return call(graph, aten.new_full.default, (query, [], float(value)), {"dtype": torch.float32})
+        s = self.scale
+        if self.round_to_query and tensor_val(s).dtype != qdtype:
+            s = call(graph, prims.convert_element_type.default, (s, qdtype))
+        if tensor_val(s).dtype != torch.float32:
+            s = call(graph, prims.convert_element_type.default, (s, torch.float32))
+        return s
+
+
+def _fp8(node: Any) -> bool:
+    val = tensor_val(node)
+    return val is not None and val.dtype in KV_FP8_DTYPES
+
+
+def _one_float(node: Any, zero_dim: bool) -> bool:
+    """A number, or a node of one floating-point element (0-dim when ``zero_dim``)."""
+    if scalar(node) is not None:
+        return True
+    val = tensor_val(node)
+    if val is None or not val.dtype.is_floating_point:
+        return False
+    return val.dim() == 0 if zero_dim else (val.numel() == 1 if isinstance(val.numel(), int) else False)
+
+
+def _dequantized_fp8(node: Any, qdtype: torch.dtype) -> Optional[_Dequant]:
+    """If ``node`` dequantises an FP8 tensor to the query's dtype in one of the forms of the module docstring."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if is_call(node, prims.convert_element_type.default) and node.args[1] == qdtype:
+        inner = node.args[0]
+        if _fp8(inner):  # k.to(q.dtype)
+            return _Dequant(inner, None, False, [node], "k.to(dtype)")
+        if is_call(inner, aten.mul.Tensor):  # (k.float() * s).to(q.dtype)
+            a, b = inner.args[:2]
+            for x, s in ((a, b), (b, a)):
+                if (
+                    is_call(x, prims.convert_element_type.default)
+                    and x.args[1] == torch.float32
+                    and _fp8(x.args[0])
+                    and _one_float(s, zero_dim=False)
+                    and (scalar(s) is not None or tensor_val(s).dtype == torch.float32)
+                ):
+                    return _Dequant(x.args[0], s, False, [node, inner, x], "(k.float() * s).to(dtype)")
+        return None
+    if is_call(node, aten.mul.Tensor):  # k.to(q.dtype) * s, computed in the query's dtype
+        a, b = node.args[:2]
+        for x, s in ((a, b), (b, a)):
+            if (
+                is_call(x, prims.convert_element_type.default)
+                and x.args[1] == qdtype
+                and _fp8(x.args[0])
+                and _one_float(s, zero_dim=True)
+            ):
+                return _Dequant(x.args[0], s, True, [node, x], "k.to(dtype) * s")
+    return None
+
+
+def _describe_cache(key: torch.fx.Node, kv: str) -> str:
+    """What the keys are: a static cache updated in this graph (which input, how many positions written), a
+    graph input, or computed."""
+    if is_call(key, aten.index_put.default, aten.index_put_.default, aten.index_copy.default):
+        buf = key.args[0]
+        if isinstance(buf, torch.fx.Node) and buf.op == "placeholder":
+            bval = tensor_val(buf)
+            indices = key.args[2] if is_call(key, aten.index_copy.default) else key.args[1]
+            pos = (
+                indices
+                if isinstance(indices, torch.fx.Node)
+                else next((i for i in indices if isinstance(i, torch.fx.Node)), None)
+            )
+            written = report_value(tensor_val(pos).shape[0]) if pos is not None and tensor_val(pos) is not None else "?"
+            return (
+                f"static cache: graph input {buf.name} [{', '.join(str(report_value(x)) for x in bval.shape)}] "
+                f"(max_cache_len {report_value(bval.shape[2])}), {written} position(s) written in this graph; "
+                f"{kv}"
+            )
+    if key.op == "placeholder":
+        return f"graph input {key.name}; {kv}"
+    return kv
 
 
 # --------------------------------------------------------------------------------------------------

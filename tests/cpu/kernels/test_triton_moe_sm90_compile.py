@@ -9,71 +9,21 @@ does not check -- numerics and speed -- tests/gpu does on the GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="needs the triton package")
-compiler = pytest.importorskip("triton.compiler")
-backend = pytest.importorskip("triton.backends.compiler")
-if not hasattr(compiler, "ASTSource") or not hasattr(backend, "GPUTarget"):
-    pytest.skip("this Triton has no ASTSource / GPUTarget AOT API", allow_module_level=True)
+from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, compile_sm90, load_plain
 
-MOE = Path(__file__).resolve().parents[3] / "rubin_compile" / "kernels" / "triton" / "moe.py"
 BF = "*bf16"
 
 
 @pytest.fixture(scope="module")
 def kernels():
     """kernels/triton/moe.py loaded as a plain module (the package refuses to import without CUDA)."""
-    spec = importlib.util.spec_from_file_location("rubin_moe_aot", MOE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rubin_moe_aot"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
+    yield load_plain("moe", "rubin_moe_aot")
     del sys.modules["rubin_moe_aot"]
-
-
-def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> str:
-    params = inspect.signature(fn.fn).parameters
-    sig = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
-    src = compiler.ASTSource(fn, sig, constexprs=constexprs)
-    k = triton.compile(
-        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
-    )
-    return k.asm["ptx"]
-
-
-def compile_like_a_launch(fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4) -> str:
-    """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
-    1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones."""
-    params = list(inspect.signature(fn.fn).parameters)
-    dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
-    sig, attrs, consts = {}, {}, dict(constexprs)
-    for i, p in enumerate(params):
-        if p in consts:
-            sig[p] = "constexpr"
-        elif p in pointers:
-            sig[p], attrs[(i,)] = pointers[p], [["tt.divisibility", 16]]
-        elif p not in dns and ints.get(p) == 1:
-            sig[p], consts[p] = "constexpr", 1
-        else:
-            sig[p] = "i32"
-            if p not in dns and ints.get(p, 0) % 16 == 0 and ints.get(p, 0) > 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(
-        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
-    )
-    return k.asm["ptx"]
-
-
-def async_copy_sizes(ptx: str) -> set[str]:
-    return set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (0x\w+|\d+)", ptx))
 
 
 # What a Qwen3-30B-A3B decode call passes (H = 2048, I = 768; contiguous weights and activations)

@@ -1,0 +1,274 @@
+"""Hugging Face generate() with a static cache: eager, Inductor and rubin, tokens per second and per-token
+latency, the decode forward alone as one CUDA graph against its floor, and a per-kernel breakdown of one step.
+
+    PYTHONPATH=. python benchmarks/generate.py --out benchmarks/results            # the full matrix (H200)
+    PYTHONPATH=. python benchmarks/generate.py --contexts 4096 --batches 1 --new-tokens 32
+
+Model: examples/generate.py's ``qwen3-30b-a3b-8l`` (8 layers of Qwen3-30B-A3B's dimensions, random bf16
+weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens`` greedy tokens,
+``cache_implementation="static"`` (max_cache_len = context + new tokens).
+
+* generate: each variant's ``generate()`` -- eager; ``compile_config=CompileConfig(backend=..., mode=
+  "reduce-overhead")`` for Inductor and rubin (generate compiles its decode step; prefill stays eager). Per-token
+  latency = (t(N) - t(1)) / (N - 1) (prefill and first token taken out), median of ``--repeats``; tokens/s =
+  batch / per-token latency; compile time = the first call less a warm one; the generated ids against Inductor's.
+* step: the decode forward alone (``model.forward`` compiled with ``dynamic=False`` and no CUDA graphs of its own,
+  one step captured in one ``torch.cuda.CUDAGraph``, replayed: CUDA events, median) at the ``--step-contexts``
+  with batch 1, against the floor per step.
+* floor per step: (bytes of the weights one step reads -- attention, norms, router, the distinct experts the
+  batch is routed to under uniform routing, LM head -- plus the K and V bytes of the filled cache at the middle of
+  the generation) / device-to-device copy bandwidth measured at the start.
+* breakdown: torch.profiler over replays of the rubin step graph (and Inductor's), device time per kernel group.
+
+Writes ``generate-h200.{md,json,png}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from decode_step import profile_step, weight_bytes  # noqa: E402
+
+# examples/generate.py: the model and the generate variants (loaded by path: this module has the same name)
+_spec = importlib.util.spec_from_file_location("generate_example", HERE.parent / "examples" / "generate.py")
+example = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = example  # its dataclasses look their module up
+_spec.loader.exec_module(example)
+
+BACKENDS = {"eager": None, "inductor": "inductor", "rubin": "rubin"}
+
+
+def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps: float) -> dict:
+    """The floor of one decode step at the middle of the generation (module docstring)."""
+    weights = weight_bytes(cfg, batch)["total"]
+    filled = context + new // 2
+    kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * cfg.head_dim * filled * dtype_bytes
+    return {"weights_MB": weights / 1e6, "kv_MB": kv / 1e6, "us": (weights + kv) / (bw_gbps * 1e9) * 1e6}
+
+
+def step_graph(model, backend: str, batch: int, context: int, new: int):
+    """(replay, profile-able call, compile seconds): one decode step of ``model.forward`` compiled by ``backend``
+    (no CUDA graphs of its own), captured in one CUDA graph over a static cache prefilled with ``context`` tokens.
+    Each replay writes the next cache position; the position is reset before the cache would fill."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=context + new)
+    prompt = torch.randint(1, model.config.vocab_size, (batch, context), device="cuda")
+    step_ids = torch.randint(1, model.config.vocab_size, (batch, 1), device="cuda")
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)  # eager prefill
+    lengths = [layer.cumulative_length for layer in cache.layers]
+    fwd = torch.compile(model.forward, backend=backend, dynamic=False)
+
+    def step():
+        return fwd(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+
+    def rewind():
+        for n in lengths:
+            n.fill_(context)
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(3):
+            rewind()
+            step()
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        rewind()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    rewind()
+    state = {"used": 0}
+
+    def replay(_=None):
+        if state["used"] >= new - 1:
+            rewind()
+            state["used"] = 0
+        graph.replay()
+        state["used"] += 1
+
+    return replay, compile_s
+
+
+def time_replays(replay, iters: int = 50) -> float:
+    """Median us of one replay (CUDA events around each)."""
+    for _ in range(5):
+        replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="512,4096,16384,32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="eager,inductor,rubin")
+    ap.add_argument("--eager-batches", default="1", help="batches at which eager is timed (it is ~10 ms a token)")
+    ap.add_argument("--step-contexts", default="4096,16384", help="contexts of the one-CUDA-graph step (batch 1)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="qwen3-30b-a3b-8l")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import rubin_compile  # noqa: F401  (backend="rubin" from a checkout)
+    from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
+
+    torch._dynamo.config.cache_size_limit = 64
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    names = args.variants.split(",")
+    eager_batches = {int(b) for b in args.eager_batches.split(",") if b}
+    step_contexts = [int(c) for c in args.step_contexts.split(",") if c]
+    new = args.new_tokens
+    model = example.build_model(args.model, torch.bfloat16, "cuda", max(contexts) + new + 8)
+    cfg = model.config
+    bw = copy_bandwidth_gbs()
+    head = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s"
+    print(head, flush=True)
+    rows, steps, profiles = [], [], {}
+    for batch in batches:
+        for context in contexts:
+            g = torch.Generator().manual_seed(context + batch)
+            prompt = torch.randint(1, cfg.vocab_size, (batch, context), generator=g).cuda()
+            fl = floor_us(cfg, batch, context, new, 2, bw)
+            results = {}
+            for name in names:
+                if name == "eager" and batch not in eager_batches:
+                    continue
+                torch._dynamo.reset()
+                setup = example.eager_setup if name == "eager" else example.compile_config_setup(BACKENDS[name], "cuda")
+                r = example.run_variant(name, model, prompt, new, "cuda", args.repeats, setup)
+                results[name] = r
+            ref = results.get("inductor")
+            for name, r in results.items():
+                row = {
+                    "batch": batch,
+                    "context": context,
+                    "variant": name,
+                    "per_token_us": r.per_token_us,
+                    "tokens_per_s": r.tokens_per_s,
+                    "x_floor": r.per_token_us / fl["us"],
+                    "floor_us": fl["us"],
+                    "compile_s": r.first_call_s - r.warm_call_s if name != "eager" else None,
+                    "first_call_s": r.first_call_s,
+                    "ids_equal_inductor": bool(torch.equal(r.ids, ref.ids)) if ref is not None else None,
+                }
+                if ref is not None and not row["ids_equal_inductor"]:
+                    diff = (r.ids != ref.ids).nonzero()
+                    row["first_differing_token"] = int(diff[0, 1]) - context if len(diff) else None
+                if ref is not None and name == "rubin":
+                    row["speedup_vs_inductor"] = ref.per_token_us / r.per_token_us
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    model.__dict__.pop("forward", None)
+    for context in step_contexts:
+        fl = floor_us(cfg, 1, context, new, 2, bw)
+        for name in ("inductor", "rubin"):
+            if name not in names:
+                continue
+            torch._dynamo.reset()
+            replay, compile_s = step_graph(model, BACKENDS[name], 1, context, new)
+            us = time_replays(replay)
+            steps.append(
+                {"context": context, "variant": name, "us": us, "floor_us": fl["us"], "x_floor": us / fl["us"]}
+            )
+            print(json.dumps(steps[-1]), flush=True)
+            if context == step_contexts[0]:
+                profiles[f"{name}, context {context}"] = profile_step(replay, None)
+    lines = [
+        f"generate() with a static cache, {args.model} (random bf16 weights), greedy, prompt + {new} new tokens; {head}",
+        "",
+        "| batch | context | variant | tokens/s | per-token us | x floor | rubin vs Inductor | compile s | ids = Inductor's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sp = f"{r['speedup_vs_inductor']:.2f}x" if "speedup_vs_inductor" in r else "-"
+        cs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
+        eq = {None: "-", True: "yes", False: f"no (from token {r.get('first_differing_token')})"}[
+            r["ids_equal_inductor"]
+        ]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['variant']} | {r['tokens_per_s']:.1f} | {r['per_token_us']:.0f} | "
+            f"{r['x_floor']:.2f} | {sp} | {cs} | {eq} |"
+        )
+    lines += [
+        "",
+        "Decode forward alone, one CUDA graph (batch 1):",
+        "",
+        "| context | variant | us / step | floor us | x floor |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['context']} | {s['variant']} | {s['us']:.0f} | {s['floor_us']:.0f} | {s['x_floor']:.2f} |" for s in steps
+    ]
+    for key, prof in profiles.items():
+        lines += [
+            "",
+            f"Per-kernel breakdown of one decode step, {key} (torch.profiler):",
+            "",
+            "| kernels of | us | kernels |",
+        ]
+        lines += ["|---|---|---|"]
+        lines += [f"| {c} | {d['us']:.1f} | {d['kernels']:.0f} |" for c, d in prof["categories"].items()]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "generate-h200.md").write_text(text + "\n")
+        (out / "generate-h200.json").write_text(
+            json.dumps({"device": head, "rows": rows, "steps": steps, "profiles": profiles}, indent=1)
+        )
+        plot(rows, out / "generate-h200.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for variant in ("eager", "inductor", "rubin"):
+            pts = sorted(
+                (r["context"], r["per_token_us"]) for r in rows if r["batch"] == batch and r["variant"] == variant
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=variant)
+        pts = sorted({(r["context"], r["floor_us"]) for r in rows if r["batch"] == batch})
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], linestyle="--", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("per-token latency (ms)")
+        ax.set_title(f"generate(), batch {batch}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Matcher (d): Hugging Face transformers 5.x experts in their ``batched_mm`` form.
+
+Source idiom (``transformers/integrations/moe.py``, ``batched_mm_experts_forward``, transformers 5.19):
+``generate()`` switches every ``grouped_mm`` experts block of a model on a GPU to this form for its decode
+steps (``GenerationMixin._optimize_model_for_decode``), so it is what a compiled decode step holds; a model can
+also ask for it (``experts_implementation="batched_mm"``). Every (token, expert) pair gathers its expert's
+weights and multiplies them as one batched matmul::
+
+    x = hidden_states.repeat_interleave(k, dim=0)                      # [T*k, H]
+    ids = top_k_index.reshape(-1)                                      # [T*k]
+    h = torch.bmm(gate_up_proj[ids], x.unsqueeze(-1)).squeeze(-1)      # [T*k, 2I]   (+ gate_up_proj_bias[ids])
+    gate, up = h.chunk(2, dim=-1);  a = act_fn(gate) * up              # _default_apply_gate
+    y = torch.bmm(down_proj[ids], a.unsqueeze(-1)).squeeze(-1)         # [T*k, H]    (+ down_proj_bias[ids])
+    out = (y * top_k_weights.reshape(-1).unsqueeze(-1)).view(T, k, H).sum(dim=1).to(hidden_states.dtype)
+
+(with ``is_transposed=True``: ``torch.bmm(x.unsqueeze(1), W[ids]).squeeze(1)``). Post-grad ATen keeps that
+shape: ``aten.index(W, [reshape(ids, [-1])])``, ``aten.bmm``, ``aten.squeeze.dim``; the repeat is
+``reshape(clone(expand(unsqueeze(hidden, 1), [T, k, H])), [T*k, H])``.
+
+Why it is worth a rewrite: ``gate_up_proj[ids]`` copies k experts' weights per token before reading them
+again in the bmm -- three passes over the routed weights where the fused kernel makes one, and decode is
+bound by exactly those bytes. One ``rubin.moe`` replaces the block (weights as stored: no gather, no copy).
+Left unchanged, with the reason: what hf_grouped_mm.py leaves (activations, interleaved gate / up, non-gated
+experts, mixed dtypes, outside users), and the expert-parallel form (``expert_ids.clamp(...)`` and masked
+routing weights), whose out-of-range ids rubin.moe does not take.
+
+Walked by hand, anchored on the pair of bmms whose weights are gathered by one ids tensor, for the reasons in
+hf_grouped_mm.py; the shared parts are in hf_experts.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
+from rubin_compile.passes.fx import RESHAPES, is_call, single_user, tensor_val
+from rubin_compile.passes.match_moe.hf_experts import (
+    Block,
+    NoMatch,
+    check_block,
+    match_activation,
+    match_bias,
+    match_sum_over_k,
+    rewrite,
+    same,
+    sole_user,
+    split_gate_up,
+    view_input,
+)
+
+IDIOM = "hf batched_mm"
+FORM = "aten.bmm"
+aten = torch.ops.aten
+
+
+def _gathered_weight(node: Any) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """For ``aten.index(W, [ids])`` with W 3-D and ids 1-D: (W, ids); else None."""
+    if not (is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and isinstance(node.args[1][0], torch.fx.Node)):
+        return None
+    w, ids = node.args[0], node.args[1][0]
+    wv, iv = tensor_val(w), tensor_val(ids)
+    if wv is None or iv is None or wv.dim() != 3 or iv.dim() != 1:
+        return None
+    return w, ids
+
+
+def _bmm_operands(bmm: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool]]:
+    """(stored weight W, ids, the vector operand, transposed) of ``bmm(W[ids], v.unsqueeze(-1))`` or
+    ``bmm(v.unsqueeze(1), W[ids])`` (W stored transposed); None when neither operand is a gathered weight."""
+    a, b = bmm.args[:2]
+    ga, gb = _gathered_weight(a), _gathered_weight(b)
+    if ga is not None:
+        return ga[0], ga[1], b, False
+    if gb is not None:
+        return gb[0], gb[1], a, True
+    return None
+
+
+def _projection(b: Block, bmm: torch.fx.Node, which: str) -> tuple[torch.fx.Node, torch.fx.Node, bool]:
+    """For one projection's bmm: (its input [S, K], its output [S, N] after the squeeze, W stored transposed)."""
+    w, ids, vec, transposed = _bmm_operands(bmm)
+    dim = 1 if transposed else -1
+    if not (is_call(vec, aten.unsqueeze.default) and vec.args[1] % 3 == dim % 3):
+        raise NoMatch(
+            f"the {which} bmm multiplies the gathered weights by {getattr(vec, 'name', vec)}, not by the rows "
+            f"unsqueezed to a {'row' if transposed else 'column'} (x.unsqueeze({dim}))"
+        )
+    squeeze = sole_user(bmm, f"the {which} bmm")
+    if not (is_call(squeeze, aten.squeeze.dim) and squeeze.args[1] % 3 == dim % 3):
+        raise NoMatch(f"the {which} bmm output is not squeezed back to [S, N] (squeeze({dim}))")
+    gather = bmm.args[1] if transposed else bmm.args[0]
+    b.flow += [gather, vec, bmm, squeeze]
+    return vec.args[0], squeeze, transposed
+
+
+def _repeated_hidden(b: Block, x: Any, k: int) -> torch.fx.Node:
+    """The hidden states under ``hidden_states.repeat_interleave(k, dim=0)``."""
+    if is_call(x, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        raise NoMatch("the repeated hidden states are masked before the gate_up bmm: not this idiom")
+    if is_call(x, *RESHAPES):
+        chain = [x]
+        inner = x.args[0]
+        if is_call(inner, aten.clone.default):
+            chain.append(inner)
+            inner = inner.args[0]
+        if is_call(inner, aten.expand.default) and is_call(inner.args[0], aten.unsqueeze.default):
+            unsq = inner.args[0]
+            base, ev = unsq.args[0], tensor_val(inner)
+            bv = tensor_val(base)
+            if (
+                unsq.args[1] % 3 == 1
+                and bv is not None
+                and bv.dim() == 2
+                and ev.dim() == 3
+                and same(ev.shape[1], k)
+                and same(ev.shape[0], bv.shape[0])
+            ):
+                b.flow += chain + [inner, unsq]
+                return base
+    xv = tensor_val(x)
+    if k == 1 and xv is not None and xv.dim() == 2:
+        return x  # repeat_interleave(1) is the tensor itself
+    raise NoMatch(
+        f"the gate_up bmm input ({getattr(x, 'name', x)}) is not the hidden states repeated k={k} times per "
+        "token (hidden_states.repeat_interleave(k, dim=0))"
+    )
+
+
+def _regenerated_views(b: Block, node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that hold ``node``'s value for its readers. ``_batched_linear`` adds the bias in place
+    (``out.add_(bias)`` on the bmm output squeezed): functionalization writes ``add``, then the squeezed view
+    again from the restored base, once per reader: ``squeeze(unsqueeze(add, d), d)`` (d = -1, or 1 transposed)."""
+    user = single_user(node)
+    if not (is_call(user, aten.unsqueeze.default) and user.args[1] % 3 in (1, 2) and user.users):
+        return [node]
+    views = list(user.users)
+    if not all(is_call(v, aten.squeeze.dim) and v.args[1] % 3 == user.args[1] % 3 for v in views):
+        return [node]
+    b.flow += [user, *views]
+    return views
+
+
+def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> Block:
+    """Recognise the experts block around its two bmms (weights gathered by ``ids``); raise NoMatch(reason)."""
+    b = Block(form=FORM, fc1=fc1, fc2=fc2)
+    w13, _, _, _ = _bmm_operands(fc1)
+    w2, _, _, _ = _bmm_operands(fc2)
+    if is_call(ids, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.clamp.Tensor):
+        raise NoMatch(
+            "the expert ids are clamped before the weights are gathered: transformers' expert-parallel sentinel "
+            "handling (_is_expert_parallel), whose out-of-range expert ids rubin.moe does not take"
+        )
+    b.topk_ids = view_input(ids, "the flattened expert ids")
+    ids_val = tensor_val(b.topk_ids)
+    if ids_val is None or ids_val.dim() != 2:
+        raise NoMatch("the expert ids are not a reshape of a [T, k] top-k index tensor")
+    k = ids_val.shape[1]
+    b.flow.append(ids)
+
+    x, h1, b.w13_transposed = _projection(b, fc1, "gate_up")
+    b.w13 = w13
+    b.hidden = _repeated_hidden(b, x, k)
+    h1, b.w13_bias = match_bias(b, h1, ids, "gate_up bmm")
+    gate, up = split_gate_up(b, _regenerated_views(b, h1))
+    a, y, b.w2_transposed = _projection(b, fc2, "down")
+    b.w2 = w2
+    match_activation(b, gate, up, a, "down bmm")
+    y, b.w2_bias = match_bias(b, y, ids, "down bmm")
+    views = _regenerated_views(b, y)
+    if len(views) != 1:
+        raise NoMatch(f"the down projection output ({y.name}) is read {len(views)} times; the idiom reads it once")
+    y = views[0]
+
+    # (y * top_k_weights.reshape(-1).unsqueeze(-1)).view(T, k, H).sum(dim=1)
+    mul = sole_user(y, "the down projection output")
+    if not is_call(mul, aten.mul.Tensor):
+        raise NoMatch(
+            f"the down projection output feeds {mul.name} ({mul.target}), not the multiplication by the routing weights"
+        )
+    sw = mul.args[1] if mul.args[0] is y else mul.args[0]
+    if not (is_call(sw, aten.unsqueeze.default) and is_call(sw.args[0], *RESHAPES)):
+        raise NoMatch(
+            "the down projection output is not multiplied by the flattened routing weights "
+            "(top_k_weights.reshape(-1).unsqueeze(-1))"
+        )
+    b.topk_weights = view_input(sw.args[0], "the flattened routing weights")
+    b.flow += [mul, sw, sw.args[0]]
+    match_sum_over_k(b, sole_user(mul, "the weighted expert output"))
+    check_block(b)
+    return b
+
+
+def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[Unchanged]]:
+    """Rewrite every Hugging Face batched-mm experts block in ``graph`` into ``rubin.moe``."""
+    rewrites: list[Rewrite] = []
+    unchanged: list[Unchanged] = []
+    by_ids: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if is_call(node, aten.bmm.default):
+            operands = _bmm_operands(node)
+            if operands is not None:
+                by_ids.setdefault(operands[1], []).append(node)
+    for ids, bmms in by_ids.items():
+        if ctx.gradients:
+            unchanged.append(Unchanged(bmms[0].name, IDIOM, GRADIENTS_REASON))
+            continue
+        if len(bmms) != 2:
+            unchanged.append(
+                Unchanged(
+                    bmms[0].name,
+                    IDIOM,
+                    f"{len(bmms)} bmm(s) read weights gathered by {ids.name}; the Hugging Face experts block has "
+                    "exactly two (gate_up and down)",
+                )
+            )
+            continue
+        try:
+            block = _match_block(bmms[0], bmms[1], ids)  # graph order: gate_up first
+        except NoMatch as e:
+            unchanged.append(Unchanged(bmms[0].name, IDIOM, str(e)))
+            continue
+        rewrites.append(rewrite(graph, block, IDIOM))
+    return rewrites, unchanged

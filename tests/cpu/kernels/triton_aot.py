@@ -1,0 +1,76 @@
+"""Compiling Triton kernels ahead of time for sm_90 on a machine without a GPU (Triton's own ptxas), for the
+kernel tests that read the PTX: a kernel that would not compile on the H200, or that loses its vectorised
+pipeline, fails on the CPU before a GPU session is spent on it."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="needs the triton package")
+compiler = pytest.importorskip("triton.compiler")
+backend = pytest.importorskip("triton.backends.compiler")
+if not hasattr(compiler, "ASTSource") or not hasattr(backend, "GPUTarget"):
+    pytest.skip("this Triton has no ASTSource / GPUTarget AOT API", allow_module_level=True)
+
+KERNELS = Path(__file__).resolve().parents[3] / "rubin_compile" / "kernels" / "triton"
+
+
+def load_plain(name: str, alias: str):
+    """kernels/triton/<name>.py loaded as a plain module named ``alias`` (the package refuses to import without
+    CUDA); the caller removes ``sys.modules[alias]`` when done."""
+    spec = importlib.util.spec_from_file_location(alias, KERNELS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> str:
+    """PTX of ``fn`` for sm_90 with every non-pointer, non-constexpr argument an unspecialised i32."""
+    params = inspect.signature(fn.fn).parameters
+    sig = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+    src = compiler.ASTSource(fn, sig, constexprs=constexprs)
+    k = triton.compile(
+        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
+    )
+    return k.asm["ptx"]
+
+
+def compile_like_a_launch(
+    fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4, floats: tuple = ()
+) -> str:
+    """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
+    1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones; the
+    arguments named in ``floats`` are fp32 scalars."""
+    params = list(inspect.signature(fn.fn).parameters)
+    dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    sig, attrs, consts = {}, {}, dict(constexprs)
+    for i, p in enumerate(params):
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p in pointers:
+            sig[p], attrs[(i,)] = pointers[p], [["tt.divisibility", 16]]
+        elif p in floats:
+            sig[p] = "fp32"
+        elif p not in dns and ints.get(p) == 1:
+            sig[p], consts[p] = "constexpr", 1
+        else:
+            sig[p] = "i32"
+            if p not in dns and ints.get(p, 0) % 16 == 0 and ints.get(p, 0) > 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(
+        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
+    )
+    return k.asm["ptx"]
+
+
+def async_copy_sizes(ptx: str) -> set[str]:
+    """The byte sizes of the PTX's global -> shared asynchronous copies (``{"0x10"}``: 16-byte copies only)."""
+    return set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (0x\w+|\d+)", ptx))
