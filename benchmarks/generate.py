@@ -74,8 +74,9 @@ def step_graph(model, backend: str, batch: int, context: int, new: int):
         return fwd(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
 
     def rewind():
-        for n in lengths:
-            n.fill_(context)
+        with torch.inference_mode():  # the cache's counters are inference tensors (the prefill ran in it)
+            for n in lengths:
+                n.fill_(context)
 
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -326,6 +326,8 @@ def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
         return out.to(dtype)
     flat_ids = args.topk_ids.reshape(-1).to(torch.int64)
     flat_w = args.topk_weights.reshape(-1).to(acc_dtype)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _reference_in_capture(args, w13, w2, out).to(dtype)
     token_of_slot = torch.arange(T, device=x.device).repeat_interleave(k)
     for e in torch.unique(flat_ids).tolist():
         if not 0 <= e < E:
@@ -343,6 +345,28 @@ def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
             y = y + args.w2_bias[e].to(dtype)
         out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots].unsqueeze(1))
     return out.to(dtype)
+
+
+def _reference_in_capture(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The reference while a CUDA graph is being captured (a compiled graph under CUDA graphs whose MoE runs the
+    reference: an fp32 model on a GPU): no host synchronisation, so no ``unique`` / ``nonzero`` over the routing.
+    Every expert runs on every token and its output is weighted by the token's routing weight for it (zero when
+    not routed): the same sum, E times the work, fine for what the reference is for. Expert ids outside [0, E)
+    cannot be reported here (that would need a synchronisation); they contribute nothing."""
+    dtype = args.hidden_states.dtype
+    x, E = args.hidden_states, args.E
+    for e in range(E):
+        coef = (args.topk_weights.to(out.dtype) * (args.topk_ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
+        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
+        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
+        gate_up = x @ w13_e.t()
+        if args.w13_bias is not None:
+            gate_up = gate_up + args.w13_bias[e].to(dtype)
+        y = apply_activation(gate_up, args.activation) @ w2_e.t()
+        if args.w2_bias is not None:
+            y = y + args.w2_bias[e].to(dtype)
+        out += y.to(out.dtype) * coef
+    return out
 
 
 def moe_reference(*args, **kwargs) -> torch.Tensor:

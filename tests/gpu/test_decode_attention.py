@@ -39,6 +39,9 @@ def _inputs(B, Hq, Hkv, S, Skv, D, lengths, dtype, kv_dtype=None, seed=0):
 
 
 def _poisoned(t, tail):
+    """``t`` with NaN where ``tail`` (FP8 through its bytes: masked_fill has no FP8 kernel; 0x7F is e4m3's NaN)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).masked_fill(tail, 0x7F).view(t.dtype)
     return t.masked_fill(tail, torch.tensor(float("nan"), device=t.device).to(t.dtype))
 
 

@@ -12,10 +12,10 @@ Why this shape: one decode step reads the whole KV cache once and does two FLOPs
 query heads that share it -- GQA without repeating K / V, which the ATen form (``repeat_kv`` + SDPA) copies
 ``Hq / Hkv`` times over the whole cache --, (2) spread the sequence over enough programs to keep every SM
 reading (one program per (batch, KV head) is 4-32 programs on a 132-SM GPU: split the sequence, then combine
-the partial softmaxes), and (3) read only the part of a static cache that is filled: a block of positions whose
-mask entries all say "do not attend" (the positions past the current length in a Hugging Face static cache,
-padding) is skipped after reading its mask entries, before its keys and values are loaded. That is exact,
-whatever the mask: a fully masked block contributes nothing to the softmax.
+the partial softmaxes), and (3) read only the part of a static cache that is filled: the keys and values of a
+position whose mask entries all say "do not attend" (the positions past the current length in a Hugging Face
+static cache, padding) are not loaded (their loads are predicated off after the mask tile is read). That is
+exact, whatever the mask: a fully masked position contributes nothing to the softmax.
 
 Layout: program (split, b * Hkv + hk) computes, for the ``S * n`` rows (query position s, head hk * n + g) of
 KV head hk, the softmax over its slice of positions; ``n`` rows of one position share each K / V tile, so the
@@ -40,30 +40,8 @@ from rubin_compile.ops.registry import Launch
 MAX_ROWS = 64  # query rows (S * Hq / Hkv) one program holds
 MAX_QUERIES = 4  # query positions selection sends here (decode, short verification); more is prefill: SDPA
 BLOCK_N = 64  # key positions per tile
-MIN_SPLIT_BLOCKS = 4  # a split reads at least this many tiles (below, the combine costs more than it saves)
+MIN_SPLIT_BLOCKS = 2  # a split reads at least this many tiles (below, the combine costs more than it saves)
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _allowed(
-    Mask, b, head, s_idx, cols, row_ok, col_ok, sm_b, sm_h, sm_s, sm_n, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr
-):
-    """[ROWS, BLOCK_N]: which (row, position) pairs attend, by the mask (1 bool, 2 additive: not -inf) and
-    the causal rule."""
-    allowed = row_ok[:, None] & col_ok[None, :]
-    if MASK_KIND != 0:
-        mv = tl.load(
-            Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
-            mask=allowed,
-            other=0,
-        )
-        if MASK_KIND == 1:
-            allowed = allowed & (mv != 0)
-        else:
-            allowed = allowed & (mv.to(tl.float32) != float("-inf"))
-    if CAUSAL:
-        allowed = allowed & (cols[None, :] <= s_idx[:, None])
-    return allowed
 
 
 @triton.jit
@@ -136,45 +114,39 @@ def _split_kv(
     acc = tl.zeros([ROWS, BDV], tl.float32)
     start = split * split_len
     end = tl.minimum(start + split_len, Skv)
-    if MASK_KIND != 0 or CAUSAL:
-        # The positions any row may attend to, from the mask alone (a byte or two per position, against
-        # 2 * D * Hkv bytes of K and V): the keys and values outside [lo, hi) -- the unfilled part of a static
-        # cache, left padding -- are never read. Exact: a position no row attends to adds exp(-inf) = 0.
-        lo = end
-        hi = start
-        for n0 in range(start, end, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            allowed = _allowed(
-                Mask, b, head, s_idx, cols, row_ok, cols < end, sm_b, sm_h, sm_s, sm_n, MASK_KIND, CAUSAL
-            )
-            any_row = tl.max(allowed.to(tl.int32), 0) > 0
-            lo = tl.minimum(lo, tl.min(tl.where(any_row, cols, end), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(any_row, cols + 1, start), 0))
-        start = lo
-        end = tl.maximum(hi, lo)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
-        k = tl.load(k_base + cols[:, None] * sk_n + d[None, :], mask=col_ok[:, None] & (d[None, :] < D), other=0.0)
-        v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        # The mask first (a byte or two per position, against 2 * D bytes of K and V per KV head): a position no
+        # row attends to -- the unfilled part of a static cache, padding -- has its K / V loads predicated off,
+        # so it is never read. Exact: such a position adds exp(-inf) = 0. The loads stay unconditional in
+        # the loop, so Triton still pipelines them (cp.async).
+        allowed = row_ok[:, None] & col_ok[None, :]
+        if MASK_KIND != 0:
+            mv = tl.load(
+                Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
+                mask=allowed,
+                other=0,
+            )
+            if MASK_KIND == 1:
+                allowed = allowed & (mv != 0)
+            else:
+                bias = tl.where(allowed, mv.to(tl.float32), float("-inf"))
+                allowed = allowed & (bias != float("-inf"))
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= s_idx[:, None])
+        read = tl.max(allowed.to(tl.int32), 0) > 0  # [BLOCK_N]: some row attends to this position
+        k = tl.load(k_base + cols[:, None] * sk_n + d[None, :], mask=read[:, None] & (d[None, :] < D), other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=read[:, None] & (dv[None, :] < DV), other=0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)))
         qk = qk * scale
-        allowed = row_ok[:, None] & col_ok[None, :]
         if MASK_KIND == 2:
-            bias = tl.load(
-                Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
-                mask=allowed,
-                other=float("-inf"),
-            ).to(tl.float32)
-            qk = qk + bias * 1.4426950408889634
-        allowed = allowed & _allowed(
-            Mask, b, head, s_idx, cols, row_ok, col_ok, sm_b, sm_h, sm_s, sm_n, MASK_KIND % 2, CAUSAL
-        )
+            qk = qk + tl.where(allowed, bias, 0.0) * 1.4426950408889634
         qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet stay empty
@@ -258,10 +230,11 @@ def _sm_count(index: int) -> int:
 
 
 def num_splits(B: int, Hkv: int, Skv: int, sms: int) -> int:
-    """How many splits of the sequence: enough (batch, KV head, split) programs for two waves over the SMs,
-    each split at least ``MIN_SPLIT_BLOCKS`` tiles long."""
+    """How many splits of the sequence: enough (batch, KV head, split) programs for four waves over the SMs
+    (a decode program is latency-bound: several per SM keep its loads in flight), each split at least
+    ``MIN_SPLIT_BLOCKS`` tiles long."""
     tiles = triton.cdiv(Skv, BLOCK_N)
-    wanted = triton.cdiv(2 * sms, max(B * Hkv, 1))
+    wanted = triton.cdiv(4 * sms, max(B * Hkv, 1))
     return max(1, min(wanted, tiles // MIN_SPLIT_BLOCKS))
 
 

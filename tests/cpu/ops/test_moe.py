@@ -166,3 +166,21 @@ def test_launch_settings_a_kernel_does_not_take_change_nothing():
     want = torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2)
     got = torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", b13, b2, pdl=True, placement="split_n:backfill:2:16")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_without_synchronisation_equals_the_reference(bias):
+    """While a CUDA graph is captured the reference runs every expert on every token, weighted by the routing
+    (no unique / nonzero over the routing, which would synchronise): the same sum."""
+    from rubin_compile.ops.moe import MoEArgs, _reference_in_capture
+
+    T, H, E, I, k = 7, 16, 6, 8, 2
+    x, w13, w2 = torch.randn(T, H), torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 3
+    ids = torch.rand(T, E).topk(k).indices
+    ids[0] = torch.tensor([3, 3])  # a duplicate expert in one row
+    b13, b2 = (torch.randn(E, 2 * I), torch.randn(E, H)) if bias else (None, None)
+    args = MoEArgs(x, w13, w2, torch.rand(T, k), ids, "silu", b13, b2)
+    want = moe_reference(x.double(), w13.double(), w2.double(), args.topk_weights, ids, "silu",
+                         *(t.double() if t is not None else None for t in (b13, b2)))  # fmt: skip
+    got = _reference_in_capture(args, w13, w2, torch.zeros(T, H))
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
