@@ -81,6 +81,24 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     return out
 
 
+def render(rows: list[dict], head: str) -> list[str]:
+    """The table: each variant against the ATen form of the same batch, context and query count."""
+    lines = [
+        f"Decode attention (32 / 4 heads of 128, a cache of context + {EXTRA} filled to context); {head}",
+        "",
+        "| batch | context | queries | variant | us | GB/s of the filled K/V | of copy bandwidth | vs ATen form |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        key = (r["batch"], r["context"], r["queries"])
+        base = next(x["us"] for x in rows if (x["batch"], x["context"], x["queries"]) == key and "ATen" in x["variant"])
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['queries']} | {r['variant']} | {r['us']:.1f} | {r['GBps']:.0f} | "
+            f"{100 * r['of_copy_bw']:.0f}% | {base / r['us']:.2f}x |"
+        )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="512,4096,16384,32768")
@@ -96,20 +114,7 @@ def main() -> None:
     ]
     rows += case(1, 4096, bw, queries=4)  # speculative verification: 4 query positions (the kernel's most)
     head = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s"
-    lines = [
-        f"Decode attention (32 / 4 heads of 128, 1 query, cache of context + {EXTRA} filled to context); {head}",
-        "",
-        "| batch | context | queries | variant | us | GB/s of the filled K/V | of copy bandwidth | vs ATen form |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        base = next(
-            x["us"] for x in rows if (x["batch"], x["context"]) == (r["batch"], r["context"]) and "ATen" in x["variant"]
-        )
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['variant']} | {r['us']:.1f} | {r['GBps']:.0f} | "
-            f"{100 * r['of_copy_bw']:.0f}% | {base / r['us']:.2f}x |"
-        )
+    lines = render(rows, head)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -13,8 +13,12 @@ The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden
   ``compile_config=CompileConfig(backend="rubin", mode="reduce-overhead")`` (prefill stays eager). transformers
   does this only on a GPU; on the CPU the example sets ``CompileConfig._compile_all_devices`` (transformers' own
   switch for testing) and ``mode="default"`` (no CUDA graphs), so the same path runs.
-* ``rubin (model.forward)``: ``model.forward = torch.compile(model.forward, backend="rubin", dynamic=False,
-  mode="reduce-overhead" on a GPU)``: prefill and decode each compile once, as static graphs.
+* ``rubin (model.forward)``: ``model.forward = torch.compile(model.forward, backend="rubin", dynamic=False)``:
+  prefill and decode each compile once, as static graphs, without CUDA graphs: transformers 5.x creates the
+  static cache inside the first (prefill) call, so under ``mode="reduce-overhead"`` the cache would be made
+  inside a CUDA-graph capture; on the H200 that crashed with Inductor alone too
+  (benchmarks/h200/generate-3-diagnose.sh). For CUDA graphs use the ``compile_config`` way, which compiles the
+  decode step only.
 * with ``--dtype bfloat16``, ``inductor (compile_config)`` too: rubin's ids are checked against Inductor's
   (Inductor's own bf16 roundings already make eager's ids differ after a near-tie), and timed beside it.
 
@@ -154,8 +158,7 @@ def compile_config_setup(backend: str, device: str):
 def forward_setup(backend: str, device: str):
     def setup(model):
         model.__dict__.pop("forward", None)
-        kwargs = {"mode": "reduce-overhead"} if device == "cuda" else {}
-        model.forward = torch.compile(model.forward, backend=backend, dynamic=False, **kwargs)
+        model.forward = torch.compile(model.forward, backend=backend, dynamic=False)  # no CUDA graphs: see above
         return None
 
     return setup

@@ -334,15 +334,7 @@ def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
             raise MoEArgumentError(f"rubin.moe: topk_ids contains expert {e}, outside [0, E={E})")
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of_slot[slots]
-        xe = x.index_select(0, tokens)
-        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
-        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
-        gate_up = xe @ w13_e.t()
-        if args.w13_bias is not None:
-            gate_up = gate_up + args.w13_bias[e].to(dtype)
-        y = apply_activation(gate_up, args.activation) @ w2_e.t()
-        if args.w2_bias is not None:
-            y = y + args.w2_bias[e].to(dtype)
+        y = _expert(args, w13, w2, e, x.index_select(0, tokens))
         out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots].unsqueeze(1))
     return out.to(dtype)
 
@@ -353,20 +345,24 @@ def _reference_in_capture(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, ou
     Every expert runs on every token and its output is weighted by the token's routing weight for it (zero when
     not routed): the same sum, E times the work, fine for what the reference is for. Expert ids outside [0, E)
     cannot be reported here (that would need a synchronisation); they contribute nothing."""
-    dtype = args.hidden_states.dtype
-    x, E = args.hidden_states, args.E
-    for e in range(E):
+    for e in range(args.E):
         coef = (args.topk_weights.to(out.dtype) * (args.topk_ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
-        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
-        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
-        gate_up = x @ w13_e.t()
-        if args.w13_bias is not None:
-            gate_up = gate_up + args.w13_bias[e].to(dtype)
-        y = apply_activation(gate_up, args.activation) @ w2_e.t()
-        if args.w2_bias is not None:
-            y = y + args.w2_bias[e].to(dtype)
-        out += y.to(out.dtype) * coef
+        out += _expert(args, w13, w2, e, args.hidden_states).to(out.dtype) * coef
     return out
+
+
+def _expert(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, e: int, xe: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s FFN on the rows ``xe``, in the input dtype: ``act(xe @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``."""
+    dtype, E = xe.dtype, args.E
+    w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
+    w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
+    gate_up = xe @ w13_e.t()
+    if args.w13_bias is not None:
+        gate_up = gate_up + args.w13_bias[e].to(dtype)
+    y = apply_activation(gate_up, args.activation) @ w2_e.t()
+    if args.w2_bias is not None:
+        y = y + args.w2_bias[e].to(dtype)
+    return y
 
 
 def moe_reference(*args, **kwargs) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""generate() with a static cache on the GPU, compiled with backend="rubin" both ways (examples/generate.py): the
-generated ids equal eager's in fp32; the decode step's attention runs the Triton decode kernel and its experts are
+"""generate() with a static cache on the GPU, compiled with backend="rubin" both ways (examples/generate.py: generate's
+compile_config with mode="reduce-overhead", and model.forward without CUDA graphs): the generated ids equal eager's
+in fp32; the decode step's attention runs the Triton decode kernel and its experts are
 one rubin.moe each (transformers switches them to batched_mm for decode on a GPU)."""
 
 from __future__ import annotations
