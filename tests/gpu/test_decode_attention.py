@@ -49,7 +49,8 @@ def _poisoned(t, tail):
 @pytest.mark.parametrize("Hq,Hkv", [(8, 8), (32, 8), (32, 4)], ids=["gqa1", "gqa4", "gqa8"])
 @pytest.mark.parametrize("S", [1, 2])
 @pytest.mark.parametrize("Skv,lengths", [(1000, (1000, 999)), (4224, (4100, 77)), (333, (333,))])
-def test_fp32_matches_sdpa(Hq, Hkv, S, Skv, lengths):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "merge-kernel"])
+def test_fp32_matches_sdpa(Hq, Hkv, S, Skv, lengths, fused):
     from rubin_compile.kernels.triton import attention
 
     B = len(lengths)
@@ -58,10 +59,13 @@ def test_fp32_matches_sdpa(Hq, Hkv, S, Skv, lengths):
 
     with sdpa_kernel(SDPBackend.MATH):  # fp32 math: the exact reference SDPA computes
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
-    got = attention.run(AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), mask))
+    config = attention.Config(fused_combine=fused)
+    got = attention.run(AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), mask), config=config)
     assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
     err = (got - want).abs().max().item()
     assert err < 2e-5, f"max |rubin - SDPA| = {err:.2e} (fp32)"
+    again = attention.run(AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), mask), config=config)
+    assert torch.equal(got, again), "two runs differ: the merge of the splits is not deterministic"
 
 
 @needs_sm90
@@ -96,13 +100,18 @@ def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, split
 
 
 @needs_sm90
-def test_runs_in_a_cuda_graph():
+@pytest.mark.parametrize("first_call", ["eager", "captured"])
+def test_runs_in_a_cuda_graph(first_call, monkeypatch):
+    """Replays compute from the inputs of the replay. ``captured``: the first call of the process is captured
+    (no ticket buffer yet, which is never allocated inside a capture: the merge runs as a second kernel)."""
     from rubin_compile.kernels.triton import attention
 
     q, k, v, mask, _ = _inputs(1, 32, 4, 1, 8320, 128, (8000,), torch.bfloat16)
     args = AttentionArgs(q, k, v, mask)
     eager = attention.run(args)
     torch.cuda.synchronize()
+    if first_call == "captured":
+        monkeypatch.setattr(attention, "_tickets", {})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = attention.run(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,12 +43,33 @@ CASES = {
     "fp16": (2, 8, 2, 1, 200, 64, 64, {"dtype": "float16", "splits": 3}),
     "fp8-kv-fp16-query": (2, 8, 2, 1, 200, 64, 64, {"dtype": "float16", "fp8": True, "splits": 3}),
     "fp8-kv-no-scales": (1, 8, 2, 1, 90, 32, 32, {"dtype": "float16", "fp8": True, "scales": False}),
+    # the merge by a second kernel (Config.fused_combine off), and a 128-position tile
+    "separate-combine": (
+        2,
+        8,
+        2,
+        1,
+        300,
+        32,
+        32,
+        {"mask": "bool", "lengths": (70, 261), "splits": 4, "config": {"fused_combine": False}},
+    ),
+    "tile-128": (
+        2,
+        8,
+        2,
+        2,
+        700,
+        32,
+        32,
+        {"mask": "bool4", "lengths": (700, 333), "splits": 3, "config": {"block_n": 128, "num_stages": 2}},
+    ),
 }
 TOLERANCE = {"float32": 2e-6, "float16": 4e-3}
 
 
 def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, left_pad=None, causal=False,
-          dtype="float32", fp8=False, scales=True):  # fmt: skip
+          dtype="float32", fp8=False, scales=True, config=None):  # fmt: skip
     """Run one case: (max |out - ref| / max |ref|, whether every output is finite)."""
     from rubin_compile.kernels.triton import attention
     from rubin_compile.ops.attention import AttentionArgs, reference
@@ -93,7 +115,8 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
         ref_k, ref_v = ref_k.masked_fill(tail, 0.0), ref_v.masked_fill(tail, 0.0)
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
     ref = reference(AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal))
-    out = attention.run(AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale), splits=splits)
+    cfg = attention.Config(**config) if config else None
+    out = attention.run(AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale), splits=splits, config=cfg)
     assert out.shape == ref.shape and out.stride() == reference(AttentionArgs(q, k, v, m, causal)).stride()
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     return err, bool(torch.isfinite(out).all())
@@ -160,13 +183,56 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     fp8 = kv != "*bf16"
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
-        CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False, IEEE=False,
+        MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
+        COMBINE=True, SPLIT_CHUNK=kernels.SPLIT_CHUNK, IEEE=False,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
-                Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
-    ptx = compile_like_a_launch(kernels._split_kv, consts, ptrs, _qwen3_ints(4224), num_stages=2, floats=("qk_scale",))
+                Out="*bf16", PartO="*fp32", PartML="*fp32", Sem="*i32")  # fmt: skip
+    stages = kernels.DEFAULT.num_stages
+    ttgir = {}
+    ptx = compile_like_a_launch(
+        kernels._split_kv, consts, ptrs, _qwen3_ints(4224), num_stages=stages, floats=("qk_scale",), asm=ttgir
+    )
     assert "mma.sync" in ptx or "wgmma" in ptx, "QK^T / PV are not on the tensor cores"
     assert "0x10" in async_copy_sizes(ptx), f"K / V tiles are not 16-byte cp.async copies: {async_copy_sizes(ptx)}"
+    # No K / V copy waits on a load of the same iteration (a mask tile feeding their predicate would put one
+    # DRAM latency on every tile): inside the pipelined loop, no copy's mask is computed from a tt.load.
+    copies, loaded = _copy_masks_from_loads(ttgir["ttgir"])
+    assert copies, "the K / V loop has no asynchronous copies"
+    assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
+    assert "atom.global" in ptx and "acq_rel" in ptx, "the last split's ticket is not an acq_rel atomic"
+
+
+def _copy_masks_from_loads(ttgir: str) -> tuple[list[str], list[str]]:
+    """In the loop that holds ``async_copy_global_to_local`` (TTGIR text): the copies, and those whose mask
+    operand is computed (through any chain of ops in the loop body) from a ``tt.load`` of the loop body."""
+    body = ttgir.split("scf.for")
+    body = next(b for b in body[1:] if "async_copy_global_to_local" in b.split("scf.yield")[0])
+    body = body.split("scf.yield")[0]
+    defs = {}
+    for line in body.splitlines():
+        m = re.match(r"\s*(%[\w#]+)(?::\d+)? = (\S+)(.*)", line)
+        if m:
+            op = m.group(2).split("(")[0].strip('"')  # a region op prints as "tt.reduce"(%operand)
+            defs[m.group(1)] = (op, re.findall(r"%[\w]+", (m.group(2) + m.group(3)).split(" : ")[0]))
+    copies, loaded = [], []
+    for name, (op, _) in defs.items():
+        if op != "ttg.async_copy_global_to_local":
+            continue
+        copies.append(name)
+        line = next(ln for ln in body.splitlines() if ln.strip().startswith(name + " ="))
+        mask = re.search(r" mask (%[\w]+)", line)
+        todo, seen = [mask.group(1)] if mask else [], set()
+        while todo:
+            v = todo.pop()
+            if v in seen or v not in defs:
+                continue
+            seen.add(v)
+            if defs[v][0] == "tt.load":
+                loaded.append(name)
+                break
+            todo.extend(defs[v][1])
+    return copies, loaded
 
 
 def test_combine_kernel_compiles_for_sm90(kernels):
@@ -174,7 +240,7 @@ def test_combine_kernel_compiles_for_sm90(kernels):
 
     ptx = compile_sm90(
         kernels._combine,
-        dict(GROUP=8, ROWS=16, DV=128, BDV=128, BLOCK_SPLITS=32),
+        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK),
         dict(PartO="*fp32", PartML="*fp32", Out="*bf16"),
     )
     assert "st.global" in ptx

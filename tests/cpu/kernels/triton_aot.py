@@ -43,11 +43,11 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> s
 
 
 def compile_like_a_launch(
-    fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4, floats: tuple = ()
+    fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4, floats: tuple = (), asm: dict = None
 ) -> str:
     """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
     1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones; the
-    arguments named in ``floats`` are fp32 scalars."""
+    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...)."""
     params = list(inspect.signature(fn.fn).parameters)
     dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
     sig, attrs, consts = {}, {}, dict(constexprs)
@@ -68,6 +68,8 @@ def compile_like_a_launch(
     k = triton.compile(
         src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
     )
+    if asm is not None:
+        asm.update(k.asm)
     return k.asm["ptx"]
 
 
