@@ -150,7 +150,7 @@ def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Pa
         want = aten(sh.args()[0]).float()
         timed = []
         for fp8 in (False, True):
-            for cfg in configs if not fp8 else [t[1] for t in sorted(timed)[:5]] + [kernel.DEFAULT]:
+            for cfg in configs if not fp8 else [t[1] for t in sorted(timed, key=lambda t: t[0])[:5]] + [kernel.DEFAULT]:
                 try:
                     got = kernel.run(sh.args(fp8)[0], config=cfg).float()
                     err = ((got - want).abs().max() / want.abs().max()).item()
