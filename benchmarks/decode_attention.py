@@ -13,8 +13,8 @@ on the H200), the graph replayed (CUDA events, median of the replays) and divide
 call as a decode step sees it, between other kernels of one graph (the gap between kernels included, the
 host's launch cost not). Writes decode-attention-h200.{md,json} under ``--out``.
 
-``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split, fused
-or separate merge) at the benchmark's shapes, checks each against the ATen form, and writes
+``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split) at the
+benchmark's shapes, checks each against the ATen form, and writes
 decode-attention-sweep-h200.{md,json}: what the defaults of kernels/triton/attention.py are chosen from.
 """
 
@@ -136,7 +136,6 @@ SWEEP = {
     "num_stages": (2, 3, 4),
     "programs_per_sm": (1, 2, 4),
     "min_split_tiles": (2, 8),
-    "fused_combine": (True, False),
 }
 
 
@@ -150,7 +149,11 @@ def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Pa
         want = aten(sh.args()[0]).float()
         timed = []
         for fp8 in (False, True):
-            for cfg in configs if not fp8 else [t[1] for t in sorted(timed, key=lambda t: t[0])[:5]] + [kernel.DEFAULT]:
+            for cfg in (
+                configs
+                if not fp8
+                else [t[1] for t in sorted(timed, key=lambda t: t[0])[:5]] + [kernel.config_for(b, HKV, c + EXTRA)]
+            ):
                 try:
                     got = kernel.run(sh.args(fp8)[0], config=cfg).float()
                     err = ((got - want).abs().max() / want.abs().max()).item()
@@ -170,7 +173,7 @@ def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Pa
     lines = [
         f"Decode attention config sweep; {head}",
         "",
-        "| batch | context | KV | default us | best us | best config | of copy BW |",
+        "| batch | context | KV | config_for's us | best us | best config | of copy BW |",
         "|---|---|---|---|---|---|---|",
     ]
     for b, c, fp8 in itertools.product(batches, contexts, (False, True)):
@@ -178,7 +181,8 @@ def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Pa
         if not mine:
             continue
         best = min(mine, key=lambda r: r["us"])
-        default = next((r for r in mine if all(r[k] == getattr(kernel.DEFAULT, k) for k in SWEEP)), None)
+        picked = kernel.config_for(b, HKV, c + EXTRA)
+        default = next((r for r in mine if all(r[k] == getattr(picked, k) for k in SWEEP)), None)
         cfg = ", ".join(f"{k}={best[k]}" for k in SWEEP)
         lines.append(
             f"| {b} | {c} | {'fp8' if fp8 else 'bf16'} | {default['us'] if default else float('nan'):.1f} | "

@@ -12,10 +12,12 @@ Why this shape: one decode step reads the whole KV cache once and does two FLOPs
 query heads that share it -- GQA without repeating K / V, which the ATen form (``repeat_kv`` + SDPA) copies
 ``Hq / Hkv`` times over the whole cache --, (2) spread the sequence over enough programs to keep every SM
 reading (one program per (batch, KV head) is 4-32 programs on a 132-SM GPU: split the sequence, then combine
-the partial softmaxes), and (3) read only the part of a static cache that is filled: the keys and values of a
-position whose mask entries all say "do not attend" (the positions past the current length in a Hugging Face
-static cache, padding) are not loaded (their loads are predicated off after the mask tile is read). That is
-exact, whatever the mask: a fully masked position contributes nothing to the softmax.
+the partial softmaxes), and (3) read only the part of a static cache that is filled: each program first scans
+the mask over its slice for the span some query row attends to (the positions past the current length of a
+Hugging Face static cache are outside it) and reads keys and values only inside that span. That is exact,
+whatever the mask: a fully masked position contributes nothing to the softmax. The scan comes before the K / V
+loop so that no K / V load waits on a mask load of its iteration: Triton then keeps ``num_stages - 1`` tiles in
+flight (predicating each tile's loads by its mask tile instead put one memory latency on every tile).
 
 Layout: program (split, b * Hkv + hk) computes, for the ``S * n`` rows (query position s, head hk * n + g) of
 KV head hk, the softmax over its slice of positions; ``n`` rows of one position share each K / V tile, so the
@@ -41,7 +43,6 @@ from rubin_compile.ops.registry import Launch
 MAX_ROWS = 64  # query rows (S * Hq / Hkv) one program holds
 MAX_QUERIES = 4  # query positions selection sends here (decode, short verification); more is prefill: SDPA
 BLOCK_N = 64  # key positions per tile (Config.block_n)
-MIN_SPLIT_TILES = 4  # a split reads at least this many tiles (Config.min_split_tiles)
 SCAN_POSITIONS = 1024  # mask bytes (or elements) per load of the scan for the attended span
 SPLIT_CHUNK = 32  # partial softmaxes merged per step
 _LOG2E = 1.4426950408889634
@@ -58,7 +59,6 @@ def _split_kv(
     Out,
     PartO,
     PartML,
-    Sem,
     sq_b,
     sq_h,
     sq_s,
@@ -94,8 +94,6 @@ def _split_kv(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
-    COMBINE: tl.constexpr,  # several splits: the last one to finish merges them (else _combine does)
-    SPLIT_CHUNK: tl.constexpr,  # splits merged per step of that combine
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
 ):
     split = tl.program_id(0)
@@ -218,23 +216,11 @@ def _split_kv(
         tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
         tl.store(PartML + part * 2, m_i, mask=row_ok)
         tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
-        if COMBINE:
-            # The last split of this (batch, KV head) to finish merges all of them, in split order (deterministic),
-            # so no second kernel is launched. The barrier orders every thread's partial stores before the
-            # ticket's release; the ticket's acquire orders the merge's loads (.cg: from L2, where the other
-            # programs' stores are) after every other split's release. The last program resets the ticket.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
-            if ticket == nsplit - 1:
-                _merge_splits(PartO, PartML, Out, bh * nsplit * ROWS, nsplit, b, hk, 0, S * GROUP, so_b, so_h, so_s,
-                              GROUP, ROWS, DV, BDV, SPLIT_CHUNK, True)  # fmt: skip
-                tl.atomic_xchg(Sem + bh, 0)
 
 
 @triton.jit
 def _merge_splits(PartO, PartML, Out, base, nsplit, b, hk, row_start, row_end, so_b, so_h, so_s, GROUP: tl.constexpr,
-                  ROWS: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                  FROM_L2: tl.constexpr):  # fmt: skip
+                  ROWS: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, SPLIT_CHUNK: tl.constexpr):  # fmt: skip
     """Merge the ``nsplit`` partial softmaxes (acc, max, sum) of query rows ``row_start:row_end`` of KV head ``hk``
     and write those output rows: per row, online over chunks of splits (the running maximum rescales what came
     before)."""
@@ -250,14 +236,9 @@ def _merge_splits(PartO, PartML, Out, base, nsplit, b, hk, row_start, row_end, s
             sp = s0 + splits
             ok = sp < nsplit
             at = base + sp * ROWS + row
-            if FROM_L2:
-                m_s = tl.load(PartML + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(PartML + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                o = tl.load(PartO + at[:, None] * BDV + dv[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                m_s = tl.load(PartML + at * 2, mask=ok, other=float("-inf"))
-                l_s = tl.load(PartML + at * 2 + 1, mask=ok, other=0.0)
-                o = tl.load(PartO + at[:, None] * BDV + dv[None, :], mask=ok[:, None], other=0.0)
+            m_s = tl.load(PartML + at * 2, mask=ok, other=float("-inf"))
+            l_s = tl.load(PartML + at * 2 + 1, mask=ok, other=0.0)
+            o = tl.load(PartO + at[:, None] * BDV + dv[None, :], mask=ok[:, None], other=0.0)
             m_new = tl.maximum(m_run, tl.max(m_s, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_run - m_use)
@@ -284,12 +265,13 @@ def _combine(
     BDV: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
 ):
-    """The separate merge (``Config.fused_combine`` off, or no ticket buffer): one program per (batch, KV head,
-    query row)."""
+    """The merge of the splits: one program per (batch, KV head, query row). (Merging in the last split to
+    finish, with an acq_rel ticket, saves this launch but measured slower at every benchmark shape on the H200:
+    docs/kernels/decode_attention.md.)"""
     bh = tl.program_id(0)
     row = tl.program_id(1)
     _merge_splits(PartO, PartML, Out, bh * nsplit * ROWS, nsplit, bh // Hkv, bh % Hkv, row, row + 1, so_b, so_h, so_s,
-                  GROUP, ROWS, DV, BDV, SPLIT_CHUNK, False)  # fmt: skip
+                  GROUP, ROWS, DV, BDV, SPLIT_CHUNK)  # fmt: skip
 
 
 def rows_of(S: int, Hq: int, Hkv: int) -> int:
@@ -299,18 +281,27 @@ def rows_of(S: int, Hq: int, Hkv: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """How a call is cut into programs (benchmarks/decode_attention.py --sweep measures the alternatives; the
-    defaults are its winners on the H200, docs/kernels/decode_attention.md)."""
+    """How a call is cut into programs. ``config_for`` picks one per call from the sweep of all of them on the
+    H200 (benchmarks/decode_attention.py --sweep; docs/kernels/decode_attention.md)."""
 
     block_n: int = BLOCK_N  # key positions per tile
     num_warps: int = 4
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 2  # (batch, KV head, split) programs aimed for per SM
-    min_split_tiles: int = MIN_SPLIT_TILES  # a split reads at least this many tiles
-    fused_combine: bool = True  # the last split merges (no second kernel)
+    min_split_tiles: int = 8  # a split reads at least this many tiles
 
 
-DEFAULT = Config()
+# KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
+# benchmark shape (H200, bf16; batch 1 / 8 x contexts 4k / 16k / 32k of 32 / 4 heads of 128):
+SHORT = Config(num_stages=3, programs_per_sm=4, min_split_tiles=2)  # <= 32k positions: many short splits
+MEDIUM = Config()  # <= 160k: about one program per SM (batch 1), splits of 8+ tiles
+LONG = Config(block_n=128, num_stages=2, programs_per_sm=4)  # more: four programs per SM, 128-position tiles
+SHORT_POSITIONS, MEDIUM_POSITIONS = 32 * 1024, 160 * 1024
+
+
+def config_for(B: int, Hkv: int, Skv: int) -> Config:
+    positions = B * Hkv * Skv
+    return SHORT if positions <= SHORT_POSITIONS else MEDIUM if positions <= MEDIUM_POSITIONS else LONG
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,7 +309,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
 
 
-def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config = DEFAULT) -> int:
+def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
     """How many splits of the sequence: enough (batch, KV head, split) programs for ``config.programs_per_sm``
     per SM (a decode program is latency-bound: several per SM keep loads in flight), each split at least
     ``config.min_split_tiles`` tiles long."""
@@ -327,39 +318,15 @@ def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config = DEFAULT) -
     return max(1, min(wanted, tiles // config.min_split_tiles))
 
 
-# Tickets of the fused merge: one int32 per (batch, KV head) of a launch, zero between launches (the last split
-# resets its own). Allocated once per device, outside any CUDA-graph capture (a buffer made during a capture
-# would belong to that graph's memory pool); a call captured before the first eager call merges with the
-# separate _combine kernel instead. Consecutive launches take consecutive slices of a ring, so that launches
-# running at once on two streams (vLLM's dual-batch overlap) do not share tickets.
-TICKET_SLOTS = 4096  # (batch, KV head) pairs of one launch; more -> the separate _combine
-TICKET_RING = 16
-_tickets: dict[str, torch.Tensor] = {}
-_ticket_next = [0]
-
-
-def _ticket_slice(device: torch.device, programs: int) -> Optional[torch.Tensor]:
-    if programs > TICKET_SLOTS:
-        return None
-    key = str(device)
-    ring = _tickets.get(key)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _tickets[key] = torch.zeros(TICKET_RING * TICKET_SLOTS, dtype=torch.int32, device=device)
-    i = _ticket_next[0] = (_ticket_next[0] + 1) % TICKET_RING
-    return ring[i * TICKET_SLOTS : (i + 1) * TICKET_SLOTS]
-
-
 def run(
     args: AttentionArgs, launch: Launch = Launch(), *, splits: Optional[int] = None, config: Optional[Config] = None
 ) -> torch.Tensor:
-    """``rubin.attention`` with the split-KV decode kernel (the registered adapter). ``splits`` and ``config``
+    """``rubin.attention`` with the split-KV decode kernels (the registered adapter). ``splits`` and ``config``
     override the heuristics (tests, the benchmark's sweep). The result has the op's layout ([B, S, Hq, Dv]
     seen as [B, Hq, S, Dv])."""
-    cfg = config or DEFAULT
     q, k, v = args.query, args.key, args.value
     B, Hq, Hkv, S, Skv, D, Dv = args.B, args.Hq, args.Hkv, args.S, args.Skv, args.D, args.Dv
+    cfg = config or config_for(B, Hkv, Skv)
     group = Hq // Hkv
     rows = rows_of(S, Hq, Hkv)
     if rows > MAX_ROWS:
@@ -389,14 +356,11 @@ def run(
     nsplit = triton.cdiv(Skv, split_len) if Skv > 0 else 1
     BDV = max(16, triton.next_power_of_2(Dv))
     direct = nsplit == 1
-    tickets = None
     if direct:
         part_o = part_ml = out
     else:
         part_o = torch.empty((B * Hkv * nsplit * ROWS, BDV), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((B * Hkv * nsplit * ROWS, 2), dtype=torch.float32, device=q.device)
-        if cfg.fused_combine:
-            tickets = _ticket_slice(q.device, B * Hkv)
     scale = args.scale if args.scale is not None else 1.0 / math.sqrt(D)
     so = out.stride()
     _split_kv[(nsplit, B * Hkv)](
@@ -409,7 +373,6 @@ def run(
         out,
         part_o,
         part_ml,
-        tickets if tickets is not None else part_ml,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -442,13 +405,11 @@ def run(
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
         DIRECT=direct,
-        COMBINE=tickets is not None,
-        SPLIT_CHUNK=SPLIT_CHUNK,
         IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if not direct and tickets is None:
+    if not direct:
         _combine[(B * Hkv, rows)](
             part_o,
             part_ml,
