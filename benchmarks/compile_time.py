@@ -13,7 +13,6 @@ own in worker processes) and rubin's pass pipeline. Writes compile-time-h200.{md
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,14 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("rubin_generate_example", ROOT / "examples" / "generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _count(obj, name: str, tally: dict) -> None:
@@ -62,7 +53,9 @@ def child(backend: str, model_name: str, context: int, new: int) -> dict:
     # The JIT binds ``triton.compiler.compile`` when a kernel is first launched: every name of it is replaced.
     triton.compiler.compile = triton.compile = tcc.compile
     _count(manager.PassManager, "__call__", tally)
-    ex = _example()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from generate import example as ex  # examples/generate.py, as benchmarks/generate.py loads it
+
     model = ex.build_model(model_name, torch.bfloat16, "cuda", context + new + 8)
     prompt = torch.randint(1, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).cuda()
     config = ex.compile_config_setup(backend, "cuda")(model)
