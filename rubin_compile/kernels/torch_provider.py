@@ -36,6 +36,11 @@ def _gemm_supports(target: Target, spec: KernelSpec) -> Optional[str]:
         return f"activations in {spec.act_dtype} are not supported ({', '.join(_HALF)})"
     if spec.quant == "none":
         return None
+    if spec.quant in ("fp8_tensor", "fp8_rowwise") and not spec.act_dtype.startswith("float8"):
+        return (
+            f"weight-only FP8 ({spec.act_dtype} activations): torch has no such GEMM (torch._scaled_mm takes FP8 "
+            "activations; the op's ATen form dequantises the weight in float32 on every call)"
+        )
     if spec.quant == "fp8_tensor":
         return None if target.fp8 else f"{target.name} has no FP8 tensor cores (torch._scaled_mm)"
     return f"torch has no {QUANT_LABELS[spec.quant]} GEMM declared here (torch.mm / _scaled_mm per-tensor only)"

@@ -5,6 +5,14 @@ Every linear-layer idiom the matchers recognise (``aten.mm`` / ``aten.addmm`` ag
 this one functional op; kernel selection then binds it to a kernel (``GEMM``, the op's entry in
 ops/registry.py). Its reference implementation below *is* the semantics.
 
+FP8 comes in two forms: **W8A8** (``a`` and ``b`` FP8, as ``torch._scaled_mm`` and vLLM's FP8 linears take
+them) and **weight-only FP8** (``a`` bf16 / fp16, ``b`` FP8 with ``b_scale``; the weights are dequantised
+inside the kernel, which is what a decode GEMM wants: it reads half the bytes and quantises nothing).
+``b_scale`` is one scale, one per output column, or one per 128 x 128 block of ``b`` (``[ceil(K / 128),
+ceil(N / 128)]``: the ``weight_scale_inv`` of a block-quantised checkpoint, transposed like the weight);
+with block scales a W8A8 ``a_scale`` may be per token and 128-column group (``[M, ceil(K / 128)]``, vLLM's
+per-token-group quantisation).
+
 Schema::
 
     rubin::gemm(Tensor a,                 # [M, K]  bf16 / fp16 / fp32 / fp64, or FP8 (e4m3 / e5m2)
@@ -13,9 +21,12 @@ Schema::
                 Tensor? bias=None,        # [N]     a's dtype; the output dtype for FP8
                 str epilogue="none",      # "none" | "silu_and_mul" | "gelu_tanh_and_mul" | "residual_add"
                 Tensor? residual=None,    # [M, N]  output dtype; exactly with epilogue="residual_add"
-                Tensor? a_scale=None,     # FP8 only, float32: per tensor ([] / [1] / [1, 1]) or per row [M, 1]
-                Tensor? b_scale=None,     # FP8 only, float32: per tensor, or per output column [1, N]
-                ScalarType? out_dtype=None,  # FP8: required (bf16 / fp16 / fp32); otherwise None or a's dtype
+                Tensor? a_scale=None,     # FP8 a only, float32: per tensor ([] / [1] / [1, 1]), per row [M, 1],
+                                          #   or per row and 128-column group [M, ceil(K/128)] (block b only)
+                Tensor? b_scale=None,     # FP8 b only, float32: per tensor, per output column [1, N], or per
+                                          #   128 x 128 block [ceil(K/128), ceil(N/128)]
+                ScalarType? out_dtype=None,  # W8A8: required (bf16 / fp16 / fp32); otherwise None or a's dtype
+                bool pdl=False,           # launch with Programmatic Dependent Launch; set by chain_pdl
                 str impl="reference")     # which kernel runs it; chosen by select_kernels
       -> Tensor                           # [M, N], or [M, N / 2] for the gated epilogues
 
@@ -23,6 +34,8 @@ Semantics::
 
     y = a @ b + bias                                                   # unquantised: torch.addmm / torch.mm
     y = ((a.float() * a_scale) @ (b.float() * b_scale) + bias).to(out_dtype)   # FP8: torch._scaled_mm's
+                                                   #   (scales broadcast over their rows / columns / blocks;
+                                                   #   weight-only FP8: a_scale = 1, out_dtype = a's dtype)
     out = y                                        # epilogue "none"
     out = silu(y[:, :N/2]) * y[:, N/2:]            # "silu_and_mul": gate columns first, then up (vLLM's
                                                    #   MergedColumnParallelLinear + SiluAndMul, HF chunk(2))
@@ -53,6 +66,7 @@ from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, t
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
 EPILOGUES = ("none", "silu_and_mul", "gelu_tanh_and_mul", "residual_add")
+SCALE_BLOCK = 128  # block-scaled FP8: 128 x 128 blocks of b, 1 x 128 groups of a (DeepSeek-V3 / vLLM)
 GATED = {"silu_and_mul": "silu", "gelu_tanh_and_mul": "gelu_tanh"}  # epilogue -> rubin.moe activation name
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -69,15 +83,28 @@ def _known(*sizes) -> bool:
     return all(isinstance(s, int) for s in sizes)
 
 
-def scale_kind(scale: torch.Tensor, rows: Any, operand: str) -> Optional[str]:
-    """``"tensor"`` for a one-element scale, ``"row"`` for ``a_scale`` [M, 1] / ``"column"`` for ``b_scale``
-    [1, N]; None for anything else. ``rows`` is M (for a) or N (for b)."""
+def _blocks(n: Any) -> Any:
+    return -(-n // SCALE_BLOCK) if isinstance(n, int) else None
+
+
+def scale_kind(scale: torch.Tensor, rows: Any, operand: str, K: Any = None) -> Optional[str]:
+    """``"tensor"`` for a one-element scale; for ``a_scale`` ``"row"`` ([M, 1]) or ``"group"`` ([M, ceil(K/128)],
+    when ``K`` is given and > 128); for ``b_scale`` ``"column"`` ([1, N]) or ``"block"`` ([ceil(K/128),
+    ceil(N/128)], when ``K`` is given); None for anything else. ``rows`` is M (for a) or N (for b)."""
     if _known(*scale.shape) and scale.numel() == 1:
         return "tensor"
     shape = tuple(scale.shape)
-    want = (rows, 1) if operand == "a" else (1, rows)
-    if len(shape) == 2 and all(not _known(h, w) or h == w for h, w in zip(shape, want)):
+
+    def fits(want) -> bool:
+        return len(shape) == 2 and all(not _known(h, w) or h == w for h, w in zip(shape, want))
+
+    if fits((rows, 1) if operand == "a" else (1, rows)):
         return "row" if operand == "a" else "column"
+    if K is not None and _known(K):
+        if operand == "a" and K > SCALE_BLOCK and fits((rows, _blocks(K))):
+            return "group"
+        if operand == "b" and _known(rows) and fits((_blocks(K), _blocks(rows))):
+            return "block"
     return None
 
 
@@ -108,7 +135,22 @@ class GemmArgs:
 
     @property
     def fp8(self) -> bool:
+        """Any FP8 operand (W8A8, or weight-only FP8 with ``b`` FP8 and ``a`` bf16 / fp16)."""
+        return self.b.dtype in FP8_DTYPES
+
+    @property
+    def w8a8(self) -> bool:
         return self.a.dtype in FP8_DTYPES
+
+    @property
+    def b_scale_kind(self) -> Optional[str]:
+        """``"tensor"`` / ``"column"`` / ``"block"`` for FP8 b, None otherwise."""
+        return scale_kind(self.b_scale, self.N, "b", self.K) if self.b_scale is not None else None
+
+    @property
+    def a_scale_kind(self) -> Optional[str]:
+        """``"tensor"`` / ``"row"`` / ``"group"`` for FP8 a, None otherwise."""
+        return scale_kind(self.a_scale, self.M, "a", self.K) if self.a_scale is not None else None
 
 
 def _validate(g: GemmArgs) -> tuple:
@@ -123,33 +165,55 @@ def _validate(g: GemmArgs) -> tuple:
     if _known(K, Kb) and K != Kb:
         _fail(f"a is [M, K={K}] but b is [K={Kb}, N]; an nn.Linear weight [N, K] is passed as weight.t()")
     quantized = a.dtype in FP8_DTYPES
+    weight_only = not quantized and b.dtype in FP8_DTYPES
     if quantized:
         if b.dtype not in FP8_DTYPES:
-            _fail(f"a is {a.dtype} but b is {b.dtype}; FP8 GEMMs take FP8 a and b")
+            _fail(f"a is {a.dtype} but b is {b.dtype}; FP8 GEMMs take FP8 a and b (or bf16 / fp16 a and FP8 b)")
         if g.a_scale is None or g.b_scale is None:
             _fail("FP8 a and b need a_scale and b_scale")
+    elif weight_only:
+        if a.dtype not in (torch.bfloat16, torch.float16):
+            _fail(f"weight-only FP8 (b {b.dtype}) takes bf16 / fp16 a, got {a.dtype}")
+        if g.b_scale is None:
+            _fail("FP8 b needs b_scale")
+        if g.a_scale is not None:
+            _fail(f"a_scale is for FP8 a; a is {a.dtype} (weight-only FP8 takes b_scale alone)")
+        if g.out_dtype not in (None, a.dtype):
+            _fail(f"weight-only FP8 returns a's dtype {a.dtype}, not out_dtype={g.out_dtype}")
+    if quantized or weight_only:
         for name, s in (("a_scale", g.a_scale), ("b_scale", g.b_scale)):
-            if s.dtype != torch.float32:
+            if s is not None and s.dtype != torch.float32:
                 _fail(f"{name} must be float32, got {s.dtype}")
-        if scale_kind(g.a_scale, M, "a") is None:
-            _fail(f"a_scale must be per tensor ([]) or per row ([M={M}, 1]); got {tuple(g.a_scale.shape)}")
-        if scale_kind(g.b_scale, N, "b") is None:
-            _fail(f"b_scale must be per tensor ([]) or per column ([1, N={N}]); got {tuple(g.b_scale.shape)}")
-        if g.out_dtype not in FP8_OUT_DTYPES:
-            _fail(f"FP8 GEMMs need out_dtype in {FP8_OUT_DTYPES}, got {g.out_dtype}")
-        result_dtype = g.out_dtype
+        b_kind = scale_kind(g.b_scale, N, "b", K)
+        if b_kind is None:
+            _fail(
+                f"b_scale must be per tensor ([]), per column ([1, N={N}]) or per 128 x 128 block "
+                f"([ceil(K/128)={_blocks(K)}, ceil(N/128)={_blocks(N)}]); got {tuple(g.b_scale.shape)}"
+            )
+        if quantized:
+            a_kind = scale_kind(g.a_scale, M, "a", K)
+            if a_kind is None or (a_kind == "group" and b_kind != "block"):
+                _fail(
+                    f"a_scale must be per tensor ([]) or per row ([M={M}, 1]), or per 128-column group "
+                    f"([M, ceil(K/128)={_blocks(K)}]) with block-scaled b; got {tuple(g.a_scale.shape)}"
+                )
+            if g.out_dtype not in FP8_OUT_DTYPES:
+                _fail(f"FP8 GEMMs need out_dtype in {FP8_OUT_DTYPES}, got {g.out_dtype}")
+            result_dtype = g.out_dtype
+        else:
+            result_dtype = a.dtype
     else:
         if a.dtype not in FLOAT_DTYPES:
             _fail(f"a dtype {a.dtype} is not one of bf16 / fp16 / fp32 / fp64 / FP8")
         if b.dtype != a.dtype:
             _fail(f"a ({a.dtype}) and b ({b.dtype}) must have one dtype; cast before the call")
         if g.a_scale is not None or g.b_scale is not None:
-            _fail("a_scale / b_scale are only for FP8 a and b")
+            _fail("a_scale / b_scale are only for FP8 operands")
         if g.out_dtype not in (None, a.dtype):
             _fail(f"out_dtype {g.out_dtype} differs from a's dtype {a.dtype}; only FP8 GEMMs change dtype")
         result_dtype = a.dtype
     if bias is not None:
-        want = result_dtype if quantized else a.dtype
+        want = result_dtype
         if bias.dim() != 1 or (_known(bias.shape[0], N) and bias.shape[0] != N):
             _fail(f"bias must be [N={N}], got {tuple(bias.shape)}")
         if bias.dtype != want:
@@ -183,17 +247,38 @@ def apply_epilogue(y: torch.Tensor, epilogue: str, residual: Optional[torch.Tens
     return y
 
 
+def expand_scale(scale: Optional[torch.Tensor], kind: Optional[str], rows: int, cols: int) -> torch.Tensor | float:
+    """A scale of ``kind`` (``scale_kind``'s words) as a float32 tensor that broadcasts over ``[rows, cols]``:
+    ``[]``, ``[rows, 1]``, ``[1, cols]`` or, for block / group scales, one value per element (1.0: none)."""
+    if scale is None:
+        return 1.0
+    if kind == "tensor":
+        return scale.reshape(()).float()
+    if kind in ("row", "column"):
+        return scale.float()
+    s = scale.float()
+    if kind == "block":  # [ceil(K/128), ceil(N/128)] over b [K, N]
+        s = s.repeat_interleave(SCALE_BLOCK, 0)[:rows]
+    return s.repeat_interleave(SCALE_BLOCK, 1)[:, :cols]  # "group": [M, ceil(K/128)] over a [M, K]
+
+
+def dequantized(args: GemmArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` of an FP8 call as float32, their scales applied."""
+    sa = expand_scale(args.a_scale, args.a_scale_kind, args.M, args.K)
+    sb = expand_scale(args.b_scale, args.b_scale_kind, args.K, args.N)
+    return args.a.to(torch.float32) * sa, args.b.to(torch.float32) * sb
+
+
 def reference(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     """Plain PyTorch semantics of ``rubin.gemm`` (see the module docstring); any device.
 
-    FP8 is dequantised and multiplied in float32 (what ``torch._scaled_mm`` computes, and it runs on every
-    device), then rounded once to ``out_dtype``.
+    FP8 (W8A8 or weight-only) is dequantised and multiplied in float32 (what ``torch._scaled_mm`` computes,
+    and it runs on every device), then rounded once to the output dtype.
     """
     a, b, bias = args.a, args.b, args.bias
     if args.fp8:
-        sa = args.a_scale.reshape(-1, 1) if args.a_scale.numel() != 1 else args.a_scale.reshape(())
-        sb = args.b_scale.reshape(1, -1) if args.b_scale.numel() != 1 else args.b_scale.reshape(())
-        acc = (a.to(torch.float32) * sa) @ (b.to(torch.float32) * sb)
+        fa, fb = dequantized(args)
+        acc = fa @ fb
         if bias is not None:
             acc = acc + bias.to(torch.float32)
         y = acc.to(args.result_dtype)
@@ -202,17 +287,21 @@ def reference(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     return apply_epilogue(y, args.epilogue, args.residual)
 
 
-def gemm_reference(*args, **kwargs) -> torch.Tensor:
+def gemm_reference(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
     """``reference`` called like the op (its data arguments, positionally or by name)."""
     return reference(GemmArgs(*args, **kwargs))
 
 
 def aten(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
-    """``rubin.gemm`` as the ATen ops the source graph had: ``mm`` / ``addmm``, FP8 ``_scaled_mm`` (cuBLASLt
-    FP8 on a GPU), then the epilogue. The ``torch`` kernel runs this; select_kernels lowers a node bound to
-    ``torch`` or ``reference`` back into these ops, so Inductor compiles and fuses them as it would have
-    without rubin (the FP8 result is ``_scaled_mm``'s: within FP8 tolerance of the float32 reference)."""
+    """``rubin.gemm`` as the ATen ops the source graph had: ``mm`` / ``addmm``, W8A8 FP8 with per-tensor / row /
+    column scales ``_scaled_mm`` (cuBLASLt FP8 on a GPU), then the epilogue. The ``torch`` kernel runs this;
+    select_kernels lowers a node bound to ``torch`` or ``reference`` back into these ops, so Inductor compiles
+    and fuses them as it would have without rubin (the FP8 result is ``_scaled_mm``'s: within FP8 tolerance
+    of the float32 reference). Block scales and weight-only FP8 have no ATen GEMM: they run the reference's
+    float32 dequantise-and-multiply, which Inductor fuses as it can."""
     a, b, bias = args.a, args.b, args.bias
+    if args.fp8 and (not args.w8a8 or "block" == args.b_scale_kind):
+        return reference(args)
     if args.fp8:
         y = torch._scaled_mm(a, b, scale_a=args.a_scale, scale_b=args.b_scale, bias=bias, out_dtype=args.result_dtype)
     else:
@@ -220,7 +309,7 @@ def aten(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     return apply_epilogue(y, args.epilogue, args.residual)
 
 
-def gemm_aten(*args, **kwargs) -> torch.Tensor:
+def gemm_aten(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
     """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
     return aten(GemmArgs(*args, **kwargs))
 
@@ -240,15 +329,26 @@ def gemm(
     a_scale: Optional[torch.Tensor] = None,
     b_scale: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    pdl: bool = False,
     impl: str = "reference",
 ) -> torch.Tensor:
-    """Canonical GEMM; see the module docstring. ``impl`` names the kernel (ops/registry.py)."""
-    return GEMM.run(impl, GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype))
+    """Canonical GEMM; see the module docstring. ``impl`` names the kernel (ops/registry.py); ``pdl`` says how
+    it is launched, never what it computes."""
+    return GEMM.run(impl, GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype), Launch(pdl=pdl))
 
 
 @gemm.register_fake
 def _gemm_fake(
-    a, b, bias=None, epilogue="none", residual=None, a_scale=None, b_scale=None, out_dtype=None, impl="reference"
+    a,
+    b,
+    bias=None,
+    epilogue="none",
+    residual=None,
+    a_scale=None,
+    b_scale=None,
+    out_dtype=None,
+    pdl=False,
+    impl="reference",
 ):
     args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
     return a.new_empty((args.M, args.n_out), dtype=args.result_dtype)
@@ -260,13 +360,17 @@ def _gemm_fake(
 
 
 def quantization(node: torch.fx.Node) -> str:
-    """``"none"``, ``"fp8_tensor"`` (one scale each for a and b) or ``"fp8_rowwise"`` (per-token a scales
-    and / or per-channel b scales) for a ``rubin.gemm`` node."""
+    """``"none"``; ``"fp8_tensor"`` (one scale for b, and for FP8 a one for a); ``"fp8_rowwise"`` (per-token a
+    scales and / or per-column b scales); ``"fp8_block"`` (128 x 128 block scales of b) for a ``rubin.gemm``
+    node, W8A8 or weight-only alike (``act_dtype`` tells them apart)."""
     args = bound_arguments(node)
-    a, sa, sb = tensor_val(args["a"]), tensor_val(args["a_scale"]), tensor_val(args["b_scale"])
-    if a is None or a.dtype not in FP8_DTYPES:
+    a, b, sa, sb = (tensor_val(args[n]) for n in ("a", "b", "a_scale", "b_scale"))
+    if b is None or b.dtype not in FP8_DTYPES or sb is None:
         return "none"
-    if sa is not None and sb is not None and sa.numel() == 1 and sb.numel() == 1:
+    b_kind = scale_kind(sb, b.shape[1], "b", b.shape[0])
+    if b_kind == "block":
+        return "fp8_block"
+    if b_kind == "tensor" and (sa is None or sa.numel() == 1):
         return "fp8_tensor"
     return "fp8_rowwise"
 
@@ -286,9 +390,11 @@ def gemm_spec(node: torch.fx.Node) -> KernelSpec:
         "K": b.shape[0] if b is not None else None,
     }
     epilogue = args.get("epilogue", "none")
+    quant = quantization(node)
     return KernelSpec(
         op="gemm",
-        quant=quantization(node),
+        quant=quant,
+        block_shape=(SCALE_BLOCK, SCALE_BLOCK) if quant == "fp8_block" else None,
         act_dtype=val_dtype(args["a"]),
         weight_dtype=val_dtype(args["b"]),
         shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),

@@ -43,6 +43,7 @@ QUANT_LABELS: dict[str, str] = {
     "none": "bf16",
     "fp8_tensor": "FP8 per-tensor",
     "fp8_block": "FP8 block 128x128",
+    "fp8_rowwise": "FP8 per-row / per-column",  # rubin.gemm's per-token / per-channel scales
     "nvfp4": "NVFP4",
     "mxfp4": "MXFP4",
 }
