@@ -41,6 +41,11 @@ VARIANTS = {
     "inductor-cg": ("inductor", {"mode": "reduce-overhead"}),
     "rubin-nopdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "off"}}),
     "rubin-pdl": ("rubin", {"options": {"cudagraphs": True, "pdl": "on"}}),
+    # rubin before issue 12: dense GEMMs on cuBLAS, q / k / v separate
+    "rubin-pdl-gemm-cublas": (
+        "rubin",
+        {"options": {"cudagraphs": True, "pdl": "on", "kernels": {"gemm": "torch"}, "fuse_projections": "off"}},
+    ),
     "rubin-pdl-inductor-pdl": (
         "rubin",
         {"options": {"cudagraphs": True, "pdl": "on", "inductor": {"triton.enable_pdl": True}}},
@@ -140,6 +145,8 @@ def categorize(name: str) -> str:
         return "MoE FC2 + top-k sum (rubin)"
     if "_moe_route" in n or "_moe_sum" in n:
         return "MoE routing (rubin)"
+    if "_gemm_kernel" in n or "_splitk_reduce" in n:
+        return "dense GEMM (rubin Triton)"
     if "_split_kv" in n or "_combine" in n:
         return "attention (rubin split-KV decode)"
     if "gemm" in n or "gemv" in n or "cublas" in n or "sm90_xmma" in n or "cutlass" in n or "nvjet" in n:
@@ -288,9 +295,11 @@ def main() -> None:
             prof_name = next((n for n in ("rubin-pdl", "rubin-nopdl") if n in fns), None)
             for T in Ts if prof_name else []:
                 profiles[T] = {"variant": prof_name, **profile_step(fns[prof_name], inputs[T])}
-            for other in ("rubin-nopdl", "inductor-cg"):
+            for other in ("rubin-nopdl", "inductor-cg", "rubin-pdl-gemm-cublas"):
                 if other in fns and other != prof_name:
-                    profiles[f"{other}:T={Ts[0]}"] = {"variant": other, **profile_step(fns[other], inputs[Ts[0]])}
+                    # rubin before issue 12 (dense GEMMs on cuBLAS) at every T, the others at the first
+                    for T in Ts if other == "rubin-pdl-gemm-cublas" else Ts[:1]:
+                        profiles[f"{other}:T={T}"] = {"variant": other, **profile_step(fns[other], inputs[T])}
     rows = []
     for T in Ts:
         wb = weight_bytes(cfg, T, routed[T])

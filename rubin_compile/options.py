@@ -22,6 +22,7 @@ from rubin_compile.target import LOCALITY_MODES, UnknownTargetError, locality_mo
 # Options that take one of a few words (``locality``: "strict" is read as "default").
 CHOICES: dict[str, tuple[str, ...]] = {
     "pdl": ("auto", "on", "off"),
+    "fuse_projections": ("auto", "on", "off"),
     "locality": ("auto", "off", *LOCALITY_MODES),
 }
 
@@ -68,6 +69,12 @@ class RubinOptions:
         the target has HBM locality domains: sm_107, backfill mode; off elsewhere, where memory is uniform and
         a split only costs), ``"off"``, ``"default"`` (alias ``"strict"``: equal domains, odd SMs idle) or
         ``"backfill"`` (every SM used). passes/place_locality.py.
+    fuse_projections:
+        Join linear layers that read one input (q / k / v; gate / up, with ``act(gate) * up`` folded in as the
+        gated epilogue) into one ``rubin.gemm`` over weights concatenated once (env ``RUBIN_FUSE_PROJECTIONS``):
+        ``"auto"`` (on CUDA targets, where fewer, larger GEMM launches pay at decode; off on the CPU),
+        ``"on"``, ``"off"``. The concatenated copy is kept next to the weights: the report says how many bytes.
+        passes/fuse_projections.py.
     domains:
         How many domains (env ``RUBIN_DOMAINS``); ``None``: the target's locality-domain count, else 2.
     locality_max_tokens:
@@ -86,6 +93,7 @@ class RubinOptions:
     locality: str = "auto"
     domains: Optional[int] = None
     locality_max_tokens: int = 16
+    fuse_projections: str = "auto"
 
     # Options that change what the passes produce: they go into the pass's uuid (dump_dir too, so that a
     # new dump folder forces the compile that writes it instead of a cache hit).
@@ -101,6 +109,7 @@ class RubinOptions:
             "locality": self.locality,
             "domains": self.domains,
             "locality_max_tokens": self.locality_max_tokens,
+            "fuse_projections": self.fuse_projections,
         }
 
     def resolved_target(self):

@@ -72,6 +72,14 @@ def check_two_shapes_and_dynamic(
             assert report["reporting_errors"] == []
 
 
+def stage_file(graph_dir: Path, pass_name: str) -> Path:
+    """The dump of one graph after ``pass_name`` (``NN-<pass>.py``, NN its place in the pipeline; written only when
+    the pass changed the graph)."""
+    from rubin_compile.passes import PASS_NAMES
+
+    return graph_dir / f"{PASS_NAMES.index(pass_name) + 1:02d}-{pass_name}.py"
+
+
 def stage_code(dump_dir: Path, pass_name: str) -> str:
     """Every graph dumped under ``dump_dir`` as it was after ``pass_name`` (the latest stage up to it that
     changed the graph), concatenated."""

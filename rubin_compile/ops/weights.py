@@ -7,7 +7,8 @@ every expert's weights on every call: on a GPU at decode that is twice the bytes
 ``torch.cat(parts)`` and keeps the result for the next call as long as every part is the same tensor,
 unchanged (same object, alive, same ``_version``, so an in-place update such as ``load_state_dict``
 invalidates it; inference tensors have no ``_version``: see ``tensor_version``). The price is one stacked copy
-of those weights kept in memory; the rewrite's report says how many bytes.
+of those weights kept in memory; the rewrite's report says how many bytes. passes/fuse_projections.py stacks the
+weights (and biases) of linears that share an input the same way (q / k / v, gate / up).
 
 Schema::
 

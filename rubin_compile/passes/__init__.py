@@ -1,8 +1,10 @@
 """The rubin pass pipeline: one module per pass, run in the order of ``PIPELINE`` by manager.py.
 
-    canonicalize -> match_moe -> match_attention -> match_gemm -> select_kernels -> place_locality -> chain_pdl
+    canonicalize -> match_moe -> match_attention -> match_gemm -> fuse_projections
+        -> select_kernels -> place_locality -> chain_pdl
 
-Matchers turn source idioms into canonical ops (match_*); selection binds each canonical node to a kernel for
+Matchers turn source idioms into canonical ops (match_*); fuse_projections joins rubin.gemm nodes that read
+one input (q / k / v, gate / up) into one over stacked weights; selection binds each canonical node to a kernel for
 the target (select_kernels); the last two decide how kernels are launched (locality placement, PDL). Each
 entry is a ``Pass`` (base.py): its name, its ``run(graph, ctx)``, and what it reads from the context.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from rubin_compile.passes import (
     canonicalize,
     chain_pdl,
+    fuse_projections,
     match_attention,
     match_gemm,
     match_moe,
@@ -25,6 +28,7 @@ PIPELINE: tuple[Pass, ...] = (
     match_moe.PASS,
     match_attention.PASS,
     match_gemm.PASS,
+    fuse_projections.PASS,
     select_kernels.PASS,
     place_locality.PASS,
     chain_pdl.PASS,

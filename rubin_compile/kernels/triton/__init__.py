@@ -1,7 +1,8 @@
-"""The ``triton`` kernels: our fused MoE Triton kernels (moe.py; design in docs/kernels/triton_moe.md) and the
-split-KV decode attention (attention.py; design and measurements in docs/kernels/decode_attention.md).
+"""The ``triton`` kernels: our fused MoE Triton kernels (moe.py; design in docs/kernels/triton_moe.md), the
+split-KV decode attention (attention.py; design and measurements in docs/kernels/decode_attention.md) and the
+small-M weight-streaming GEMM (gemm.py; docs/kernels/gemm.md).
 
-This module only registers them onto ``rubin.moe`` and ``rubin.attention``: Triton is imported when a kernel runs, so the package
+This module only registers them onto ``rubin.moe``, ``rubin.attention`` and ``rubin.gemm``: Triton is imported when a kernel runs, so the package
 imports (and plans for any target) without Triton or a GPU. On a machine without CUDA the kernel is
 "cannot run here" with the reason; with ``TRITON_INTERPRET=1`` the kernels run (slowly) on CPU tensors
 through Triton's interpreter, which the CPU tests use to check indexing.
@@ -14,10 +15,13 @@ import os
 from typing import Optional
 
 import torch
+import torch._inductor.config  # noqa: F401  (read by the GEMM's selection: max-autotune changes the rival)
 
 from rubin_compile.ops.attention import ATTENTION, AttentionArgs, reference
+from rubin_compile.ops.gemm import GEMM, GemmArgs
 from rubin_compile.ops.moe import MOE, MoEArgs
 from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
+from rubin_compile import target as target_mod
 from rubin_compile.target import Target
 
 _MOE_ACTS = ("bfloat16", "float16")
@@ -131,3 +135,96 @@ def triton_attention(args: AttentionArgs, launch: Launch) -> torch.Tensor:
     if args.S > attention.MAX_QUERIES or args.S * (args.Hq // args.Hkv) > attention.MAX_ROWS:
         return reference(args)
     return attention.run(args, launch)
+
+
+# ------------------------------------------------------------------------------------------------
+# small-M GEMM
+# ------------------------------------------------------------------------------------------------
+
+GEMM_MAX_M = 64  # gemm.MAX_M (not imported: that would import Triton)
+_GEMM_QUANTS = ("none", "fp8_tensor", "fp8_rowwise", "fp8_block")
+_GEMM_ACTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _gemm_wfmt(spec: KernelSpec) -> str:
+    """The tuned table's weight-format word for ``spec`` (gemm.weight_format for a call)."""
+    if spec.quant == "none":
+        return {"bfloat16": "bf16", "float16": "fp16"}.get(spec.act_dtype, spec.act_dtype)
+    kind = {"fp8_tensor": "tensor", "fp8_rowwise": "column", "fp8_block": "block"}[spec.quant]
+    return f"fp8_{kind}" + ("_a8" if spec.act_dtype.startswith("float8") else "")
+
+
+def _gemm_choice(target: Target, spec: KernelSpec):
+    """gemm.choose for a static-M spec, with the tuned table of this machine's GPU when the plan is for it."""
+    from rubin_compile.kernels.triton import gemm
+
+    M, N, K = spec.dim("M"), spec.dim("N"), spec.dim("K")
+    here = target_mod.detect()
+    name, sms = ("", 132)
+    if here.name == target.name and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        name, sms = props.name, props.multi_processor_count
+    inductor = torch._inductor.config  # a max-autotune compile gives the lowered node Inductor's own GEMMs
+    max_autotune = bool(inductor.max_autotune or inductor.max_autotune_gemm)
+    return gemm.choose(M, N, K, _gemm_wfmt(spec), name, sms, max_autotune=max_autotune)
+
+
+def _gemm_supports(target: Target, spec: KernelSpec) -> Optional[str]:
+    """Our weight-streaming GEMM: ``M <= 64`` (any M for weight-only FP8, whose alternative is the float32
+    dequantise-and-multiply), bf16 / fp16 (or FP8 W8A8) activations, bf16 / fp16 or FP8 per-tensor / per-column /
+    128 x 128 block weights; measured on sm_90 only, so offered there alone, and only where the tuned table
+    (or, off the table, ``gemm.choose``'s rule) says it beats cuBLAS at this M."""
+    if not target.is_cuda:
+        return f"target {target.name} has no CUDA GPU"
+    if target.cc != 90:
+        return f"the Triton GEMM is tuned and measured on sm_90 only; on {target.name} cuBLAS runs it"
+    if spec.quant not in _GEMM_QUANTS:
+        return f"{QUANT_LABELS[spec.quant]} weights are not supported (bf16 / fp16, FP8 per-tensor, column, block)"
+    if spec.act_dtype not in _GEMM_ACTS:
+        return f"activations in {spec.act_dtype} are not supported ({', '.join(_GEMM_ACTS)})"
+    N, K, M = spec.dim("N"), spec.dim("K"), spec.dim("M")
+    if N is None or K is None:
+        return "N and K are not static (the weight's shape)"
+    if M is None:
+        return None  # symbolic M: the adapter decides per call (ours where the table says it wins)
+    if M > GEMM_MAX_M and not (spec.quant != "none" and spec.act_dtype in ("bfloat16", "float16")):
+        return f"M={M} > {GEMM_MAX_M}: not a decode-sized GEMM (cuBLAS runs it)"
+    if importlib.util.find_spec("triton") is None:
+        return "package triton is not installed"
+    choice = _gemm_choice(target, spec)
+    if choice.kernel == "triton":
+        return None
+    if choice.source == "heuristic":
+        return (
+            f"no tuned entry for N={N}, K={K}, {_gemm_wfmt(spec)} in this GPU's table (or no GPU here to read it "
+            "from): off the table, bf16 / fp16 GEMMs stay on cuBLAS (docs/kernels/gemm.md)"
+        )
+    return f"cuBLAS is faster here: {choice.describe()}"
+
+
+def _gemm_entry(spec: KernelSpec) -> str:
+    base = "rubin_compile.kernels.triton.gemm.run"
+    M = spec.dim("M")
+    if M is None:
+        return f"{base} (symbolic M: ours or cuBLAS per call, by the tuned table)"
+    try:
+        choice = _gemm_choice(target_mod.resolve("sm90"), spec)
+    except Exception as exc:  # the entry is informative only: never fail selection over it
+        return f"{base} ({type(exc).__name__})"
+    margin = f", {choice.margin:.2f}x cuBLAS" if choice.margin else ""
+    return f"{base} {choice.describe()}{margin}"
+
+
+@GEMM.register_kernel(
+    "triton",
+    supports=_gemm_supports,
+    priority={"*": 10, "sm90": 35},
+    runnable=_runnable,
+    entry=_gemm_entry,
+    pdl=lambda spec: None,
+)
+def triton_gemm(args: GemmArgs, launch: Launch) -> torch.Tensor:
+    """The weight-streaming GEMM (kernels/triton/gemm.py: ``run``): ours or cuBLAS per call, by the table."""
+    from rubin_compile.kernels.triton import gemm
+
+    return gemm.run(args, launch)

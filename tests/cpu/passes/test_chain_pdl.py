@@ -15,6 +15,7 @@ from rubin_compile.passes import chain_pdl, select_kernels
 from rubin_compile.passes.base import PassContext
 from rubin_compile.passes.manager import PassManager
 from rubin_compile.target import Target, resolve
+from tests.conftest import stage_file
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
 
@@ -222,8 +223,8 @@ def test_sm90_under_cudagraphs_launches_the_moe_with_pdl(rubin_run):
     (line,) = moe_lines(rubin_run.stage_code("chain_pdl"))
     assert "impl = 'triton@sm90'" in line and "pdl = True" in line
     (graph_dir,) = rubin_run.dump_dir.iterdir()
-    assert "pdl = True" in (graph_dir / "07-chain_pdl.py").read_text()
-    assert "pdl = True" not in (graph_dir / "05-select_kernels.py").read_text()
+    assert "pdl = True" in stage_file(graph_dir, "chain_pdl").read_text()
+    assert "pdl = True" not in stage_file(graph_dir, "select_kernels").read_text()
     (d,) = pass_decisions(rubin_run, "chain_pdl")
     assert d["decision"] == "pdl on" and d["canonical_op"] == "rubin.moe"
     assert d["reason"] == "PDL-safe kernel on sm90, run under CUDA graphs (captured as a programmatic edge)"
@@ -241,7 +242,7 @@ def test_sm90_without_cudagraphs_leaves_pdl_off(rubin_run):
     (line,) = moe_lines(rubin_run.stage_code("chain_pdl"))
     assert "impl = 'triton@sm90'" in line and "pdl" not in line
     (graph_dir,) = rubin_run.dump_dir.iterdir()
-    assert not (graph_dir / "07-chain_pdl.py").exists()  # nothing changed: no stage written
+    assert not stage_file(graph_dir, "chain_pdl").exists()  # nothing changed: no stage written
     (d,) = pass_decisions(rubin_run, "chain_pdl")
     assert d["decision"] == "pdl off" and d["reason"] == NO_GRAPHS
 

@@ -30,6 +30,7 @@ def test_pipeline_order():
         "match_moe",
         "match_attention",
         "match_gemm",
+        "fuse_projections",
         "select_kernels",
         "place_locality",
         "chain_pdl",

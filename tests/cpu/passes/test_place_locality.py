@@ -12,6 +12,7 @@ from rubin_compile.passes import place_locality
 from rubin_compile.passes.manager import PassManager
 from rubin_compile.runtime import locality
 from rubin_compile.target import Target, resolve
+from tests.conftest import stage_file
 from tests.cpu.passes.test_chain_pdl import DirectMoE, compile_for_gpu_target, moe_lines, pass_decisions, pass_notes
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
@@ -112,7 +113,7 @@ def test_sm90_auto_has_no_placement_uniform_memory(rubin_run):
     compile_for_gpu_target(rubin_run, DirectMoE(), target="sm90")
     assert _placement(rubin_run) == ""
     (graph_dir,) = rubin_run.dump_dir.iterdir()
-    assert not (graph_dir / "06-place_locality.py").exists()
+    assert not stage_file(graph_dir, "place_locality").exists()
     d = _decision(rubin_run)
     assert d["decision"] == "whole (current stream)" and d["reason"] == UNIFORM and d["details"] == {}
     assert "uniform memory" in d["reason"]

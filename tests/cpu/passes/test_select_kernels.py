@@ -18,7 +18,7 @@ from rubin_compile.options import RubinOptions
 from rubin_compile.passes import select_kernels
 from rubin_compile.passes.base import PassContext
 from rubin_compile.passes.manager import PassManager
-from tests.conftest import assert_close_to_eager
+from tests.conftest import assert_close_to_eager, stage_file
 from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
 
 needs_flashinfer = pytest.mark.skipif(
@@ -137,7 +137,7 @@ def test_plan_for_sm107_made_on_the_cpu_and_executing_it_raises_a_clear_error(ru
     assert "cannot run on this machine (target cpu)" in message
     # The dump shows the bound kernel; report.md and explain show the plan.
     (graph_dir,) = rubin_run.dump_dir.iterdir()
-    assert "impl = 'flashinfer_cutlass@sm107'" in (graph_dir / "05-select_kernels.py").read_text()
+    assert "impl = 'flashinfer_cutlass@sm107'" in stage_file(graph_dir, "select_kernels").read_text()
     report_md = (graph_dir / "report.md").read_text()
     assert "target: sm107 (Rubin)" in report_md
     assert "| moe_default | rubin.moe | bfloat16 T=5 E=6 H=32 I=24 k=2 silu | flashinfer_cutlass (sm107) |" in report_md
