@@ -69,7 +69,7 @@ class VersionedCache:
         self.stats["misses"] += 1
         for k in [k for k, (refs, _, _) in self.entries.items() if any(r() is None for r in refs)]:
             del self.entries[k]
-        value = _outside_graph_pools(make, sources)
+        value = make()
         try:
             self.entries[full] = (tuple(weakref.ref(s) for s in sources), versions, value)
         except TypeError:  # a source that cannot be weakly referenced: no reuse, still correct
@@ -87,26 +87,6 @@ class VersionedCache:
             "entries": len(self.entries),
             "bytes": sum(nbytes(v) for _, _, v in self.entries.values()),
         }
-
-
-def _outside_graph_pools(make: Callable[[], Any], sources: Sequence[torch.Tensor]) -> Any:
-    """``make()``, with its CUDA memory kept out of a CUDA-graph memory pool. The value outlives the call that made
-    it (it is kept for the next one), but the first call of a graph compiled with ``mode="reduce-overhead"`` runs
-    with the current stream's allocations routed to cudagraph trees' pool, which then refuses to record ("tensors
-    in the cudagraph pool not tracked as outputs"). That routing is per stream, so the value is made on a side
-    stream. During a capture itself nothing can leave the graph: then it is made in place (a later call reuses it)."""
-    if not any(s.is_cuda for s in sources) or torch.cuda.is_current_stream_capturing():
-        return make()
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        value = make()
-    current.wait_stream(side)
-    for t in value if isinstance(value, tuple) else (value,):
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            t.record_stream(current)  # used on the current stream: not reused before its work there is done
-    return value
 
 
 _CACHE = VersionedCache()
