@@ -189,7 +189,9 @@ class Kernel:
     before touching anything its predecessor writes or reads, and its adapter honours ``Launch.pdl``), else
     why not; a kernel without ``pdl`` is never launched with it. ``placements``: the locality placements its
     adapter runs (``"split_n"``). ``run(args, launch)``: the adapter from the op's argument dataclass; ``None``
-    for a kernel declared for plans only (no adapter yet). ``module``: where it is registered.
+    for a kernel declared for plans only (no adapter yet). ``module``: where it is registered. ``graphs_only(spec)``:
+    why ``spec`` should run on this kernel only when the graph is replayed from CUDA graphs (its host cost per call
+    exceeds what it saves on the GPU otherwise), or ``None``; a kernel without it runs either way.
     """
 
     op: str
@@ -203,6 +205,7 @@ class Kernel:
     pdl: Optional[Callable[[KernelSpec], Optional[str]]] = None
     placements: tuple[str, ...] = ()
     module: str = ""
+    graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None
 
     def rank(self, target: Target, spec: KernelSpec) -> int:
         for key in (f"{target.name}:{spec.quant}", target.name, f"*:{spec.quant}", "*"):
@@ -350,6 +353,7 @@ class CanonicalOp:
         pdl: Optional[Callable[[KernelSpec], Optional[str]]] = None,
         placements: tuple[str, ...] = (),
         module: Optional[str] = None,
+        graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None,
     ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
         """Decorator: register the decorated adapter ``run(args, launch)`` as kernel ``name`` of this op
         (``module``: the registering module, for messages; the adapter's own by default)."""
@@ -368,6 +372,7 @@ class CanonicalOp:
                     pdl,
                     placements,
                     module or run.__module__,
+                    graphs_only,
                 )
             )
             return run
@@ -421,7 +426,12 @@ class CanonicalOp:
     # selection ---------------------------------------------------------------------------------
 
     def select(
-        self, spec: KernelSpec, target: Target, forced: Optional[str] = None, runs_here: bool = False
+        self,
+        spec: KernelSpec,
+        target: Target,
+        forced: Optional[str] = None,
+        runs_here: bool = False,
+        cudagraphs: Optional[bool] = None,
     ) -> Selection:
         """Choose the kernel for ``spec`` on ``target``: ``forced`` if it supports them, else the supported
         kernel of highest priority. Every kernel is asked, so the plan lists why each one lost.
@@ -429,9 +439,18 @@ class CanonicalOp:
         ``runs_here``: the graph will run on this machine (the target is the detected one), so a kernel this
         machine cannot run (no adapter yet, its package or GPU missing) is rejected with that reason instead
         of being chosen and failing at run time. Plans for other targets follow the declarations alone,
-        which is what docs/kernels/selection.md documents."""
+        which is what docs/kernels/selection.md documents.
+
+        ``cudagraphs``: whether the graph is replayed from CUDA graphs (``False`` rejects a kernel's
+        ``graphs_only`` specs with its reason; ``None``, unknown: declarations alone)."""
         ordered = sorted(self._kernels.values(), key=lambda k: -k.rank(target, spec))  # stable: ties keep order
         reasons = {k.name: k.check(target, spec) for k in ordered}
+        if cudagraphs is False:
+            for k in ordered:
+                if reasons[k.name] is None and k.graphs_only is not None:
+                    why = k.graphs_only(spec)
+                    if why is not None:
+                        reasons[k.name] = f"the graph does not run under CUDA graphs: {why}"
         if runs_here:
             here = target_mod.detect()
             for k in ordered:

@@ -64,6 +64,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         target = target_mod.resolve("cpu")
     # Compiling for the machine we run on: choose only kernels that can run here (see CanonicalOp.select).
     runs_here = target.name == target_mod.detect().name or not target.is_cuda
+    cudagraphs = ctx.engine.runs_under_cudagraphs(ctx.options)[0]
     forced_kernels = dict(ctx.options.kernels)
     for op_name, kernel in forced_kernels.items():
         op_of(op_name).kernel(kernel)  # an unknown kernel name is an error, listing the valid ones
@@ -76,7 +77,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         op, spec_of = form
         spec = spec_of(node)
         forced = forced_kernels.get(op.name)
-        selection = op.select(spec, target, forced, runs_here=runs_here)
+        selection = op.select(spec, target, forced, runs_here=runs_here, cudagraphs=cudagraphs)
         if forced is not None and selection.forced_reason is not None:
             if ctx.options.strict:
                 raise KernelSelectionError(
@@ -170,4 +171,4 @@ def _lower_to_aten(graph: torch.fx.Graph, node: torch.fx.Node, op: CanonicalOp) 
     return True
 
 
-PASS = Pass(NAME, run, reads=("options", "target"))
+PASS = Pass(NAME, run, reads=("options", "target", "engine"))

@@ -215,6 +215,16 @@ def _gemm_entry(spec: KernelSpec) -> str:
     return f"{base} {choice.describe()}{margin}"
 
 
+def _gemm_graphs_only(spec: KernelSpec) -> Optional[str]:
+    """bf16 / fp16 and W8A8 GEMMs take ours only under CUDA graphs: per call our adapter costs tens of microseconds
+    of Python (the table lookup, the argument checks, Triton's launcher) where Inductor's call of cuBLAS costs a
+    few, and a decode GEMM saves 0.1-4 us on the GPU (docs/kernels/gemm.md). Weight-only FP8 takes ours anyway:
+    its alternative dequantises the whole weight in float32 on every call."""
+    if spec.quant != "none" and spec.act_dtype in ("bfloat16", "float16"):
+        return None
+    return "the Triton GEMM's host cost per call exceeds what it saves on the GPU without them (cuBLAS runs it)"
+
+
 @GEMM.register_kernel(
     "triton",
     supports=_gemm_supports,
@@ -222,6 +232,7 @@ def _gemm_entry(spec: KernelSpec) -> str:
     runnable=_runnable,
     entry=_gemm_entry,
     pdl=lambda spec: None,
+    graphs_only=_gemm_graphs_only,
 )
 def triton_gemm(args: GemmArgs, launch: Launch) -> torch.Tensor:
     """The weight-streaming GEMM (kernels/triton/gemm.py: ``run``): ours or cuBLAS per call, by the table."""

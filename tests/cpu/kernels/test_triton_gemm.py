@@ -291,6 +291,12 @@ def test_plan_for_sm90_binds_decode_linears_by_the_rule():
     assert GEMM.select(sym, sm90).chosen.name == "triton"  # symbolic M: decided per call
     assert "not a decode-sized GEMM" in dict(GEMM.select(big, sm90).rejected)["triton"]
     assert "sm_90 only" in dict(GEMM.select(bf16, resolve("sm100")).rejected)["triton"]
+    # outside CUDA graphs our adapter's host cost outweighs the GPU time it saves: cuBLAS, except weight-only FP8
+    without = GEMM.select(sym, sm90, cudagraphs=False)
+    assert without.chosen.name == "torch"
+    assert dict(without.rejected)["triton"].startswith("the graph does not run under CUDA graphs: ")
+    assert GEMM.select(sym, sm90, cudagraphs=True).chosen.name == "triton"
+    assert GEMM.select(fp8, sm90, cudagraphs=False).chosen.name == "triton"
 
 
 def test_reference_of_block_scales_matches_an_explicit_dequantisation():
