@@ -216,9 +216,9 @@ def _gemm_entry(spec: KernelSpec) -> str:
 
 
 def _gemm_graphs_only(spec: KernelSpec) -> Optional[str]:
-    """bf16 / fp16 and W8A8 GEMMs take ours only under CUDA graphs: per call our adapter costs tens of microseconds
-    of Python (the table lookup, the argument checks, Triton's launcher) where Inductor's call of cuBLAS costs a
-    few, and a decode GEMM saves 0.1-4 us on the GPU (docs/kernels/gemm.md). Weight-only FP8 takes ours anyway:
+    """bf16 / fp16 and W8A8 GEMMs take ours only under CUDA graphs: per call our adapter costs an estimated few tens of
+    microseconds of Python (the op's dispatch, the argument checks, the table lookup, Triton's launcher) where
+    Inductor's call of cuBLAS costs a few, and a decode GEMM saves 0.1-4 us on the GPU (docs/kernels/gemm.md). Weight-only FP8 takes ours anyway:
     its alternative dequantises the whole weight in float32 on every call."""
     if spec.quant != "none" and spec.act_dtype in ("bfloat16", "float16"):
         return None
