@@ -21,8 +21,9 @@ Why it is worth a rewrite: ``gate_up_proj[ids]`` copies k experts' weights per t
 again in the bmm -- three passes over the routed weights where the fused kernel makes one, and decode is
 bound by exactly those bytes. One ``rubin.moe`` replaces the block (weights as stored: no gather, no copy).
 Left unchanged, with the reason: what hf_grouped_mm.py leaves (activations, interleaved gate / up, non-gated
-experts, mixed dtypes, outside users), and the expert-parallel form (``expert_ids.clamp(...)`` and masked
-routing weights), whose out-of-range ids rubin.moe does not take.
+experts, mixed dtypes, outside users), and the expert-parallel form (``expert_ids.clamp(0, E - 1)`` and routing
+weights masked where ``ids >= E``) unless the ids are a top-k over the E experts in the graph -- then the clamp and
+the mask change nothing and are dropped (transformers 5.17 clamps in every experts block).
 
 Walked by hand, anchored on the pair of bmms whose weights are gathered by one ids tensor, for the reasons in
 hf_grouped_mm.py; the shared parts are in hf_experts.py.
@@ -40,6 +41,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     Block,
     NoMatch,
     check_block,
+    ids_from_topk,
     match_activation,
     match_bias,
     match_sum_over_k,
@@ -147,17 +149,34 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
     b = Block(form=FORM, fc1=fc1, fc2=fc2)
     w13, _, _, _ = _bmm_operands(fc1)
     w2, _, _, _ = _bmm_operands(fc2)
-    if is_call(ids, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.clamp.Tensor):
-        raise NoMatch(
-            "the expert ids are clamped before the weights are gathered: transformers' expert-parallel sentinel "
-            "handling (_is_expert_parallel), whose out-of-range expert ids rubin.moe does not take"
-        )
-    b.topk_ids = view_input(ids, "the flattened expert ids")
+    flat, clamps, bounds = ids, [], {}
+    while is_call(flat, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+        # transformers' expert-parallel sentinel clamp (every experts block in 5.17, only with
+        # _is_expert_parallel later; Inductor splits clamp(0, E - 1) into clamp_min and clamp_max)
+        given = dict(zip(("min", "max"), flat.args[1:]), **flat.kwargs)
+        if flat.target is aten.clamp_max.default:
+            given = {"max": flat.args[1]}
+        bounds.update({k: v for k, v in given.items() if v is not None})
+        clamps.append(flat)
+        flat = flat.args[0]
+    if clamps:
+        E = tensor_val(w13).shape[0]
+        b.topk_ids = view_input(flat, "the flattened expert ids")
+        in_range = bounds.get("min", 0) == 0 and bounds.get("max") == E - 1
+        why = ids_from_topk(b, E) if in_range else f"clamped to {bounds}, not [0, {E - 1}]"
+        if why is not None:
+            raise NoMatch(
+                "the expert ids are clamped before the weights are gathered: transformers' expert-parallel "
+                f"sentinel handling, whose out-of-range expert ids rubin.moe does not take ({why})"
+            )
+        b.extra_details["sentinel_clamp"] = "expert-parallel sentinel clamp dropped: the ids come from a top-k over E"
+        b.flow += clamps
+    b.topk_ids = view_input(flat, "the flattened expert ids")
     ids_val = tensor_val(b.topk_ids)
     if ids_val is None or ids_val.dim() != 2:
         raise NoMatch("the expert ids are not a reshape of a [T, k] top-k index tensor")
     k = ids_val.shape[1]
-    b.flow.append(ids)
+    b.flow.append(flat)
 
     x, h1, b.w13_transposed = _projection(b, fc1, "gate_up")
     b.w13 = w13
@@ -180,13 +199,34 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
             f"the down projection output feeds {mul.name} ({mul.target}), not the multiplication by the routing weights"
         )
     sw = mul.args[1] if mul.args[0] is y else mul.args[0]
-    if not (is_call(sw, aten.unsqueeze.default) and is_call(sw.args[0], *RESHAPES)):
+    if clamps and is_call(sw, aten.unsqueeze.default) and is_call(sw.args[0], aten.where.self):
+        # the routing weights of sentinel slots zeroed (transformers >= 5.19 with _is_expert_parallel): there are
+        # none when the ids are a top-k over E (checked above)
+        masked = sw.args[0]
+        cond, zero, w = masked.args
+        ok = (
+            is_call(cond, aten.ge.Scalar)
+            and cond.args[0] is flat
+            and cond.args[1] == tensor_val(w13).shape[0]
+            and (
+                (is_call(zero, aten.full.default) and zero.args[1] == 0)
+                or (is_call(zero, aten.scalar_tensor.default) and zero.args[0] == 0)
+            )
+        )
+        if not ok:
+            raise NoMatch("the routing weights are masked by something other than transformers' sentinel mask")
+        b.flow.append(masked)
+        b.aux += [cond] + ([zero] if isinstance(zero, torch.fx.Node) else [])
+        weights = w
+    else:
+        weights = sw.args[0] if is_call(sw, aten.unsqueeze.default) else None
+    if not (is_call(sw, aten.unsqueeze.default) and is_call(weights, *RESHAPES)):
         raise NoMatch(
             "the down projection output is not multiplied by the flattened routing weights "
             "(top_k_weights.reshape(-1).unsqueeze(-1))"
         )
-    b.topk_weights = view_input(sw.args[0], "the flattened routing weights")
-    b.flow += [mul, sw, sw.args[0]]
+    b.topk_weights = view_input(weights, "the flattened routing weights")
+    b.flow += [mul, sw, weights]
     match_sum_over_k(b, sole_user(mul, "the weighted expert output"))
     check_block(b)
     return b

@@ -25,6 +25,7 @@ from rubin_compile.passes.fx import (
     RESHAPES,
     call,
     dtype_name,
+    getitem_of,
     inherit_source,
     is_call,
     report_value,
@@ -35,6 +36,7 @@ from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 SIZE_OPS = (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
 
 
@@ -135,6 +137,24 @@ def view_input(node: Any, what: str) -> torch.fx.Node:
     if not is_call(node, *RESHAPES):
         raise NoMatch(f"{what} ({getattr(node, 'name', node)}) is not a reshape/view")
     return node.args[0]
+
+
+def ids_from_topk(b: Block, E: int) -> Optional[str]:
+    """None when the block's routed expert ids (``b.topk_ids``) are the indices of a top-k over E scores in this
+    graph, so every id is below E and transformers' expert-parallel sentinel handling (ids >= E masked or clamped)
+    changes nothing; else why that cannot be shown."""
+    node = b.topk_ids
+    while is_call(node, *RESHAPES, prims.convert_element_type.default):
+        node = node.args[0]
+    topk = getitem_of(node, 1, aten.topk.default)
+    if topk is None:
+        return (
+            f"the expert ids ({getattr(b.topk_ids, 'name', b.topk_ids)}) are not the indices of a top-k in this graph"
+        )
+    scores = tensor_val(topk.args[0])
+    if scores is None or scores.shape[-1] != E:
+        return f"the expert ids come from a top-k over {None if scores is None else scores.shape[-1]} scores, not {E}"
+    return None
 
 
 def match_bias(

@@ -41,8 +41,14 @@ canonical layout as stored, so no weight is copied. Experts stored transposed (`
 [E, H, 2I] and [E, I, H], e.g. Aria) get a ``permute`` *view*, noted in the report. Biases
 (``has_bias=True``) become ``w13_bias`` / ``w2_bias``. Left unchanged, with the reason: an activation other
 than SiLU / GELU-tanh, interleaved gate/up columns (GPT-OSS's clamped SwiGLU), non-gated experts, mixed
-dtypes, an intermediate with a user outside the block, the expert-parallel sentinel masking, or any other
-deviation from the idiom above.
+dtypes, an intermediate with a user outside the block, or any other deviation from the idiom above.
+
+transformers' expert-parallel sentinel masking (``where((ids_g >= E).unsqueeze(-1), 0, x)`` on the gathered hidden
+states and on both projections' outputs, the bias gathered by ``ids_g.clamp(max=E - 1)``; in every experts block
+of transformers 5.17, only with ``_is_expert_parallel`` from 5.19) zeroes the rows of ids >= E. When the ids
+are the indices of a top-k over the E experts in the same graph there are no such rows and the masks are dropped
+(the report says so, ``sentinel_masks``); ids from anywhere else (a dispatch that writes sentinels) are left
+unchanged with that reason.
 
 Why the block is walked by hand rather than with one ``register_replacement`` pattern: it has optional
 parts (biases, dtype conversions that depend on the model and dtype, CPU / CUDA bookkeeping, two grouped
@@ -66,6 +72,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     Block,
     NoMatch,
     check_block,
+    ids_from_topk,
     match_activation,
     match_bias,
     match_sum_over_k,
@@ -213,6 +220,36 @@ def _match_combine(b: Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     match_sum_over_k(b, sole_user(unperm, "the expert output in token order"))
 
 
+def _sentinel_mask(b: Block, node: Any, ids_g: torch.fx.Node, E: int) -> Optional[torch.fx.Node]:
+    """If ``node`` is ``where((ids_g >= E).unsqueeze(-1), 0, x)`` -- transformers' expert-parallel sentinel masking
+    (``masked_fill(sentinel_mask, 0.0)``; every experts block in transformers 5.17, only with
+    ``_is_expert_parallel`` later) -- return ``x``, recording the mask nodes; else None."""
+    if not (is_call(node, aten.where.self) and len(node.args) == 3):
+        return None
+    cond, zero, x = node.args
+    if not (is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, 1)):
+        return None
+    ge = cond.args[0]
+    if not (is_call(ge, aten.ge.Scalar) and ge.args[0] is ids_g and ge.args[1] == E):
+        return None
+    zero_node = (is_call(zero, aten.full.default) and zero.args[1] == 0) or (
+        is_call(zero, aten.scalar_tensor.default) and zero.args[0] == 0
+    )
+    if not zero_node and not (isinstance(zero, (int, float)) and zero == 0):
+        return None
+    b.flow.append(node)
+    b.aux += [cond, ge] + ([zero] if isinstance(zero, torch.fx.Node) else [])
+    return x
+
+
+def _unmask_output(b: Block, out: torch.fx.Node, ids_g: torch.fx.Node, E: int) -> torch.fx.Node:
+    """``out``, or the sentinel-masked ``out`` when its only reader masks it (then that mask is part of the block)."""
+    if not b.extra_details.get("sentinel_masks"):
+        return out
+    user = sole_user(out, "the grouped mm output")
+    return user if _sentinel_mask(b, user, ids_g, E) is out else out
+
+
 def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Block:
     """Recognise the experts block around two grouped mms that share ``offs``; raise NoMatch(reason)."""
     forms = {_grouped_mm_form(m) for m in mms}
@@ -239,12 +276,31 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
             f"expert weights' dtype ({tensor_val(x1).dtype}) before the grouped mm; rubin.moe computes "
             "in one dtype"
         )
-    if is_call(x1, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+    E = tensor_val(b.w13).shape[0]
+    unmasked = _sentinel_mask(b, x1, ids_g, E)
+    if unmasked is not None:
+        # transformers' expert-parallel sentinel masking zeroes the rows of expert ids >= E; with ids from a top-k
+        # over the E experts there are none, and the masks change nothing.
+        why = ids_from_topk(b, E)
+        if why is not None:
+            raise NoMatch(
+                "the gathered hidden states are masked before the grouped mm: transformers' expert-parallel "
+                f"sentinel handling, whose out-of-range expert ids rubin.moe does not take ({why})"
+            )
+        b.extra_details["sentinel_masks"] = "expert-parallel sentinel masks dropped: the ids come from a top-k over E"
+        x1 = unmasked
+    elif is_call(x1, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         raise NoMatch(
-            "the gathered hidden states are masked before the grouped mm: transformers' "
-            "expert-parallel sentinel handling (_is_expert_parallel), whose out-of-range expert ids "
-            "rubin.moe does not take"
+            f"the gathered hidden states are masked ({x1.name}) before the grouped mm by something other than "
+            "transformers' expert-parallel sentinel mask"
         )
+    clamp = next(
+        (u for u in ids_g.users if is_call(u, aten.clamp_max.default) and u.args[1] == E - 1),
+        None,
+    )
+    ids_bias = clamp if clamp is not None and b.extra_details.get("sentinel_masks") else ids_g
+    if ids_bias is not ids_g:
+        b.aux.append(clamp)  # expert_ids_g.clamp_(max=E - 1): the identity on ids below E
     if not (is_call(x1, aten.index.Tensor) and len(x1.args[1]) == 1):
         raise NoMatch("the gate_up grouped mm input is not hidden_states gathered by token (hidden_states[perm // k])")
     q = x1.args[1][0]
@@ -260,13 +316,15 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     b.hidden = x1.args[0]
     b.flow += [x1, fc1]
 
-    h1, b.w13_bias = match_bias(b, fc1, ids_g, "gate_up grouped mm")
+    h1, b.w13_bias = match_bias(b, fc1, ids_bias, "gate_up grouped mm")
+    h1 = _unmask_output(b, h1, ids_g, E)
     gate, up = split_gate_up(b, h1)
     match_activation(b, gate, up, x2, "down grouped mm")
     if sole_user(x2, "the activation output") is not fc2:
         raise NoMatch("the activation output does not feed the down grouped mm")
     b.flow.append(fc2)
-    y, b.w2_bias = match_bias(b, fc2, ids_g, "down grouped mm")
+    y, b.w2_bias = match_bias(b, fc2, ids_bias, "down grouped mm")
+    y = _unmask_output(b, y, ids_g, E)
     _match_combine(b, y, perm)
 
     check_block(b)

@@ -200,3 +200,16 @@ def test_topk_that_is_not_a_router_is_not_reported(rubin_run):
     x = torch.randn(4, 16)
     rubin_run.compile(top_values)(x)
     assert rubin_run.unchanged() == []
+
+
+def test_expert_parallel_clamp_over_topk_ids_rewritten(rubin_run):
+    """transformers' sentinel clamp of the ids (always there in transformers 5.17, with ``_is_expert_parallel``
+    later) is the identity when the ids are a top-k over the E experts: the block is rewritten, exactly."""
+    block = batched_ep(synthetic_block())
+    block.experts._is_expert_parallel = True
+    got, want = run_block(rubin_run, block, torch.float32)
+    assert_close_to_eager(got, want)
+    (rewrite,) = rewrites(rubin_run)
+    assert "sentinel clamp dropped" in rewrite["details"]["sentinel_clamp"]
+    code = rubin_run.final_code()
+    assert count_ops(code, "rubin.moe") == 1 and count_ops(code, "aten.bmm") == 0

@@ -385,10 +385,36 @@ def _mixed_dtype_block():
     return block
 
 
+class SentinelRouterExperts(RouterExperts):
+    """Expert-parallel dispatch as transformers' RouterParallel does it: the experts of other ranks (here the upper
+    half) get the sentinel id E and routing weight 0; the experts mask those rows (``_is_expert_parallel``)."""
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        _, weights, ids = self.router(x)
+        E = self.experts.num_experts
+        local = ids < E // 2
+        return self.experts(x, torch.where(local, ids, E), torch.where(local, weights, 0.0))
+
+
 def _expert_parallel_block():
-    block = moe_block(qwen3_moe()).eval()
+    block = synthetic_block()
+    block = SentinelRouterExperts(block.router, block.experts).eval()
     block.experts._is_expert_parallel = True  # the EP sentinel masking around both grouped mms
     return block
+
+
+@pytest.mark.parametrize("has_bias", [False, True], ids=["plain", "bias"])
+def test_expert_parallel_masks_over_topk_ids_rewritten(rubin_run, has_bias):
+    """transformers' sentinel masks (always there in transformers 5.17, with ``_is_expert_parallel`` later)
+    change nothing when the ids are a top-k over the E experts: the block is rewritten, exactly."""
+    block = synthetic_block(has_bias=has_bias).eval()
+    block.experts._is_expert_parallel = True
+    got, want = run_block(rubin_run, block, torch.float32)
+    assert_close_to_eager(got, want)
+    (rewrite,) = hf_rewrites(rubin_run)
+    assert "sentinel masks dropped" in rewrite["details"]["sentinel_masks"]
+    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0
 
 
 @pytest.mark.parametrize(
@@ -399,7 +425,7 @@ def _expert_parallel_block():
         (lambda mp: (_spy_on_first_projection(mp), moe_block(qwen3_moe()))[1], "user outside the experts block"),
         (lambda mp: _mixed_dtype_block(), "mixed dtypes"),
         (lambda mp: moe_block(gpt_oss()), "interleaved"),
-        (lambda mp: _expert_parallel_block(), "expert-parallel"),
+        (lambda mp: _expert_parallel_block(), "expert-parallel sentinel handling"),
     ],
     ids=["gelu_erf", "relu", "extra_user", "mixed_dtypes", "gpt_oss_clamped_swiglu", "expert_parallel"],
 )
