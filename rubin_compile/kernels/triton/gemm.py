@@ -106,10 +106,6 @@ def weight_bytes(N: int, K: int, wfmt: str) -> int:
     return N * K * (1 if wfmt.startswith("fp8") else 2)
 
 
-def m_bucket(M: int) -> int:
-    return next((b for b in M_BUCKETS if b >= M), M_BUCKETS[-1])
-
-
 def table_key(N: int, K: int, wfmt: str) -> str:
     return f"N={N},K={K},w={wfmt}"
 

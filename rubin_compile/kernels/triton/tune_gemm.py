@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from rubin_compile.kernels.triton import gemm as G
-from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs, time_graph
+from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs, time_graph, warm_compile
 from rubin_compile.ops.gemm import GemmArgs, aten, reference
 
 # name: (K, N). Qwen3-30B-A3B: q/k/v fused (32 + 4 + 4 heads of 128), o_proj, router (128 experts), LM head
@@ -175,16 +174,6 @@ def _warm_one(job) -> Optional[str]:
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def warm_compile(jobs: set, workers: int = 16) -> dict:
-    """Compile variants in parallel processes (they share Triton's on-disk cache): {job: error}."""
-    jobs = sorted(jobs)
-    if not jobs:
-        return {}
-    with mp.get_context("spawn").Pool(workers) as pool:
-        errs = pool.map(_warm_one, jobs, chunksize=1)
-    return {j: e for j, e in zip(jobs, errs) if e}
-
-
 # ------------------------------------------------------------------------------------------------
 # tuning
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +192,7 @@ def tune(shapes: list[str], formats: list[str], ms: list[int], reps: int, log: C
             for M in ms:
                 for cfg in candidates(M, N, K, wfmt, sms):  # the prefetch variants compile when first timed
                     jobs.add(_compile_key(M, wfmt, cfg, cfg.split_k > 1))
-    failed = warm_compile(jobs)
+    failed = warm_compile(sorted(jobs), 16, _warm_one)
     log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s; {len(failed)} failed")
     for job, err in list(failed.items())[:10]:
         log(f"  {job}: {err}")

@@ -333,13 +333,14 @@ def _warm_one(job):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def warm_compile(jobs: list, workers: int) -> dict:
-    """Compile kernel variants in parallel processes (they share Triton's on-disk cache)."""
+def warm_compile(jobs: list, workers: int, worker: Callable[[object], Optional[str]] = _warm_one) -> dict:
+    """Compile kernel variants in parallel processes (they share Triton's on-disk cache): ``worker(job)`` compiles
+    one (a module-level function: it is pickled to the workers) and returns an error text or None. {job: error}."""
     if not jobs:
         return {}
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers) as pool:
-        errs = pool.map(_warm_one, jobs, chunksize=1)
+        errs = pool.map(worker, jobs, chunksize=1)
     return {j: e for j, e in zip(jobs, errs) if e}
 
 

@@ -42,6 +42,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     NoMatch,
     check_block,
     ids_from_topk,
+    is_zero_fill,
     match_activation,
     match_bias,
     match_sum_over_k,
@@ -208,10 +209,7 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
             is_call(cond, aten.ge.Scalar)
             and cond.args[0] is flat
             and cond.args[1] == tensor_val(w13).shape[0]
-            and (
-                (is_call(zero, aten.full.default) and zero.args[1] == 0)
-                or (is_call(zero, aten.scalar_tensor.default) and zero.args[0] == 0)
-            )
+            and is_zero_fill(zero)
         )
         if not ok:
             raise NoMatch("the routing weights are masked by something other than transformers' sentinel mask")

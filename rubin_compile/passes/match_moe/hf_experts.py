@@ -139,6 +139,14 @@ def view_input(node: Any, what: str) -> torch.fx.Node:
     return node.args[0]
 
 
+def is_zero_fill(node: Any) -> bool:
+    """Whether ``node`` is the scalar 0 a decomposed ``masked_fill(mask, 0.0)`` fills with: ``aten.full([], 0)`` (CPU
+    graphs) or ``aten.scalar_tensor(0)`` (CUDA / meta graphs)."""
+    return (is_call(node, aten.full.default) and node.args[1] == 0) or (
+        is_call(node, aten.scalar_tensor.default) and node.args[0] == 0
+    )
+
+
 def ids_from_topk(b: Block, E: int) -> Optional[str]:
     """None when the block's routed expert ids (``b.topk_ids``) are the indices of a top-k over E scores in this
     graph, so every id is below E and transformers' expert-parallel sentinel handling (ids >= E masked or clamped)

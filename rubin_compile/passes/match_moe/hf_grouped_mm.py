@@ -73,6 +73,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     NoMatch,
     check_block,
     ids_from_topk,
+    is_zero_fill,
     match_activation,
     match_bias,
     match_sum_over_k,
@@ -232,10 +233,7 @@ def _sentinel_mask(b: Block, node: Any, ids_g: torch.fx.Node, E: int) -> Optiona
     ge = cond.args[0]
     if not (is_call(ge, aten.ge.Scalar) and ge.args[0] is ids_g and ge.args[1] == E):
         return None
-    zero_node = (is_call(zero, aten.full.default) and zero.args[1] == 0) or (
-        is_call(zero, aten.scalar_tensor.default) and zero.args[0] == 0
-    )
-    if not zero_node and not (isinstance(zero, (int, float)) and zero == 0):
+    if not is_zero_fill(zero) and not (isinstance(zero, (int, float)) and zero == 0):
         return None
     b.flow.append(node)
     b.aux += [cond, ge] + ([zero] if isinstance(zero, torch.fx.Node) else [])
