@@ -1,7 +1,8 @@
 """The small-M Triton GEMM (rubin_compile/kernels/triton/gemm.py) on the GPU: every weight format and epilogue
-against the float32 reference, split-K and not; PDL on and off bitwise equal under CUDA-graph replay with fresh
-inputs; split-K deterministic; the cuBLAS fallback's epilogues; and, compiled with rubin, selection binding it
-and fused q / k / v projections equal to the separate ones."""
+against the float32 reference, split-K and not, with the first weight tile loaded before the wait and without;
+PDL on and off (and the early tile) bitwise equal under CUDA-graph replay with fresh inputs; split-K
+deterministic; the cuBLAS fallback's epilogues; and, compiled with rubin, selection binding it and fused
+q / k / v projections equal to the separate ones."""
 
 from __future__ import annotations
 
@@ -81,6 +82,20 @@ def test_formats_and_epilogues(wfmt, epilogue, split):
 
 
 @needs_sm90
+@pytest.mark.parametrize("wfmt", FORMATS)
+@pytest.mark.parametrize("split", [1, 3])
+def test_early_weight_tile(wfmt, split):
+    """The first weight tile loaded before the wait: right for every format, gated and residual epilogues."""
+    from rubin_compile.kernels.triton import gemm as G
+
+    act = torch.float16 if wfmt == "fp16" else torch.bfloat16
+    for epilogue in ("silu_and_mul", "residual_add"):
+        args = _args(3, 384, 1000, wfmt, epilogue, bias=epilogue != "residual_add", act=act)
+        cfg = G.GemmConfig(block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=3, early=True)
+        _check(G.launch(args, cfg, pdl=True), args)
+
+
+@needs_sm90
 @pytest.mark.parametrize("M", [1, 3, 16, 33, 64, 100])
 @pytest.mark.parametrize("wfmt", ["bf16", "fp8_block"])
 def test_row_counts_and_heuristic(M, wfmt):
@@ -133,9 +148,11 @@ def test_pdl_bitwise_under_graph_replay(split, wfmt, epilogue):
     cfg = G.GemmConfig(block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=4, prefetch=True)
     on = _graph_outputs(args_of, cfg, True)
     off = _graph_outputs(args_of, cfg, False)
-    for r_on, r_off in zip(on, off):
-        for y_on, y_off in zip(r_on, r_off):
-            assert torch.equal(y_on, y_off)
+    # the first weight tile loaded before the wait: the same sums in the same order, so bitwise the same
+    early = _graph_outputs(args_of, G.GemmConfig(**{**cfg.to_json(), "early": True}), True)
+    for r_on, r_off, r_early in zip(on, off, early):
+        for y_on, y_off, y_early in zip(r_on, r_off, r_early):
+            assert torch.equal(y_on, y_off) and torch.equal(y_on, y_early)
 
 
 @needs_sm90

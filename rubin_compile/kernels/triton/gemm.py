@@ -69,8 +69,9 @@ _EPILOGUE = {"none": 0, "silu_and_mul": 1, "gelu_tanh_and_mul": 2, "residual_add
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch configuration. ``block_n`` output columns and ``block_k`` reduction positions per tile,
-    ``split_k`` slices of K (1: no split), Triton's ``num_warps`` / ``num_stages`` (tiles in flight + 1), and
-    whether programs prefetch their weight slice into L2 before ``gdc_wait``."""
+    ``split_k`` slices of K (1: no split), Triton's ``num_warps`` / ``num_stages`` (tiles in flight + 1),
+    whether programs prefetch their weight slice into L2 before ``gdc_wait`` (``prefetch``), whether they load
+    their first weight tile into registers before it (``early``), and the tensor-core or FMA form (``mma``)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -79,6 +80,7 @@ class GemmConfig:
     num_stages: int = 4
     prefetch: bool = False
     mma: bool = True  # tensor-core tiles (M padded to 16); False: FMA over the real rows (M <= 4)
+    early: bool = False  # load the first weight tile into registers before gdc_wait (its latency overlaps)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,8 +92,9 @@ class GemmConfig:
 
     def describe(self) -> str:
         pf = "+pf" if self.prefetch else ""
+        early = "+early" if self.early else ""
         fma = "" if self.mma else " fma"
-        return f"n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{pf}{fma}"
+        return f"n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
 
 
 def weight_format(args: GemmArgs) -> str:
@@ -312,6 +315,52 @@ def _finish(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _step(
+    acc,
+    acc_up,
+    a,
+    w,
+    w_up,
+    k0,
+    rows,
+    m_ok,
+    cols,
+    N_OUT,
+    sa_ptr,
+    sb_ptr,
+    stride_sam,
+    stride_sbk,
+    stride_sbn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    GATED_EPI: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    MMA: tl.constexpr,
+):
+    """Add one K tile's products (``a`` against ``w`` and, gated, ``w_up``) to the accumulators. Block / group
+    scales change every 128 positions of K: the tile's product is scaled, then added."""
+    if B_SCALE == 3 or A_SCALE == 3:
+        s = tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32)
+        if A_SCALE == 3:
+            s = s * tl.load(sa_ptr + rows * stride_sam + k0 // 128, mask=m_ok, other=0.0)[:, None]
+        s_up = s
+        if B_SCALE == 3:
+            s = s * tl.load(sb_ptr + (k0 // 128) * stride_sbk + (cols // 128) * stride_sbn)[None, :]
+            if GATED_EPI:
+                s_up = s_up * tl.load(sb_ptr + (k0 // 128) * stride_sbk + ((cols + N_OUT) // 128) * stride_sbn)[None, :]
+        acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * s
+        if GATED_EPI:
+            acc_up += _dot(a, w_up, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * s_up
+    else:
+        acc = _dot(a, w, acc, COMPUTE, MMA)
+        if GATED_EPI:
+            acc_up = _dot(a, w_up, acc_up, COMPUTE, MMA)
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["M", "PF_BYTES"])  # one binary for every M (M == 1 would specialise)
 def _gemm_kernel(
     a_ptr,
@@ -351,6 +400,7 @@ def _gemm_kernel(
     COMPUTE: tl.constexpr,
     ESIZE: tl.constexpr,
     MMA: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
     pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together and share it in L2
@@ -367,6 +417,18 @@ def _gemm_kernel(
         _prefetch_rows(b_ptr + cols * stride_bn + k_lo, nbytes, PF_CHUNK, PF_NCHUNK)
         if GATED_EPI:
             _prefetch_rows(b_ptr + (cols + N_OUT) * stride_bn + k_lo, nbytes, PF_CHUNK, PF_NCHUNK)
+    if EARLY:
+        # ... and load its first weight tile into registers: its DRAM round trip overlaps the previous kernel.
+        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+        k_ok0 = offs_k0 < K
+        w0 = tl.load(b_ptr + offs_k0[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok0[:, None], other=0.0)
+        w0_up = w0
+        if GATED_EPI:
+            w0_up = tl.load(
+                b_ptr + offs_k0[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                mask=k_ok0[:, None],
+                other=0.0,
+            )
     if GDC:
         gdc_wait()  # activations, scales of a and the residual are written by earlier kernels
         gdc_launch_dependents()
@@ -375,7 +437,17 @@ def _gemm_kernel(
     rows = tl.where(m_ok, offs_m, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    if EARLY:  # the first weight tile, loaded above before the wait, meets its activations
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
+            mask=m_ok[:, None] & k_ok0[None, :],
+            other=0.0,
+        )
+        acc, acc_up = _step(
+            acc, acc_up, a, w0, w0_up, k_lo, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
+            stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+        )  # fmt: skip
+    for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(
@@ -384,29 +456,15 @@ def _gemm_kernel(
             other=0.0,
         )
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
+        w_up = w
         if GATED_EPI:
             w_up = tl.load(
                 b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn, mask=k_ok[:, None], other=0.0
             )
-        if B_SCALE == 3 or A_SCALE == 3:
-            # block scales change every 128 positions of K: scale this tile's product, then add it
-            s = tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32)
-            if A_SCALE == 3:
-                s = s * tl.load(sa_ptr + rows * stride_sam + k0 // 128, mask=m_ok, other=0.0)[:, None]
-            if B_SCALE == 3:
-                sb = tl.load(sb_ptr + (k0 // 128) * stride_sbk + (cols // 128) * stride_sbn)
-                acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * (s * sb[None, :])
-                if GATED_EPI:
-                    sbu = tl.load(sb_ptr + (k0 // 128) * stride_sbk + ((cols + N_OUT) // 128) * stride_sbn)
-                    acc_up += _dot(a, w_up, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * (s * sbu[None, :])
-            else:
-                acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * s
-                if GATED_EPI:
-                    acc_up += _dot(a, w_up, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), COMPUTE, MMA) * s
-        else:
-            acc = _dot(a, w, acc, COMPUTE, MMA)
-            if GATED_EPI:
-                acc_up = _dot(a, w_up, acc_up, COMPUTE, MMA)
+        acc, acc_up = _step(
+            acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn,
+            BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+        )  # fmt: skip
     if SPLIT:
         # fp32 partials [SPLIT_K, M, N]; _splitk_reduce sums them in split order and finishes
         N_FULL = N_OUT * 2 if GATED_EPI else N_OUT
@@ -610,6 +668,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         COMPUTE=compute,
         ESIZE=esize,
         MMA=config.mma,
+        EARLY=int(config.early),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,

@@ -22,6 +22,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -30,11 +31,13 @@ from rubin_compile.kernels.triton import gemm as G
 from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs, time_graph, warm_compile
 from rubin_compile.ops.gemm import GemmArgs, aten, reference
 
-# name: (K, N). Qwen3-30B-A3B: q/k/v fused (32 + 4 + 4 heads of 128), o_proj, router (128 experts), LM head
+# name: (K, N). Qwen3-30B-A3B: q/k/v fused (32 + 4 + 4 heads of 128), k or v alone (unfused under CUDA graphs),
+# o_proj, router (128 experts), LM head
 # (vocabulary 151936, and the 4096 of benchmarks/decode_step.py); Llama-3.1-8B: fused qkv, o, fused gate-up,
 # down; DeepSeek-V3 with tensor parallelism 8: MLA q_a / q_b / kv_a / kv_b / o and the dense layers' MLP.
 SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-30b-a3b.qkv": (2048, 5120),
+    "qwen3-30b-a3b.kv": (2048, 512),
     "qwen3-30b-a3b.o": (4096, 2048),
     "qwen3-30b-a3b.router": (2048, 128),
     "qwen3-30b-a3b.lm_head": (2048, 151936),
@@ -110,14 +113,25 @@ def floor_us(M: int, N: int, K: int, wfmt: str, bw_gbs: float) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
+def _smem_ok(M: int, cfg: G.GemmConfig, esize: int, limit: int = 200 << 10) -> bool:
+    """Whether ``num_stages - 1`` weight and activation tiles in flight fit the shared memory (227 KB on sm_90,
+    with room for Triton's layout conversions)."""
+    block_m = G._block_m(M, cfg.mma)
+    return cfg.num_stages * cfg.block_k * (cfg.block_n * esize + block_m * 2) <= limit
+
+
 def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmConfig]:
     """Tensor-core tiles whose programs cover the SMs between half and four times over, split-K where N alone
-    cannot; for up to four rows also the FMA form with long K tiles; the heuristic's
-    config always. Without the L2 prefetch (``tune`` tries it on the three fastest)."""
+    cannot; each with 4 warps and 4 stages, 6 stages (more weight tiles in flight), and 8 warps for wide tiles;
+    K tiles of 256 where no block scale forces 128; for up to four rows also the FMA form with long K tiles;
+    the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
+    the fastest)."""
+    esize = 1 if wfmt.startswith("fp8") else 2
     out = {G.heuristic(M, N, K, wfmt, num_sms)}
+    block_ks = (64, 128) if wfmt == "fp8_block" else (64, 128, 256)
     for bn in (16, 32, 64, 128):
         tiles = -(-N // bn)
-        for bk in (64, 128):
+        for bk in block_ks:
             k_tiles = -(-K // bk)
             for split in (1, 2, 4, 8, 16):
                 programs = tiles * split
@@ -127,7 +141,11 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                     continue  # a larger split fills the GPU better
                 if programs > 8 * num_sms and bn < 128:
                     continue  # a wider tile does the same with fewer programs
-                out.add(G.GemmConfig(bn, bk, split, 4, 4, False))
+                shapes = [(4, 4)] + ([(4, 6)] if bk == 128 else []) + ([(8, 4)] if bn >= 64 and bk <= 128 else [])
+                for warps, stages in shapes:
+                    cfg = G.GemmConfig(bn, bk, split, warps, stages, False)
+                    if _smem_ok(M, cfg, esize):
+                        out.add(cfg)
     if M <= G.FMA_MAX_M:
         for bn, bk in ((8, 512), (16, 512), (16, 256)):
             tiles = -(-N // bn)
@@ -135,7 +153,11 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                 if split > 1 and (tiles * split > 4 * num_sms or -(-K // bk) // split < 2):
                     continue
                 out.add(G.GemmConfig(bn, bk, split, 4, 3, False, False))  # plain loads: no pipeline depth
-    return sorted(out, key=lambda c: (not c.mma, c.block_n, c.block_k, c.split_k, c.num_stages))
+    return sorted(out, key=lambda c: (not c.mma, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
+
+
+def flipped(cfg: G.GemmConfig, **flags: bool) -> G.GemmConfig:
+    return replace(cfg, **{k: (not getattr(cfg, k)) if v else getattr(cfg, k) for k, v in flags.items()})
 
 
 def check(x, w, cfg: G.GemmConfig) -> Optional[str]:
@@ -179,7 +201,14 @@ def _warm_one(job) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def tune(shapes: list[str], formats: list[str], ms: list[int], reps: int, log: Callable[[str], None]) -> dict:
+def tune(
+    shapes: list[str],
+    formats: list[str],
+    ms: list[int],
+    reps: int,
+    log: Callable[[str], None],
+    checkpoint: Optional[Callable[[dict], None]] = None,
+) -> dict:
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     bw = copy_bandwidth_gbs()
@@ -191,7 +220,8 @@ def tune(shapes: list[str], formats: list[str], ms: list[int], reps: int, log: C
         for wfmt in formats:
             for M in ms:
                 for cfg in candidates(M, N, K, wfmt, sms):  # the prefetch variants compile when first timed
-                    jobs.add(_compile_key(M, wfmt, cfg, cfg.split_k > 1))
+                    for c in (cfg, flipped(cfg, early=True)):
+                        jobs.add(_compile_key(M, wfmt, c, c.split_k > 1))
     failed = warm_compile(sorted(jobs), 16, _warm_one)
     log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s; {len(failed)} failed")
     for job, err in list(failed.items())[:10]:
@@ -215,23 +245,28 @@ def tune(shapes: list[str], formats: list[str], ms: list[int], reps: int, log: C
                         times[cfg] = ours_time(x, weights, cfg, True, reps)
                     except Exception as exc:  # a config that does not compile or launch: dropped, logged
                         log(f"  {name} {wfmt} M={M} {cfg.describe()}: {type(exc).__name__}: {exc}")
-                for cfg in sorted(times, key=times.get)[:3]:  # the L2 prefetch, on the three fastest
-                    pf = G.GemmConfig(**{**cfg.to_json(), "prefetch": True})
-                    try:
-                        times[pf] = ours_time(x, weights, pf, True, reps)
-                    except Exception as exc:
-                        log(f"  {name} {wfmt} M={M} {pf.describe()}: {type(exc).__name__}: {exc}")
+                # the early weight tile on the four fastest, then the L2 prefetch on the three fastest
+                for flag, top in (("early", 4), ("prefetch", 3)):
+                    for cfg in sorted(times, key=times.get)[:top]:
+                        other = flipped(cfg, **{flag: True})
+                        if other in times:
+                            continue
+                        try:
+                            times[other] = ours_time(x, weights, other, True, reps)
+                        except Exception as exc:
+                            log(f"  {name} {wfmt} M={M} {other.describe()}: {type(exc).__name__}: {exc}")
                 best = min(times, key=times.get)
                 bad = check(x, weights[0], best)
                 if bad:
                     raise RuntimeError(f"{name} {wfmt} M={M} {best.describe()} is wrong: {bad}")
                 heur = G.heuristic(M, N, K, wfmt, sms)
-                nopf = G.GemmConfig(**{**best.to_json(), "prefetch": not best.prefetch})
+                nopf, noearly = flipped(best, prefetch=True), flipped(best, early=True)
                 row = {
                     "config": best.to_json(),
                     "ours_us": round(times[best], 3),
                     "ours_nopdl_us": round(ours_time(x, weights, best, False, reps), 3),
-                    "ours_other_prefetch_us": round(ours_time(x, weights, nopf, True, reps), 3),
+                    "ours_other_prefetch_us": round(times.get(nopf) or ours_time(x, weights, nopf, True, reps), 3),
+                    "ours_other_early_us": round(times.get(noearly) or ours_time(x, weights, noearly, True, reps), 3),
                     "heuristic": heur.to_json(),
                     "heuristic_us": round(times.get(heur, float("nan")), 3),
                     "cublas_us": round(cublas_time(x, weights, wfmt, reps), 3),
@@ -241,22 +276,30 @@ def tune(shapes: list[str], formats: list[str], ms: list[int], reps: int, log: C
                 }
                 rows[str(M)] = row
                 log(
-                    f"{name:28s} {wfmt:9s} M={M:3d} best {best.describe():24s} {row['ours_us']:8.2f} us "
+                    f"{name:28s} {wfmt:9s} M={M:3d} best {best.describe():30s} {row['ours_us']:8.2f} us "
                     f"(no PDL {row['ours_nopdl_us']:.2f}, prefetch flipped {row['ours_other_prefetch_us']:.2f}, "
-                    f"heuristic {row['heuristic_us']:.2f}) cuBLAS {row['cublas_us']:.2f} floor {row['floor_us']:.2f}"
+                    f"early flipped {row['ours_other_early_us']:.2f}, heuristic {row['heuristic_us']:.2f}) "
+                    f"cuBLAS {row['cublas_us']:.2f} floor {row['floor_us']:.2f}"
                 )
             del weights
             torch.cuda.empty_cache()
             log(f"  {name} {wfmt}: {time.time() - t0:.0f} s")
+            if checkpoint is not None:  # a run cut short keeps what it measured
+                checkpoint({"gpu": props.name, "sms": sms, "copy_GBps": round(bw), "entries": entries})
     return {"gpu": props.name, "sms": sms, "copy_GBps": round(bw), "entries": entries}
 
 
-def merge(path: Path, new: dict, inductor_from: Optional[Path]) -> dict:
-    table = json.loads(path.read_text()) if path.is_file() else {}
+def merge(old: dict, new: dict, inductor_from: Optional[Path]) -> dict:
+    """``old`` updated with ``new``'s entries (per M bucket) and the Inductor times of a benchmark JSON."""
+    table = json.loads(json.dumps(old))
     table.update({k: v for k, v in new.items() if k != "entries"})
     entries = table.setdefault("entries", {})
     for key, rows in new.get("entries", {}).items():
-        entries.setdefault(key, {}).update(rows)
+        kept = entries.setdefault(key, {})
+        for m, row in rows.items():
+            if row.get("inductor_us") is None and (kept.get(m) or {}).get("inductor_us") is not None:
+                row = {**row, "inductor_us": kept[m]["inductor_us"]}  # Inductor's time does not depend on ours
+            kept[m] = row
     if inductor_from is not None:  # Inductor max-autotune times measured by benchmarks/gemm.py
         for r in json.loads(inductor_from.read_text())["rows"]:
             row = entries.get(G.table_key(r["N"], r["K"], r["format"]), {}).get(str(r["M"]))
@@ -277,17 +320,22 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm needs a CUDA GPU")
-    new = {}
-    if a.shapes:
-        new = tune(a.shapes.split(","), a.formats.split(","), [int(m) for m in a.ms.split(",")], a.reps, print)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = new.get("gpu") or torch.cuda.get_device_properties(0).name
-    path = out / G.device_file_name(name)
-    table = (
-        merge(path, new, Path(a.inductor_from) if a.inductor_from else None) if (a.merge or a.inductor_from) else new
-    )
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    path = out / G.device_file_name(torch.cuda.get_device_properties(0).name)
+    before = json.loads(path.read_text()) if path.is_file() else {}
+
+    def write(new: dict) -> None:
+        table = new
+        if a.merge or a.inductor_from:
+            table = merge(before, new, Path(a.inductor_from) if a.inductor_from else None)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+    new = {}
+    if a.shapes:
+        ms = [int(m) for m in a.ms.split(",")]
+        new = tune(a.shapes.split(","), a.formats.split(","), ms, a.reps, print, checkpoint=write)
+    write(new)
     print(f"wrote {path}")
 
 

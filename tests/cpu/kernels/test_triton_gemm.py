@@ -93,6 +93,14 @@ CASES = [
     (3, 64, 300, "fp8_block", "silu_and_mul", False, dict(block_n=32, block_k=64, split_k=2, mma=False)),
     (6, 64, 300, "bf16", "none", False, dict(block_n=32, block_k=64, mma=False)),  # M > 4: runs the MMA form
     (70, 40, 100, "bf16", "residual_add", True, dict(block_n=16, block_k=64)),  # two M tiles
+    # the first weight tile loaded before the wait: plain, split (slices of one tile and of several), gated,
+    # block-scaled with a gated epilogue, the FMA form
+    (3, 64, 300, "bf16", "none", True, dict(block_n=16, block_k=64, early=True)),
+    (2, 48, 256, "bf16", "residual_add", False, dict(block_n=16, block_k=64, split_k=4, early=True)),
+    (5, 64, 300, "bf16", "silu_and_mul", False, dict(block_n=16, block_k=64, split_k=2, early=True)),
+    (3, 200, 300, "fp8_block", "gelu_tanh_and_mul", True, dict(block_n=32, block_k=128, split_k=2, early=True)),
+    (3, 200, 300, "a8_group", "none", False, dict(block_n=32, block_k=128, early=True)),
+    (1, 64, 300, "bf16", "none", False, dict(block_n=32, block_k=64, mma=False, early=True)),
 ]
 
 
@@ -140,6 +148,7 @@ def _ptx(aot, **constexprs) -> str:
         COMPUTE=tl.bfloat16,
         ESIZE=2,
         MMA=True,
+        EARLY=0,
     )
     base.update(constexprs)
     ptrs = {p: "*bf16" for p in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr")}
@@ -167,6 +176,21 @@ def test_sm90_prefetch_comes_before_the_wait(aot):
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     assert prefetch and len(wait) == 1 and max(prefetch) < wait[0]
     assert not any("cp.async.bulk.prefetch" in line for line in _ptx(aot).splitlines())
+
+
+def test_sm90_early_weight_tile_is_loaded_before_the_wait(aot):
+    """``early``: the first weight tile's global loads are issued before griddepcontrol.wait, the activation
+    loads after it; without it nothing is loaded before the wait."""
+
+    def loads_before_wait(ptx):
+        lines = ptx.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        return [line for line in lines[:wait] if "ld.global" in line]
+
+    early = _ptx(aot, EARLY=1)
+    assert len(loads_before_wait(early)) >= 4 and all(".v4" in line for line in loads_before_wait(early))
+    assert early.count("griddepcontrol.wait") == 1
+    assert not loads_before_wait(_ptx(aot, EARLY=0))
 
 
 def test_sm90_fma_form_has_no_mma(aot):
