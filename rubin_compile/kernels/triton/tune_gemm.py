@@ -260,13 +260,22 @@ def tune(
                 if bad:
                     raise RuntimeError(f"{name} {wfmt} M={M} {best.describe()} is wrong: {bad}")
                 heur = G.heuristic(M, N, K, wfmt, sms)
-                nopf, noearly = flipped(best, prefetch=True), flipped(best, early=True)
+
+                def flipped_time(flag: str) -> Optional[float]:
+                    other = flipped(best, **{flag: True})
+                    if other not in times:
+                        try:
+                            times[other] = ours_time(x, weights, other, True, reps)
+                        except Exception:  # e.g. the early tile does not fit the shared memory: no time
+                            return None
+                    return round(times[other], 3)
+
                 row = {
                     "config": best.to_json(),
                     "ours_us": round(times[best], 3),
                     "ours_nopdl_us": round(ours_time(x, weights, best, False, reps), 3),
-                    "ours_other_prefetch_us": round(times.get(nopf) or ours_time(x, weights, nopf, True, reps), 3),
-                    "ours_other_early_us": round(times.get(noearly) or ours_time(x, weights, noearly, True, reps), 3),
+                    "ours_other_prefetch_us": flipped_time("prefetch"),
+                    "ours_other_early_us": flipped_time("early"),
                     "heuristic": heur.to_json(),
                     "heuristic_us": round(times.get(heur, float("nan")), 3),
                     "cublas_us": round(cublas_time(x, weights, wfmt, reps), 3),
@@ -277,8 +286,8 @@ def tune(
                 rows[str(M)] = row
                 log(
                     f"{name:28s} {wfmt:9s} M={M:3d} best {best.describe():30s} {row['ours_us']:8.2f} us "
-                    f"(no PDL {row['ours_nopdl_us']:.2f}, prefetch flipped {row['ours_other_prefetch_us']:.2f}, "
-                    f"early flipped {row['ours_other_early_us']:.2f}, heuristic {row['heuristic_us']:.2f}) "
+                    f"(no PDL {row['ours_nopdl_us']:.2f}, prefetch flipped {row['ours_other_prefetch_us']}, "
+                    f"early flipped {row['ours_other_early_us']}, heuristic {row['heuristic_us']:.2f}) "
                     f"cuBLAS {row['cublas_us']:.2f} floor {row['floor_us']:.2f}"
                 )
             del weights
