@@ -261,11 +261,11 @@ def tune(
                     raise RuntimeError(f"{name} {wfmt} M={M} {best.describe()} is wrong: {bad}")
                 heur = G.heuristic(M, N, K, wfmt, sms)
 
-                def flipped_time(flag: str) -> Optional[float]:
+                def flipped_time(flag: str, ws: list = weights) -> Optional[float]:
                     other = flipped(best, **{flag: True})
                     if other not in times:
                         try:
-                            times[other] = ours_time(x, weights, other, True, reps)
+                            times[other] = ours_time(x, ws, other, True, reps)
                         except Exception:  # e.g. the early tile does not fit the shared memory: no time
                             return None
                     return round(times[other], 3)
