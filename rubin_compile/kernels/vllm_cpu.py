@@ -26,7 +26,7 @@ from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
 from rubin_compile.target import Target
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_ACTIVATIONS = ("silu", "gelu_tanh")
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # vLLM's CPU op names them as rubin.moe does (gelu: erf)
 # The kernel checks H % 32 == 0 and I % 32 == 0 (cpu_fused_moe.cpp; vLLM's CPU experts declare
 # output_alignment = 32 and pad the intermediate size to it when they load weights). Seen with isa "vec".
 _ALIGN = 32

@@ -12,7 +12,8 @@ Schema::
                Tensor w2,                 # [E, H, I]
                Tensor topk_weights,       # [T, k]   any float dtype; used as float32
                Tensor topk_ids,           # [T, k]   int32 / int64, values in [0, E)
-               str activation="silu",     # "silu": silu(gate) * up;  "gelu_tanh": gelu_tanh(gate) * up
+               str activation="silu",     # see "Activations" below: silu / gelu / gelu_tanh (gate, then up rows)
+                                          # or swigluoai (GPT-OSS: clamped, gate and up rows interleaved)
                Tensor? w13_bias=None,     # [E, 2I]
                Tensor? w2_bias=None,      # [E, H]
                Tensor? w13_scale=None,    # FP8 (e4m3) weights only, see below
@@ -29,6 +30,20 @@ Semantics, for every token t::
 
     out[t] = sum_j topk_weights[t, j] * FFN_{e}(hidden_states[t]),   e = topk_ids[t, j]
     FFN_e(x) = (act(x @ w13[e, :I].T + b13[e, :I]) * (x @ w13[e, I:].T + b13[e, I:])) @ w2[e].T + b2[e]
+
+Activations (``act(x @ w13[e].T + b13[e])`` of a ``[*, 2I]`` gate-up product; vLLM's names, ``MoEActivation``):
+
+* ``"silu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"``: ``act(gate) * up`` with ``gate = g[..., :I]`` and
+  ``up = g[..., I:]`` (w13's gate rows, then its up rows: vLLM's layout).
+* ``"swigluoai"``: GPT-OSS's clamped SwiGLU over **interleaved** rows (``gate = g[..., 0::2]``,
+  ``up = g[..., 1::2]``, as GPT-OSS checkpoints store ``gate_up_proj`` and vLLM's ``swigluoai`` reads it)::
+
+      gate = gate.clamp(max=limit);  up = up.clamp(-limit, limit)
+      act = (up + 1) * (gate * sigmoid(alpha * gate))
+
+  with ``alpha = 1.702`` and ``limit = 7.0`` (GPT-OSS's ``swiglu_alpha`` / ``swiglu_limit``, vLLM's constants);
+  other values are written ``"swigluoai:<alpha>:<limit>"`` (``swigluoai_activation``). w13 and its bias keep
+  the interleaved order: the rewrite never reorders weights.
 
 The top-k weights are applied after FC2 (as vLLM and Hugging Face do). If an expert id appears twice in
 a token's row, both slots contribute. FP8 weights are dequantised before use: with ``block_shape=None`` a
@@ -68,7 +83,8 @@ from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swigluoai")  # the kinds; "swigluoai" may carry its constants
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's (and vLLM's) clamped-SwiGLU constants
 WEIGHT_FP8_DTYPES = (torch.float8_e4m3fn,)  # rubin.moe's FP8 weights: e4m3, as the checkpoints store them
 CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
 
@@ -193,8 +209,7 @@ def _validate(a: MoEArgs) -> tuple:
             )
         if w13.dtype in WEIGHT_FP8_DTYPES or w2.dtype in WEIGHT_FP8_DTYPES:
             _fail(f"weight_layout {layout.encode()!r} is for unquantised weights")
-    if a.activation not in ACTIVATIONS:
-        _fail(f"activation={a.activation!r} is not supported; use one of {ACTIVATIONS}")
+    parse_activation(a.activation)  # names the activations rubin.moe implements when it is not one
     if x.dim() != 2:
         _fail(f"hidden_states must be [T, H], got shape {tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
@@ -293,15 +308,51 @@ def _expert_scale(scale: Optional[torch.Tensor], e: int, num_experts: int) -> Op
     return scale[e : e + 1]
 
 
+def swigluoai_activation(alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT) -> str:
+    """The ``activation`` string of GPT-OSS's clamped SwiGLU with these constants (``"swigluoai"`` for
+    GPT-OSS's own)."""
+    if float(alpha) == SWIGLUOAI_ALPHA and float(limit) == SWIGLUOAI_LIMIT:
+        return "swigluoai"
+    return f"swigluoai:{float(alpha)!r}:{float(limit)!r}"
+
+
+def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
+    """``(kind, constants)`` of an ``activation`` string: ``("silu", ())``, ``("swigluoai", (alpha, limit))``;
+    ``MoEArgumentError`` naming the supported ones otherwise."""
+    if activation in ("silu", "gelu_tanh", "gelu"):
+        return activation, ()
+    if isinstance(activation, str) and activation.split(":")[0] == "swigluoai":
+        parts = activation.split(":")[1:]
+        if not parts:
+            return "swigluoai", (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT)
+        try:
+            alpha, limit = (float(v) for v in parts)
+        except ValueError:
+            alpha = limit = None
+        if alpha is not None and limit is not None and limit > 0:
+            return "swigluoai", (alpha, limit)
+    raise MoEArgumentError(
+        f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS} "
+        "(swigluoai with other constants: 'swigluoai:<alpha>:<limit>', limit > 0)"
+    )
+
+
 def apply_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Gated activation of a [*, 2I] gate-up product: act(gate) * up."""
+    """The gated activation of a [*, 2I] gate-up product (see "Activations" in the module docstring)."""
+    kind, constants = parse_activation(activation)
+    if kind == "swigluoai":
+        alpha, limit = constants
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]  # interleaved rows, as GPT-OSS stores them
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
-    if activation == "silu":
+    if kind == "silu":
         return F.silu(gate) * up
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    raise MoEArgumentError(f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS}")
+    if kind == "gelu":
+        return F.gelu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:

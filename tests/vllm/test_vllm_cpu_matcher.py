@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, run_eager, set_call_kwarg
+from tests.vllm.harness import assert_close, assert_close_to_reference, compile_layer, set_call_kwarg
 from rubin_compile.integrations.vllm.layer_ops import (
     cpu_pack_unsupported_reason,
     cpu_weight_layout,
@@ -88,18 +88,14 @@ def test_router_weight_on_input(make_layer, vllm_config):
     assert d["skip_weighted"] and d["k"] == 1
 
 
+def test_erf_gelu_rewritten(make_layer, vllm_config):
+    """vLLM's CPU kernel runs erf GELU for act='gelu', as rubin.moe's "gelu" does."""
+    layer = make_layer(activation="gelu")
+    d = check_rewritten_and_close(layer, vllm_config, torch.float32)
+    assert d["activation"] == "gelu"
+
+
 # ---- near-misses: recognised, left unchanged, with the reason recorded ---------------------------------
-
-
-def test_erf_gelu_left_unchanged(make_layer, vllm_config):
-    layer = make_layer(activation="gelu")  # vLLM's CPU kernel runs erf GELU; rubin.moe has gelu_tanh only
-    x, logits = fresh_inputs(layer, torch.float32)
-    run, rec = compile_layer(layer, vllm_config, x, logits)
-    assert rec.after[CPU_MOE] == 1 and rec.after[RUBIN_MOE] == 0
-    (u,) = rec.match_moe()["unchanged"]
-    assert "act='gelu'" in u["reason"] and "erf" in u["reason"]
-    x, logits = fresh_inputs(layer, torch.float32)
-    assert_close(run(x, logits), run_eager(layer, vllm_config, x, logits))
 
 
 @pytest.mark.parametrize(
@@ -143,12 +139,13 @@ def test_strict_mode_fails_clearly(make_layer, vllm_config):
     from tests.vllm.harness import _caused_by
     from rubin_compile.passes.base import RubinStrictError
 
-    layer = make_layer(activation="gelu")
+    layer = make_layer()
     x, logits = fresh_inputs(layer, torch.float32)
     with pytest.raises(Exception) as info:
-        compile_layer(layer, vllm_config, x, logits, options={"strict": True})
+        edit = set_call_kwarg(CPU_MOE, isa="neon")  # a weight packing rubin has not verified
+        compile_layer(layer, vllm_config, x, logits, edit=edit, options={"strict": True})
     assert _caused_by(info.value, RubinStrictError)
-    assert "act='gelu'" in str(info.value) and "strict" in str(info.value)
+    assert "isa='neon'" in str(info.value) and "strict" in str(info.value)
 
 
 # ---- the kernel facts the rewrite rests on --------------------------------------------------------------

@@ -51,7 +51,9 @@ from rubin_compile.ops.registry import KernelSpec, Launch
 
 PLAIN_CPU, VNNI_CPU = WeightLayout("vllm_cpu", "<isa>"), WeightLayout("vllm_cpu", "<isa>", vnni=True)
 
-GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}  # vLLM MoEActivation value -> rubin.moe's
+# vLLM MoEActivation value -> rubin.moe's (the same names and meaning: vLLM's swigluoai reads interleaved gate / up
+# rows with alpha 1.702 and limit 7.0, its swigluoai_and_mul's defaults; gelu is erf GELU)
+GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu", "swigluoai": "swigluoai"}
 
 # vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as [N / 16, K, 16]
 # (16 output rows interleaved along K) or, for isa "amx" with bf16 / fp16 weights on a CPU with AMX, as
@@ -161,6 +163,9 @@ def layer_unsupported_reason(layer: Any, shared: bool) -> Optional[str]:
     for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
         if quant is not None and getattr(quant, name, None) is not None:
             return f"SwiGLU parameter {name} set on the layer"
+    if act == "silu" and getattr(cfg, "swiglu_limit", None) is not None:
+        # vLLM then runs silu_and_mul_with_clamp (ApplyMoEActivationConfig.clamp_limit), not plain SiLU-and-mul
+        return f"SiLU with a clamp (swiglu_limit={cfg.swiglu_limit}): vLLM's silu_and_mul_with_clamp"
     return _weights_unsupported_reason(experts)
 
 

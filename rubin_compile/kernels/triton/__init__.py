@@ -25,6 +25,7 @@ from rubin_compile import target as target_mod
 from rubin_compile.target import Target
 
 _MOE_ACTS = ("bfloat16", "float16")
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")  # the FC1 epilogues of kernels/triton/moe.py (its ACT 0 and 1)
 
 
 def _moe_supports(target: Target, spec: KernelSpec) -> Optional[str]:
@@ -38,6 +39,8 @@ def _moe_supports(target: Target, spec: KernelSpec) -> Optional[str]:
         return f"{QUANT_LABELS[spec.quant]} weights are not supported (bf16 / fp16, FP8 per-tensor or block)"
     if spec.act_dtype not in _MOE_ACTS:
         return f"activations in {spec.act_dtype} are not supported (bf16 / fp16)"
+    if spec.activation not in (None,) + MOE_ACTIVATIONS:
+        return f"activation {spec.activation} is not implemented in the Triton MoE ({', '.join(MOE_ACTIVATIONS)})"
     if importlib.util.find_spec("triton") is None:
         return "package triton is not installed"
     return None

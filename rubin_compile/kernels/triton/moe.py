@@ -46,6 +46,7 @@ CONFIG_DIR = Path(__file__).with_name("moe_configs")
 SLOT_MAX = 64  # decode "slot" mode handles up to this many (token, expert) slots with no routing launch
 ROUTE_KERNEL_MAX = 4096  # the single-program routing kernel sorts up to this many slots in registers
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_ACT_CODES = {"silu": 0, "gelu_tanh": 1}  # rubin.moe activation -> the kernels' ACT (kernels/triton/__init__.py)
 
 # ------------------------------------------------------------------------------------------------
 # configurations
@@ -1241,6 +1242,17 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=1024)
+def _act_code(activation: str) -> int:
+    if activation not in _ACT_CODES:
+        from rubin_compile.ops.moe import MoEArgumentError
+
+        raise MoEArgumentError(
+            f"rubin.moe: the Triton MoE implements activations {sorted(_ACT_CODES)}, not {activation!r}; "
+            "kernel selection gives such a call to another kernel (the reference)"
+        )
+    return _ACT_CODES[activation]
+
+
 def plan_call(
     T: int,
     H: int,
@@ -1302,7 +1314,7 @@ def plan_call(
         route_kernel=route_kernel,
         split=split,
         kch=kch,
-        act=0 if activation == "silu" else 1,
+        act=_act_code(activation),
         w_scale=w_scale,
         block=(int(block_shape[0]), int(block_shape[1])) if block_shape is not None else (1, 1),
         gdc=gdc,

@@ -93,4 +93,4 @@ def _routers_left_alone(graph: torch.fx.Graph, result: PassResult) -> list[Uncha
     return out
 
 
-PASS = Pass(NAME, run, reads=("engine", "gradients"))
+PASS = Pass(NAME, run, reads=("engine", "gradients", "target"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,3 +36,35 @@ def emit_moe(
     if weight_layout != "plain":
         kwargs["weight_layout"] = weight_layout
     return call(graph, torch.ops.rubin.moe.default, (hidden_states, w13, w2, topk_weights, topk_ids), kwargs)
+
+
+def reference_only_reason(
+    target: Any, act_dtype: str, weight_dtype: str, sizes: dict[str, Any], activation: str
+) -> Optional[str]:
+    """On a CUDA target, why a block stays when its activation is what leaves only the reference kernel to run
+    its ``rubin.moe`` (the reference loops over the experts: slower on a GPU than what the block runs without
+    rubin, Inductor's compile of it or vLLM's fused MoE). None when a GPU kernel takes it, on a CPU target, or
+    when the reference would run it for another reason (an fp32 model, rewritten as before)."""
+    if not getattr(target, "is_cuda", False):
+        return None
+    import rubin_compile.kernels  # noqa: F401  (registers every kernel on the op)
+    from rubin_compile.ops.moe import MOE
+    from rubin_compile.ops.registry import KernelSpec
+
+    spec = KernelSpec(
+        op="moe",
+        act_dtype=act_dtype,
+        weight_dtype=weight_dtype,
+        shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),
+        activation=activation,
+    )
+    selection = MOE.select(spec, target)
+    if selection.chosen.name != "reference":
+        return None
+    if MOE.select(dataclasses.replace(spec, activation="silu"), target).chosen.name == "reference":
+        return None
+    why = "; ".join(f"{name}: {reason}" for name, reason in selection.rejected)
+    return (
+        f"on {target.name} only the reference implements activation {activation} ({why}); the reference loops "
+        "over the experts, slower than the block as written, so the block stays"
+    )

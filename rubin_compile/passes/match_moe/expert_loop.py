@@ -68,7 +68,7 @@ def _ffn_relu(x, w_gate, w_up, w_down):
 
 # activation name -> search function; None marks activations rubin.moe does not implement.
 _BODIES = {"silu": _ffn_silu, "gelu_tanh": _ffn_gelu_tanh, "gelu": _ffn_gelu, "relu": _ffn_relu}
-SUPPORTED = ("silu", "gelu_tanh")
+SUPPORTED = ("silu", "gelu_tanh", "gelu")  # rubin.moe's gated activations over gate then up
 
 
 @functools.lru_cache(maxsize=None)

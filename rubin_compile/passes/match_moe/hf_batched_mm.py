@@ -41,6 +41,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     Block,
     NoMatch,
     check_block,
+    gpu_kernel_reason,
     ids_from_topk,
     is_zero_fill,
     match_activation,
@@ -258,6 +259,10 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
             block = _match_block(bmms[0], bmms[1], ids)  # graph order: gate_up first
         except NoMatch as e:
             unchanged.append(Unchanged(bmms[0].name, IDIOM, str(e)))
+            continue
+        reason = gpu_kernel_reason(block, ctx.target)
+        if reason is not None:
+            unchanged.append(Unchanged(block.fc1.name, IDIOM, reason))
             continue
         rewrites.append(rewrite(graph, block, IDIOM))
     return rewrites, unchanged

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError
+from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError, swigluoai_activation
 from rubin_compile.passes.base import Rewrite
 from rubin_compile.passes.fx import (
     RESHAPES,
@@ -32,7 +32,7 @@ from rubin_compile.passes.fx import (
     single_user,
     tensor_val,
 )
-from rubin_compile.passes.match_moe.emit import emit_moe
+from rubin_compile.passes.match_moe.emit import emit_moe, reference_only_reason
 from rubin_compile.passes.match_moe.routing import describe_routing
 
 aten = torch.ops.aten
@@ -64,8 +64,23 @@ def _sigmoid_mul(gate, up):
     return torch.sigmoid(gate) * up
 
 
+def _swigluoai_mul(gate, up):
+    """GPT-OSS's ``_apply_gate`` after its interleaved split (any constants: generated patterns ignore them;
+    ``_swigluoai_constants`` reads them off a match)."""
+    gate = gate.clamp(min=None, max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
 # Gated activations (``_default_apply_gate``: ``act_fn(gate) * up``), supported ones first.
-_GATES = {"silu": _silu_mul, "gelu_tanh": _gelu_tanh_mul, "gelu": _gelu_mul, "relu": _relu_mul, "sigmoid": _sigmoid_mul}
+_GATES = {
+    "silu": _silu_mul,
+    "gelu_tanh": _gelu_tanh_mul,
+    "gelu": _gelu_mul,
+    "relu": _relu_mul,
+    "sigmoid": _sigmoid_mul,
+    "swigluoai": _swigluoai_mul,
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,6 +123,7 @@ class Block:
     w13_bias: Optional[torch.fx.Node] = None
     w2_bias: Optional[torch.fx.Node] = None
     activation: Optional[str] = None
+    interleaved: bool = False  # gate and up are the even and odd columns of the gate-up product (GPT-OSS)
     extra_details: dict[str, Any] = field(default_factory=dict)  # form-specific report details
     final: Optional[torch.fx.Node] = None
     # Nodes of the block's data flow: replaced, so none may have a user outside the block.
@@ -216,12 +232,23 @@ def split_gate_up(b: Block, h: Union[torch.fx.Node, list[torch.fx.Node]]) -> tup
             return a[1] % val.dim(), a[2], a[3], a[4]
 
         steps = {bounds(s)[3] for s in slices}
-        if steps != {1}:
+        if steps == {2}:
+            # gate_up[..., ::2], gate_up[..., 1::2]: GPT-OSS's interleaved rows, which rubin.moe's swigluoai reads
+            # as stored (match_activation then requires that activation)
+            g, u = sorted(slices, key=lambda s: 0 if bounds(s)[1] in (0, None) else 1)
+            (g_dim, g_start, g_end, _), (u_dim, u_start, u_end, _) = bounds(g), bounds(u)
+            ends = all(e is None or (isinstance(e, int) and e >= two_i) or same(e, two_i) for e in (g_end, u_end))
+            if g_dim == u_dim == val.dim() - 1 and g_start in (0, None) and u_start == 1 and ends:
+                b.flow += [g, u]
+                b.interleaved = True
+                b.extra_details["gate_up"] = "interleaved (gate_up[..., ::2], gate_up[..., 1::2]), read as stored"
+                return g, u
             raise NoMatch(
-                "gate and up are interleaved columns of gate_up (gate_up[..., ::2], gate_up[..., 1::2], "
-                "as GPT-OSS stores them); rubin.moe takes gate rows then up rows, and reordering would "
-                "copy every expert's weights on every call"
+                f"gate and up are strided slices of gate_up that are not its even and odd columns "
+                f"(starts {g_start}, {u_start})"
             )
+        if steps != {1}:
+            raise NoMatch(f"gate and up are slices of gate_up with steps {sorted(steps)}, not halves or interleaved")
         g, u = sorted(slices, key=lambda s: 0 if bounds(s)[1] in (0, None) else 1)
         (g_dim, g_start, g_end, _), (u_dim, u_start, _, _) = bounds(g), bounds(u)
         if (
@@ -253,18 +280,53 @@ def match_activation(b: Block, gate: torch.fx.Node, up: torch.fx.Node, act_out: 
             # The pattern matcher refuses a pattern node with a user outside the pattern; say so.
             extra_user = extra_user or str(m).startswith("multiple_users")
             continue
-        if m.kwargs.get("gate") is gate and m.kwargs.get("up") is up and _constants(m.nodes) == constants:
-            if name not in ACTIVATIONS:
-                raise NoMatch(f"the experts' activation is {name}(gate) * up; rubin.moe implements {list(ACTIVATIONS)}")
-            b.activation = name
-            b.flow += [n for n in m.nodes if n not in (gate, up)]
-            return
+        if m.kwargs.get("gate") is not gate or m.kwargs.get("up") is not up:
+            continue
+        if name == "swigluoai":
+            activation = _swigluoai_constants(m.nodes)
+        elif _constants(m.nodes) == constants:
+            activation = name
+        else:
+            continue
+        if name not in ACTIVATIONS:
+            raise NoMatch(f"the experts' activation is {name}(gate) * up; rubin.moe implements {list(ACTIVATIONS)}")
+        if (name == "swigluoai") != b.interleaved:
+            raise NoMatch(
+                f"the experts' activation is {name} over {'interleaved' if b.interleaved else 'halved'} gate / up "
+                "columns; rubin.moe's swigluoai reads interleaved ones (GPT-OSS, vLLM's swigluoai) and its other "
+                "activations gate rows then up rows (vLLM's swigluoai_uninterleave is not implemented)"
+            )
+        b.activation = activation
+        b.flow += [n for n in m.nodes if n not in (gate, up)]
+        return
     if extra_user:
         raise NoMatch(f"an intermediate of the gate/up activation ({name_of}) has a user outside the experts block")
     raise NoMatch(
         f"the input of the {down} ({name_of}) is not act(gate) * up with a recognised "
         f"activation (rubin.moe implements {list(ACTIVATIONS)}); a custom _apply_gate?"
     )
+
+
+def _swigluoai_constants(nodes) -> str:
+    """The ``activation`` string of a matched GPT-OSS clamped SwiGLU: its ``alpha`` (the scalar of
+    ``gate * alpha``) and ``limit`` (``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``); ``NoMatch`` when
+    the clamps disagree or the offset on up is not one."""
+    by_op: dict[Any, list[float]] = {}
+    for n in nodes:
+        for a in n.args[1:]:
+            if isinstance(a, (int, float)) and not isinstance(a, bool):
+                by_op.setdefault(n.target, []).append(float(a))
+    lows, highs = by_op.get(aten.clamp_min.default, []), by_op.get(aten.clamp_max.default, [])
+    scales, offsets = by_op.get(aten.mul.Tensor, []), by_op.get(aten.add.Tensor, [])
+    if len(lows) != 1 or len(highs) != 2 or len(scales) != 1 or offsets != [1.0]:
+        raise NoMatch(
+            f"a clamped SwiGLU whose constants are not one alpha, one limit and up + 1 (clamp_min {lows}, "
+            f"clamp_max {highs}, scale {scales}, offset {offsets})"
+        )
+    limit = highs[0]
+    if highs[1] != limit or lows[0] != -limit or limit <= 0:
+        raise NoMatch(f"a clamped SwiGLU with different limits for gate and up (clamp_min {lows}, clamp_max {highs})")
+    return swigluoai_activation(scales[0], limit)
 
 
 def check_block(b: Block) -> None:
@@ -309,6 +371,14 @@ def check_block(b: Block) -> None:
                 f"intermediate {n.name} of the experts block has a user outside it "
                 f"({', '.join(u.name for u in outside)})"
             )
+
+
+def gpu_kernel_reason(b: Block, target: Any) -> Optional[str]:
+    """``emit.reference_only_reason`` for this block (None: rewrite it)."""
+    hv, w13v, idv = tensor_val(b.hidden), tensor_val(b.w13), tensor_val(b.topk_ids)
+    two_i = w13v.shape[2 if b.w13_transposed else 1]
+    sizes = {"E": w13v.shape[0], "H": hv.shape[1], "I": two_i // 2, "k": idv.shape[1]}
+    return reference_only_reason(target, dtype_name(hv.dtype), dtype_name(w13v.dtype), sizes, b.activation)
 
 
 def module_path(node: torch.fx.Node) -> Optional[str]:

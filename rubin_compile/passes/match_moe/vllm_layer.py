@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
+from rubin_compile.passes.match_moe.emit import reference_only_reason
 from rubin_compile.passes.fx import (
     MutatingCall,
     bound_arguments,
@@ -61,6 +62,10 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
         layer, reason = _find_layer(mc, ctx)
         if reason is None:
             reason = _graph_reason(mc, shared) or ctx.engine.moe_layer_unsupported(layer, shared)
+        if reason is None:
+            d = ctx.engine.moe_layer_details(layer)
+            sizes = {n: d.get(n) for n in ("E", "H", "I", "k")}
+            reason = reference_only_reason(ctx.target, d["dtype"], d["dtype"], sizes, d["activation"])
         if reason is not None:
             unchanged.append(Unchanged(node.name, IDIOM, reason))
             continue

@@ -18,8 +18,15 @@ def dense_moe(x, w13, w2, topk_w, topk_ids, act="silu", b13=None, b2=None):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             h = w13[e] @ x[t] + (0 if b13 is None else b13[e].double())
-            g = F.silu(h[:inter]) if act == "silu" else F.gelu(h[:inter], approximate="tanh")
-            out[t] += float(topk_w[t, j]) * (w2[e] @ (g * h[inter:]) + (0 if b2 is None else b2[e].double()))
+            if act.startswith("swigluoai"):  # GPT-OSS: interleaved rows, clamped, up + 1
+                alpha, limit = (1.702, 7.0) if act == "swigluoai" else map(float, act.split(":")[1:])
+                gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+                a = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                gate, up = h[:inter], h[inter:]
+                fn = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[act]
+                a = fn(gate) * up
+            out[t] += float(topk_w[t, j]) * (w2[e] @ a + (0 if b2 is None else b2[e].double()))
     return out
 
 
@@ -34,10 +41,13 @@ def make(T=6, H=24, E=5, I=12, k=2, dtype=torch.float32, bias=False):
     return x, w13, w2, w, ids, b13, b2
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu", "swigluoai", "swigluoai:1.25:2.5"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_reference_matches_documented_semantics(act, bias):
     x, w13, w2, w, ids, b13, b2 = make(bias=bias)
+    if act.startswith("swigluoai"):  # pre-activations of std ~4: the clamps (2.5, 7) bite
+        w13 = w13 * 7
+        assert (torch.einsum("eih,th->tei", w13, x).abs() > 7).any()
     got = torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2)
     want = dense_moe(x, w13, w2, w, ids, act, b13, b2)
     assert got.dtype == x.dtype
@@ -86,6 +96,8 @@ def test_fp8_block_and_per_tensor_dequantisation():
     "mutate, message",
     [
         (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
+        (lambda a: a.update(activation="swigluoai:1.7"), "activation='swigluoai:1.7' is not supported"),
+        (lambda a: a.update(activation="swigluoai:1.7:-1"), "limit > 0"),
         (lambda a: a.update(w2=a["w2"][:, :, :-1]), r"disagree on I: w2 has I=11, so w13 must be \[E=5, 2I=22"),
         # a w13 with two rows too many names w13 (before: "w2 shape ... does not match")
         (
