@@ -59,6 +59,20 @@ def mixtral(**kw):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**cfg, **kw}))
 
 
+def qwen2_moe(**kw):
+    """Qwen2-MoE: its shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (left to Inductor)."""
+    cfg = dict(
+        COMMON,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**cfg, **kw}))
+
+
 def olmoe(**kw):
     cfg = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**cfg, **kw}))
@@ -240,6 +254,12 @@ BLOCK_VARIANTS = [  # (name, build, expected details / routing, dtypes)
     ),
     ("gemma4", gemma4_block, dict(activation="gelu_tanh", renormalize=True, per_expert_scale=True), (FP32,)),
     ("qwen3_gelu_erf", lambda: moe_block(qwen3_moe(hidden_act="gelu")), dict(activation="gelu"), (FP32, BF16)),
+    (  # routed experts rewritten; the sigmoid-gated shared expert beside them stays ATen
+        "qwen2_moe_gated_shared_expert",
+        lambda: moe_block(qwen2_moe()),
+        dict(order="softmax_then_topk", renormalize=False),
+        (FP32, BF16),
+    ),
     (  # clamped SwiGLU over interleaved gate / up columns, per-expert biases, top-k then softmax with a router bias
         "gpt_oss",
         gpt_oss_block,
