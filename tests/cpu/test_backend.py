@@ -131,7 +131,7 @@ def test_rubin_errors_reach_the_user_as_themselves():
     from rubin_compile import RubinError, RubinOptionsError, RubinStrictError
     from tests.cpu.passes.match_moe.test_expert_loop import LoopMoE
 
-    model = LoopMoE(act="gelu").eval()  # exact GELU: recognised, left unchanged with the reason
+    model = LoopMoE(act="relu").eval()  # ReLU: recognised, left unchanged with the reason
     torch._dynamo.reset()
     with pytest.raises(RubinStrictError) as err, torch.no_grad():
         torch.compile(model, backend="rubin", options={"strict": True})(torch.randn(5, 32))

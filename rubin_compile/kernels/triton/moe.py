@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
-from rubin_compile.ops.moe import MoEArgs
+from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
 from rubin_compile.runtime import locality
 
@@ -1241,11 +1241,8 @@ class _Call:
     fc1_pdl: bool  # FC1's launch: the first kernel of the call unless the routing kernel ran before it
 
 
-@functools.lru_cache(maxsize=1024)
 def _act_code(activation: str) -> int:
     if activation not in _ACT_CODES:
-        from rubin_compile.ops.moe import MoEArgumentError
-
         raise MoEArgumentError(
             f"rubin.moe: the Triton MoE implements activations {sorted(_ACT_CODES)}, not {activation!r}; "
             "kernel selection gives such a call to another kernel (the reference)"
@@ -1253,6 +1250,7 @@ def _act_code(activation: str) -> int:
     return _ACT_CODES[activation]
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_call(
     T: int,
     H: int,

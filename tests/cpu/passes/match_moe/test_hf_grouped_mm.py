@@ -120,6 +120,15 @@ def gpt_oss_block(model: Optional[nn.Module] = None, **kw) -> nn.Module:
     return block
 
 
+def gpt_oss_block_other_constants() -> nn.Module:
+    """GPT-OSS's block with its SwiGLU constants not GPT-OSS's; transformers 5.17 hard-codes 1.702 and 7.0 and
+    reads neither from the config (5.19 reads both)."""
+    block = gpt_oss_block(swiglu_limit=3.0, swiglu_alpha=1.25)
+    if (block.experts.alpha, block.experts.limit) != (1.25, 3.0):
+        pytest.skip(f"transformers {transformers.__version__} ignores swiglu_alpha / swiglu_limit")
+    return block
+
+
 def gemma4_block() -> nn.Module:
     """Gemma 4's MoE: GELU-tanh experts; the router renormalises, then scales by a per-expert weight."""
     cfg = transformers.Gemma4TextConfig(
@@ -268,7 +277,7 @@ BLOCK_VARIANTS = [  # (name, build, expected details / routing, dtypes)
     ),
     (
         "gpt_oss_other_constants",
-        lambda: gpt_oss_block(swiglu_limit=3.0, swiglu_alpha=1.25),
+        lambda: gpt_oss_block_other_constants(),
         dict(activation="swigluoai:1.25:3.0"),
         (FP32,),
     ),
