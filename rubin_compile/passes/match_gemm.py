@@ -339,7 +339,7 @@ def _read_epilogue(g: _Gemm) -> None:
         if bv is not None and bv.dim() == 1 and bv.shape[0] == N and bv.dtype == out_dtype:
             g.bias, g.extras["bias_add"] = bias, user.name
             g.flow.append(user)
-            cur = user
+            g.final = cur = user  # the rewrite replaces the add: left in place, it would add the bias twice
     # SiLU / GELU-tanh and mul
     gated = _match_gated(g, cur, N)
     if gated is not None:

@@ -284,3 +284,28 @@ def test_unfused_bias_add_gpu_form():
     x, w, b = (torch.randn_like(a) for a in args)
     y = x @ w.t() + b
     assert_close_to_eager(gm(x, w, b), F.silu(y[:, :16]) * y[:, 16:])
+
+
+class _BiasAfterView(nn.Module):
+    """A bias-free linear on [B, S, H] input, then a separate bias add (Qwen3.5-MoE's ``in_proj_a(x) + dt_bias``):
+    Inductor leaves mm -> view -> add, and the add is folded into rubin.gemm's bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 4, bias=False)
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.lin(x) + self.b
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 64), (8, 64)], ids=["3d", "2d"])
+def test_bias_add_folded_once(rubin_run, shape):
+    """Regression (found by the families survey, 2026-12-01): with a 3-D input the folded bias add stayed in the
+    graph and read the new node, adding the bias twice (5.5% of the output's scale off on Qwen3.5-MoE)."""
+    model = _BiasAfterView().eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert_close_to_eager(rubin_run.compile(model)(x), model(x))
+    code = rubin_run.final_code()
+    assert count_ops(code, "rubin.gemm") == 1 or count_ops(code, "aten.mm") + count_ops(code, "aten.addmm") == 1
