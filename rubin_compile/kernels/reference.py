@@ -23,5 +23,11 @@ def _entry(op: str) -> Callable[[KernelSpec], str]:
 
 for _op in CANONICAL_OPS.values():
     _op.register_kernel(
-        "reference", supports=_supports, priority={"*": 0}, layouts=("*",), entry=_entry(_op.name), module=__name__
+        "reference",
+        supports=_supports,
+        priority={"*": 0},
+        layouts=("*",),
+        entry=_entry(_op.name),
+        module=__name__,
+        features=("*",),
     )(_op.reference)

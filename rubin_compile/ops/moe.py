@@ -8,13 +8,14 @@ implementation below *is* the semantics.
 Schema::
 
     rubin::moe(Tensor hidden_states,      # [T, H]   bf16 / fp16 / fp32
-               Tensor w13,                # [E, 2I, H] gate rows [0, I) then up rows [I, 2I) (vLLM layout)
+               Tensor w13,                # [E, N, H]: N = 2I for a gated activation (gate rows [0, I) then up
+                                          # rows [I, 2I), vLLM's layout), N = I for a _no_mul one
                Tensor w2,                 # [E, H, I]
                Tensor topk_weights,       # [T, k]   any float dtype; used as float32
                Tensor topk_ids,           # [T, k]   int32 / int64, values in [0, E)
-               str activation="silu",     # see "Activations" below: silu / gelu / gelu_tanh (gate, then up rows)
-                                          # or swigluoai (GPT-OSS: clamped, gate and up rows interleaved)
-               Tensor? w13_bias=None,     # [E, 2I]
+               str activation="silu",     # see "Activations" below: silu / gelu / gelu_tanh (gate, then up rows),
+                                          # swigluoai (GPT-OSS: clamped, rows interleaved), clamped SwiGLUs, _no_mul
+               Tensor? w13_bias=None,     # [E, N]
                Tensor? w2_bias=None,      # [E, H]
                Tensor? w13_scale=None,    # FP8 (e4m3) weights only, see below
                Tensor? w2_scale=None,
@@ -22,16 +23,23 @@ Schema::
                str impl="reference",      # which kernel runs it; chosen by select_kernels
                str weight_layout="plain", # how w13 / w2 are stored, see below (WeightLayout)
                bool pdl=False,            # launch with Programmatic Dependent Launch; set by chain_pdl
-               str placement="")          # "" or "split_n:<mode>:<domains>:<max_tokens>" (Placement); set by
+               str placement="",          # "" or "split_n:<mode>:<domains>:<max_tokens>" (Placement); set by
                                           # place_locality
+               bool apply_router_weight_on_input=False,  # scale each expert's input, not its output (Llama 4)
+               Tensor? activation_constants=None)         # the activation's constants as run-time values
       -> Tensor                           # [T, H] in hidden_states' dtype
 
 Semantics, for every token t::
 
     out[t] = sum_j topk_weights[t, j] * FFN_{e}(hidden_states[t]),   e = topk_ids[t, j]
-    FFN_e(x) = (act(x @ w13[e, :I].T + b13[e, :I]) * (x @ w13[e, I:].T + b13[e, I:])) @ w2[e].T + b2[e]
+    FFN_e(x) = act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]
 
-Activations (``act(x @ w13[e].T + b13[e])`` of a ``[*, 2I]`` gate-up product; vLLM's names, ``MoEActivation``):
+with ``apply_router_weight_on_input=True`` (vLLM's flag; Llama 4 scales each expert's input by its router score)::
+
+    out[t] = sum_j FFN_{e}(topk_weights[t, j] * hidden_states[t])   (the product in hidden_states' dtype)
+
+Activations (``act`` of the ``[*, N]`` gate-up product ``g``; vLLM's names, ``MoEActivation``). A **gated**
+activation reads N = 2I columns, a gate and an up part, and returns I; a ``_no_mul`` one reads N = I:
 
 * ``"silu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"``: ``act(gate) * up`` with ``gate = g[..., :I]`` and
   ``up = g[..., I:]`` (w13's gate rows, then its up rows: vLLM's layout).
@@ -44,13 +52,29 @@ Activations (``act(x @ w13[e].T + b13[e])`` of a ``[*, 2I]`` gate-up product; vL
   with ``alpha = 1.702`` and ``limit = 7.0`` (GPT-OSS's ``swiglu_alpha`` / ``swiglu_limit``, vLLM's constants);
   other values are written ``"swigluoai:<alpha>:<limit>"`` (``swigluoai_activation``). w13 and its bias keep
   the interleaved order: the rewrite never reorders weights.
+* ``"swigluoai_uninterleave[:<alpha>:<limit>]"``: the same over gate rows then up rows (MiniMax-M3; vLLM's
+  ``swigluoai_uninterleave`` with ``swiglu_beta = 1``).
+* ``"silu_clamp:<limit>"``: ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)`` over halves (DeepSeek-V4,
+  GLM-5-Next, Hunyuan-V4; vLLM's ``silu`` with a ``swiglu_limit``).
+* ``"swiglustep[:<limit>]"``: ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` over halves, limit 7.0 by
+  default (Step-3.5 / 3.7; vLLM's ``swiglustep``).
+* not gated, w13 ``[E, I, H]``: ``"silu_no_mul"``, ``"gelu_no_mul"``, ``"gelu_tanh_no_mul"``, ``"relu2_no_mul"``
+  (``relu(g) ** 2``, Nemotron-H), ``"relu_no_mul"`` (``relu(g)``).
 
-The top-k weights are applied after FC2 (as vLLM and Hugging Face do). If an expert id appears twice in
-a token's row, both slots contribute. FP8 weights are dequantised before use: with ``block_shape=None`` a
+``activation_constants``: when the activation's constants are values the graph computes or receives (Dynamo
+makes a module's float attribute a graph input under ``dynamic=True``), a 1-D float tensor of them in the order
+of the string form (``[alpha, limit]``, ``[limit]``); they replace the string's. None: the string's.
+
+The top-k weights are applied after FC2 (as vLLM and Hugging Face do) unless ``apply_router_weight_on_input``.
+If an expert id appears twice in a token's row, both slots contribute. FP8 weights are dequantised before use: with ``block_shape=None`` a
 scale is per tensor (shape ``[]``) or per expert (``[E]``, ``[E, 1]`` or ``[E, 1, 1]``); with
 ``block_shape=[bn, bk]`` ``w13_scale`` is ``[E, ceil(2I/bn), ceil(H/bk)]`` and ``w2_scale`` is
 ``[E, ceil(H/bn), ceil(I/bk)]`` (the DeepSeek / Qwen FP8 checkpoint layout). The reference keeps
 activations in their own dtype; a kernel that quantises activations states its tolerance.
+
+A kernel implements ``apply_router_weight_on_input`` and ``activation_constants`` only where it declares the
+feature (``MoEArgs.features``, ``KernelSpec.features``, ``Kernel.features``); selection rejects the others with
+that reason, so a kernel never computes a different op silently.
 
 ``pdl`` and ``placement`` say how the kernel is launched, never what it computes: PDL results are
 bitwise identical, and a split-N placement (passes/place_locality.py: FC1 split over I, FC2 over H, one
@@ -74,7 +98,7 @@ weights as the model stores them instead of copying them on every call:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +107,42 @@ from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swigluoai")  # the kinds; "swigluoai" may carry its constants
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's (and vLLM's) clamped-SwiGLU constants
+SWIGLUSTEP_LIMIT = 7.0  # vLLM's swiglustep default
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One kind of ``activation`` (see "Activations" in the module docstring): whether it is gated (reads a gate
+    and an up part, N = 2I) and how the two lie (``interleaved``: even / odd columns; else halves), and the names
+    and defaults of its constants, in the order its string form writes them (``"<kind>:<c1>:<c2>"``).
+    ``defaults=None``: the constants must be written."""
+
+    kind: str
+    gated: bool = True
+    interleaved: bool = False
+    constants: tuple[str, ...] = ()
+    defaults: Optional[tuple[float, ...]] = ()
+
+
+ACTIVATION_KINDS: dict[str, Activation] = {
+    a.kind: a
+    for a in (
+        Activation("silu"),
+        Activation("gelu_tanh"),
+        Activation("gelu"),
+        Activation("swigluoai", interleaved=True, constants=("alpha", "limit"), defaults=(1.702, 7.0)),
+        Activation("swigluoai_uninterleave", constants=("alpha", "limit"), defaults=(1.702, 7.0)),
+        Activation("silu_clamp", constants=("limit",), defaults=None),
+        Activation("swiglustep", constants=("limit",), defaults=(SWIGLUSTEP_LIMIT,)),
+        Activation("silu_no_mul", gated=False),
+        Activation("gelu_no_mul", gated=False),
+        Activation("gelu_tanh_no_mul", gated=False),
+        Activation("relu2_no_mul", gated=False),
+        Activation("relu_no_mul", gated=False),
+    )
+}
+ACTIVATIONS = tuple(ACTIVATION_KINDS)  # the kinds; those with constants may carry them ("swigluoai:<a>:<l>")
 WEIGHT_FP8_DTYPES = (torch.float8_e4m3fn,)  # rubin.moe's FP8 weights: e4m3, as the checkpoints store them
 CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
 
@@ -177,6 +235,8 @@ class MoEArgs:
     w2_scale: Optional[torch.Tensor] = None
     block_shape: Optional[Sequence[int]] = None
     weight_layout: WeightLayout = PLAIN
+    apply_router_weight_on_input: bool = False
+    activation_constants: Optional[torch.Tensor] = None
     T: int = field(init=False)
     H: int = field(init=False)
     E: int = field(init=False)
@@ -196,6 +256,21 @@ class MoEArgs:
     def fp8(self) -> bool:
         return self.w13.dtype in WEIGHT_FP8_DTYPES
 
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The optional semantics this call uses, which only kernels declaring them implement (``FEATURES``)."""
+        return call_features(self.apply_router_weight_on_input, self.activation_constants is not None)
+
+
+# Optional semantics of rubin.moe that a kernel implements only where it says so (Kernel.features).
+ROUTER_WEIGHT_ON_INPUT = "router_weight_on_input"
+RUNTIME_ACTIVATION_CONSTANTS = "runtime_activation_constants"
+FEATURES = (ROUTER_WEIGHT_ON_INPUT, RUNTIME_ACTIVATION_CONSTANTS)
+
+
+def call_features(on_input: bool, runtime_constants: bool) -> tuple[str, ...]:
+    return tuple(f for f, used in zip(FEATURES, (on_input, runtime_constants)) if used)
+
 
 def _validate(a: MoEArgs) -> tuple:
     """(T, H, E, I, k) of valid arguments; ``MoEArgumentError`` naming the argument and the fix otherwise."""
@@ -209,24 +284,30 @@ def _validate(a: MoEArgs) -> tuple:
             )
         if w13.dtype in WEIGHT_FP8_DTYPES or w2.dtype in WEIGHT_FP8_DTYPES:
             _fail(f"weight_layout {layout.encode()!r} is for unquantised weights")
-    parse_activation(a.activation)  # names the activations rubin.moe implements when it is not one
+    act, _ = activation_info(a.activation)  # names the activations rubin.moe implements when it is not one
+    _validate_constants(a, act)
     if x.dim() != 2:
         _fail(f"hidden_states must be [T, H], got shape {tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
         _fail(f"hidden_states dtype {x.dtype} is not one of bf16 / fp16 / fp32 / fp64")
     T, H = x.shape
     if w13.dim() != 3 or w2.dim() != 3:
-        _fail(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
-    E, two_i, h13 = w13.shape
-    if h13 != H or two_i % 2:
-        _fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I")
-    inter = two_i // 2
+        _fail(f"w13 must be [E, N, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    E, two_i, h13 = w13.shape  # two_i: N, 2I for a gated activation, I for a _no_mul one
+    if h13 != H or (act.gated and two_i % 2):
+        _fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I ({a.activation} is gated)")
+    inter = two_i // 2 if act.gated else two_i
     if tuple(w2.shape[:2]) != (E, H):
         _fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I]")
     if w2.shape[2] != inter:
+        rows = (
+            f"2I={2 * w2.shape[2]}, H={H}] (gate rows, then up rows)"
+            if act.gated
+            else f"I={w2.shape[2]}, H={H}] ({a.activation} is not gated)"
+        )
         _fail(
             f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on I: w2 has I={w2.shape[2]}, so w13 must "
-            f"be [E={E}, 2I={2 * w2.shape[2]}, H={H}] (gate rows, then up rows); w13 has {two_i} rows"
+            f"be [E={E}, {rows}; w13 has {two_i} rows"
         )
     quantized = w13.dtype in WEIGHT_FP8_DTYPES
     if (w2.dtype in WEIGHT_FP8_DTYPES) != quantized:
@@ -251,10 +332,23 @@ def _validate(a: MoEArgs) -> tuple:
     if not tw.dtype.is_floating_point:
         _fail(f"topk_weights must be floating point, got {tw.dtype}")
     if a.w13_bias is not None and tuple(a.w13_bias.shape) != (E, two_i):
-        _fail(f"w13_bias must be [E, 2I] = {(E, two_i)}, got {tuple(a.w13_bias.shape)}")
+        _fail(f"w13_bias must be [E, N] = {(E, two_i)}, got {tuple(a.w13_bias.shape)}")
     if a.w2_bias is not None and tuple(a.w2_bias.shape) != (E, H):
         _fail(f"w2_bias must be [E, H] = {(E, H)}, got {tuple(a.w2_bias.shape)}")
     return T, H, E, inter, ids.shape[1]
+
+
+def _validate_constants(a: MoEArgs, act: Activation) -> None:
+    c = a.activation_constants
+    if c is None:
+        return
+    if not act.constants:
+        _fail(f"activation_constants given, but activation {a.activation!r} has no constants")
+    if c.dim() != 1 or c.shape[0] != len(act.constants) or not c.dtype.is_floating_point:
+        _fail(
+            f"activation_constants must be a 1-D float tensor of {len(act.constants)} values "
+            f"({', '.join(act.constants)}) for {act.kind}; got {c.dtype} of shape {tuple(c.shape)}"
+        )
 
 
 def _validate_scales(a: MoEArgs, E: int, H: int, two_i: int, inter: int) -> None:
@@ -308,51 +402,93 @@ def _expert_scale(scale: Optional[torch.Tensor], e: int, num_experts: int) -> Op
     return scale[e : e + 1]
 
 
-def swigluoai_activation(alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT) -> str:
+def swigluoai_activation(
+    alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT, kind: str = "swigluoai"
+) -> str:
     """The ``activation`` string of GPT-OSS's clamped SwiGLU with these constants (``"swigluoai"`` for
-    GPT-OSS's own)."""
-    if float(alpha) == SWIGLUOAI_ALPHA and float(limit) == SWIGLUOAI_LIMIT:
-        return "swigluoai"
-    return f"swigluoai:{float(alpha)!r}:{float(limit)!r}"
+    GPT-OSS's own); ``kind="swigluoai_uninterleave"`` for the same over gate rows then up rows."""
+    return activation_string(kind, (alpha, limit))
+
+
+def activation_string(kind: str, constants: Sequence[float] = ()) -> str:
+    """The ``activation`` string of ``kind`` with ``constants`` (the kind alone when they are its defaults)."""
+    act = ACTIVATION_KINDS[kind]
+    values = tuple(float(v) for v in constants)
+    if len(values) != len(act.constants):
+        raise MoEArgumentError(f"rubin.moe: activation {kind} takes constants {act.constants}, got {values}")
+    if not values or (act.defaults is not None and values == tuple(float(d) for d in act.defaults)):
+        return kind
+    return ":".join([kind] + [repr(v) for v in values])
+
+
+def activation_info(activation: str) -> tuple[Activation, tuple[float, ...]]:
+    """``(Activation, constants)`` of an ``activation`` string; ``MoEArgumentError`` naming the supported ones
+    otherwise."""
+    kind, *parts = activation.split(":") if isinstance(activation, str) else [None]
+    act = ACTIVATION_KINDS.get(kind)
+    if act is not None:
+        if not parts and act.defaults is not None:
+            return act, tuple(act.defaults)
+        try:
+            values = tuple(float(v) for v in parts)
+        except ValueError:
+            values = ()
+        if len(values) == len(act.constants) and values:
+            if "limit" not in act.constants or values[act.constants.index("limit")] > 0:
+                return act, values
+    raise MoEArgumentError(
+        f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS} (with constants: "
+        "'swigluoai[_uninterleave]:<alpha>:<limit>', 'silu_clamp:<limit>', 'swiglustep:<limit>', limit > 0)"
+    )
 
 
 def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
     """``(kind, constants)`` of an ``activation`` string: ``("silu", ())``, ``("swigluoai", (alpha, limit))``;
     ``MoEArgumentError`` naming the supported ones otherwise."""
-    if activation in ("silu", "gelu_tanh", "gelu"):
-        return activation, ()
-    if isinstance(activation, str) and activation.split(":")[0] == "swigluoai":
-        parts = activation.split(":")[1:]
-        if not parts:
-            return "swigluoai", (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT)
-        try:
-            alpha, limit = (float(v) for v in parts)
-        except ValueError:
-            alpha = limit = None
-        if alpha is not None and limit is not None and limit > 0:
-            return "swigluoai", (alpha, limit)
-    raise MoEArgumentError(
-        f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS} "
-        "(swigluoai with other constants: 'swigluoai:<alpha>:<limit>', limit > 0)"
-    )
+    act, constants = activation_info(activation)
+    return act.kind, constants
 
 
-def apply_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """The gated activation of a [*, 2I] gate-up product (see "Activations" in the module docstring)."""
-    kind, constants = parse_activation(activation)
-    if kind == "swigluoai":
-        alpha, limit = constants
+def apply_activation(gate_up: torch.Tensor, activation: str, constants: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The activation of a ``[*, N]`` gate-up product (see "Activations" in the module docstring). ``constants``:
+    the run-time values of its constants (``activation_constants``), which replace the string's."""
+    act, values = activation_info(activation)
+    c: Sequence[Any] = values
+    if constants is not None:
+        c = [constants[i].to(gate_up.dtype) for i in range(len(act.constants))]
+    named = dict(zip(act.constants, c))
+    if not act.gated:
+        if act.kind == "relu2_no_mul":
+            return torch.square(F.relu(gate_up))
+        return _UNGATED[act.kind](gate_up)
+    if act.interleaved:
         gate, up = gate_up[..., 0::2], gate_up[..., 1::2]  # interleaved rows, as GPT-OSS stores them
+    else:
+        inter = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if act.kind in ("swigluoai", "swigluoai_uninterleave"):
+        alpha, limit = named["alpha"], named["limit"]
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    inter = gate_up.shape[-1] // 2
-    gate, up = gate_up[..., :inter], gate_up[..., inter:]
-    if kind == "silu":
-        return F.silu(gate) * up
-    if kind == "gelu":
-        return F.gelu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    if act.kind == "silu_clamp":
+        limit = named["limit"]
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    if act.kind == "swiglustep":
+        limit = named["limit"]
+        return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    return _UNGATED[act.kind](gate) * up
+
+
+_UNGATED = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
+    "silu_no_mul": F.silu,
+    "gelu_no_mul": F.gelu,
+    "gelu_tanh_no_mul": lambda v: F.gelu(v, approximate="tanh"),
+    "relu_no_mul": F.relu,
+}
 
 
 def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
@@ -380,13 +516,19 @@ def reference(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return _reference_in_capture(args, w13, w2, out).to(dtype)
     token_of_slot = torch.arange(T, device=x.device).repeat_interleave(k)
+    on_input = args.apply_router_weight_on_input
     for e in torch.unique(flat_ids).tolist():
         if not 0 <= e < E:
             raise MoEArgumentError(f"rubin.moe: topk_ids contains expert {e}, outside [0, E={E})")
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of_slot[slots]
-        y = _expert(args, w13, w2, e, x.index_select(0, tokens))
-        out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots].unsqueeze(1))
+        xe = x.index_select(0, tokens)
+        if on_input:  # the routed weight scales the expert's input, in the input dtype (vLLM, Llama 4)
+            y = _expert(args, w13, w2, e, xe * args.topk_weights.reshape(-1)[slots].to(dtype).unsqueeze(1))
+            out.index_add_(0, tokens, y.to(acc_dtype))
+        else:
+            y = _expert(args, w13, w2, e, xe)
+            out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots].unsqueeze(1))
     return out.to(dtype)
 
 
@@ -395,10 +537,19 @@ def _reference_in_capture(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, ou
     reference: an fp32 model on a GPU): no host synchronisation, so no ``unique`` / ``nonzero`` over the routing.
     Every expert runs on every token and its output is weighted by the token's routing weight for it (zero when
     not routed): the same sum, E times the work, fine for what the reference is for. Expert ids outside [0, E)
-    cannot be reported here (that would need a synchronisation); they contribute nothing."""
+    cannot be reported here (that would need a synchronisation); they contribute nothing. With
+    ``apply_router_weight_on_input`` each (slot, expert) pair runs on its scaled input and is masked after FC2
+    (an expert of an unrouted slot contributes nothing, biases included)."""
+    x = args.hidden_states
     for e in range(args.E):
+        if args.apply_router_weight_on_input:
+            for j in range(args.k):
+                routed = (args.topk_ids[:, j : j + 1] == e).to(out.dtype)  # [T, 1]
+                xe = x * args.topk_weights[:, j : j + 1].to(x.dtype)
+                out += _expert(args, w13, w2, e, xe).to(out.dtype) * routed
+            continue
         coef = (args.topk_weights.to(out.dtype) * (args.topk_ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
-        out += _expert(args, w13, w2, e, args.hidden_states).to(out.dtype) * coef
+        out += _expert(args, w13, w2, e, x).to(out.dtype) * coef
     return out
 
 
@@ -410,7 +561,7 @@ def _expert(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, e: int, xe: torc
     gate_up = xe @ w13_e.t()
     if args.w13_bias is not None:
         gate_up = gate_up + args.w13_bias[e].to(dtype)
-    y = apply_activation(gate_up, args.activation) @ w2_e.t()
+    y = apply_activation(gate_up, args.activation, args.activation_constants) @ w2_e.t()
     if args.w2_bias is not None:
         y = y + args.w2_bias[e].to(dtype)
     return y
@@ -443,6 +594,8 @@ def moe(
     weight_layout: str = "plain",
     pdl: bool = False,
     placement: str = "",
+    apply_router_weight_on_input: bool = False,
+    activation_constants: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (ops/registry.py)."""
     args = MoEArgs(
@@ -458,6 +611,8 @@ def moe(
         w2_scale,
         block_shape,
         WeightLayout.decode(weight_layout),
+        apply_router_weight_on_input,
+        activation_constants,
     )
     return MOE.run(impl, args, Launch.decode(pdl, placement))
 
@@ -479,6 +634,8 @@ def _moe_fake(
     weight_layout="plain",
     pdl=False,
     placement="",
+    apply_router_weight_on_input=False,
+    activation_constants=None,
 ):
     MoEArgs(
         hidden_states,
@@ -493,6 +650,8 @@ def _moe_fake(
         w2_scale,
         block_shape,
         WeightLayout.decode(weight_layout),
+        apply_router_weight_on_input,
+        activation_constants,
     )
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
@@ -514,11 +673,12 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
     else:
         quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
     two_i = static_size(w13, 1)
+    gated = activation_info(args.get("activation", "silu"))[0].gated
     sizes = {
         "T": static_size(hidden, 0),
         "E": static_size(w13, 0),
         "H": static_size(hidden, 1),
-        "I": two_i // 2 if two_i is not None else None,
+        "I": (two_i // 2 if gated else two_i) if two_i is not None else None,
         "k": static_size(ids, 1),
     }
     return KernelSpec(
@@ -531,6 +691,9 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
         activation=args.get("activation"),
         node=node.name,
         weight_layout=args.get("weight_layout") or "plain",
+        features=call_features(
+            bool(args.get("apply_router_weight_on_input")), args.get("activation_constants") is not None
+        ),
     )
 
 

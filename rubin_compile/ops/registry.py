@@ -83,6 +83,9 @@ class KernelSpec:
         Named sizes: MoE ``E, H, I, k`` (``T`` when static); GEMM ``M, N, K``; attention ``D`` (head dim).
     weight_layout:
         How the weights are stored (``rubin.moe``'s ``weight_layout``: ``"plain"``, ``"vllm_cpu:<isa>[:vnni]"``).
+    features:
+        Optional semantics the node uses that only kernels declaring them implement (``rubin.moe``:
+        ``"router_weight_on_input"``, ``"runtime_activation_constants"``; ``Kernel.features``).
     """
 
     op: str
@@ -94,6 +97,7 @@ class KernelSpec:
     activation: Optional[str] = None
     node: str = ""
     weight_layout: str = "plain"
+    features: tuple[str, ...] = ()
 
     def dim(self, name: str) -> Optional[int]:
         return dict(self.shape).get(name)
@@ -191,7 +195,9 @@ class Kernel:
     adapter runs (``"split_n"``). ``run(args, launch)``: the adapter from the op's argument dataclass; ``None``
     for a kernel declared for plans only (no adapter yet). ``module``: where it is registered. ``graphs_only(spec)``:
     why ``spec`` should run on this kernel only when the graph is replayed from CUDA graphs (its host cost per call
-    exceeds what it saves on the GPU otherwise), or ``None``; a kernel without it runs either way.
+    exceeds what it saves on the GPU otherwise), or ``None``; a kernel without it runs either way. ``features``:
+    the op's optional semantics it implements (``KernelSpec.features``; ``"*"``: all); a node that uses one it
+    lacks is rejected with that reason.
     """
 
     op: str
@@ -206,6 +212,7 @@ class Kernel:
     placements: tuple[str, ...] = ()
     module: str = ""
     graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None
+    features: tuple[str, ...] = ()
 
     def rank(self, target: Target, spec: KernelSpec) -> int:
         for key in (f"{target.name}:{spec.quant}", target.name, f"*:{spec.quant}", "*"):
@@ -219,10 +226,17 @@ class Kernel:
         if "*" not in self.layouts and family not in self.layouts:
             readable = " / ".join(repr(x if x == "plain" else f"{x}:<isa>") for x in self.layouts)
             return f"weights stored in layout {spec.weight_layout!r}; {self.name} reads only {readable}"
+        missing = self.missing_features(spec.features)
+        if missing:
+            return f"{self.name} does not implement {', '.join(missing)}"
         try:
             return self.supports(target, spec)
         except Exception as exc:  # a provider's declaration could not be read: reject, say why
             return f"could not check support: {type(exc).__name__}: {exc}"
+
+    def missing_features(self, features: tuple[str, ...]) -> list[str]:
+        """The ones of ``features`` this kernel does not implement."""
+        return [] if "*" in self.features else [f for f in features if f not in self.features]
 
     def pdl_unsupported(self, spec: KernelSpec) -> Optional[str]:
         """Why ``spec`` on this kernel cannot be launched with PDL; ``None`` when it can."""
@@ -354,6 +368,7 @@ class CanonicalOp:
         placements: tuple[str, ...] = (),
         module: Optional[str] = None,
         graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None,
+        features: tuple[str, ...] = (),
     ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
         """Decorator: register the decorated adapter ``run(args, launch)`` as kernel ``name`` of this op
         (``module``: the registering module, for messages; the adapter's own by default)."""
@@ -373,6 +388,7 @@ class CanonicalOp:
                     placements,
                     module or run.__module__,
                     graphs_only,
+                    features,
                 )
             )
             return run
@@ -494,6 +510,12 @@ class CanonicalOp:
                 f"machine (target {here.name}): {reason}. Compile for this machine (leave options['target'] / "
                 f"RUBIN_TARGET unset), force another kernel with options={{'kernels': {{'{self.name}': ...}}}}, "
                 f"or run it on {'a ' + planned + ' GPU' if planned else 'a machine that has the kernel'}."
+            )
+        missing = kernel.missing_features(tuple(getattr(args, "features", ())))
+        if missing:  # impl given by hand (selection never binds such a kernel): refuse rather than compute another op
+            raise KernelUnavailableError(
+                f"rubin.{self.name}: kernel {kernel_name!r} does not implement {', '.join(missing)}, which this call "
+                "uses; use impl='reference' or a kernel that declares it"
             )
         return kernel.run(args, kernel.launch_for(launch))
 

@@ -27,6 +27,8 @@ def emit_moe(
     w2_scale: Optional[torch.fx.Node] = None,
     block_shape: Optional[Sequence[int]] = None,
     weight_layout: str = "plain",
+    apply_router_weight_on_input: bool = False,
+    activation_constants: Optional[torch.fx.Node] = None,
 ) -> torch.fx.Node:
     """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one); arguments that are
     their defaults are left out, so the dump reads like the call a person would write."""
@@ -38,6 +40,10 @@ def emit_moe(
         kwargs["block_shape"] = list(block_shape)
     if weight_layout != "plain":
         kwargs["weight_layout"] = weight_layout
+    if apply_router_weight_on_input:
+        kwargs["apply_router_weight_on_input"] = True
+    if activation_constants is not None:
+        kwargs["activation_constants"] = activation_constants
     return call(graph, torch.ops.rubin.moe.default, (hidden_states, w13, w2, topk_weights, topk_ids), kwargs)
 
 

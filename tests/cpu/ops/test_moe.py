@@ -9,49 +9,129 @@ import torch.nn.functional as F
 from rubin_compile.ops.moe import MoEArgumentError, moe_reference
 
 
-def dense_moe(x, w13, w2, topk_w, topk_ids, act="silu", b13=None, b2=None):
+def _act64(act: str, h: torch.Tensor) -> torch.Tensor:
+    """The activation of one gate-up row ``h`` (float64), restated from the op's docstring."""
+    kind, *consts = act.split(":")
+    consts = [float(c) for c in consts]
+    if kind.endswith("_no_mul"):
+        return {
+            "silu_no_mul": F.silu,
+            "gelu_no_mul": F.gelu,
+            "gelu_tanh_no_mul": lambda v: F.gelu(v, approximate="tanh"),
+            "relu2_no_mul": lambda v: F.relu(v) ** 2,
+            "relu_no_mul": F.relu,
+        }[kind](h)
+    inter = h.shape[0] // 2
+    if kind == "swigluoai":  # GPT-OSS: interleaved rows, clamped, up + 1
+        alpha, limit = consts or (1.702, 7.0)
+        gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    gate, up = h[:inter], h[inter:]
+    if kind == "swigluoai_uninterleave":  # MiniMax-M3: the same over halves
+        alpha, limit = consts or (1.702, 7.0)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    if kind == "silu_clamp":  # DeepSeek-V4: clamp, then SiLU
+        (limit,) = consts
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    if kind == "swiglustep":  # Step-3.5: SiLU, then clamp
+        (limit,) = consts or (7.0,)
+        return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+    fn = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[kind]
+    return fn(gate) * up
+
+
+def dense_moe(x, w13, w2, topk_w, topk_ids, act="silu", b13=None, b2=None, on_input=False):
     """Token-by-token float64 restatement of the documented semantics (independent of the op's code)."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
-    inter = w13.shape[1] // 2
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
-            h = w13[e] @ x[t] + (0 if b13 is None else b13[e].double())
-            if act.startswith("swigluoai"):  # GPT-OSS: interleaved rows, clamped, up + 1
-                alpha, limit = (1.702, 7.0) if act == "swigluoai" else map(float, act.split(":")[1:])
-                gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
-                a = (up + 1) * gate * torch.sigmoid(alpha * gate)
-            else:
-                gate, up = h[:inter], h[inter:]
-                fn = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[act]
-                a = fn(gate) * up
-            out[t] += float(topk_w[t, j]) * (w2[e] @ a + (0 if b2 is None else b2[e].double()))
+            xt = x[t] * float(topk_w[t, j]) if on_input else x[t]
+            h = w13[e] @ xt + (0 if b13 is None else b13[e].double())
+            y = w2[e] @ _act64(act, h) + (0 if b2 is None else b2[e].double())
+            out[t] += y if on_input else float(topk_w[t, j]) * y
     return out
 
 
-def make(T=6, H=24, E=5, I=12, k=2, dtype=torch.float32, bias=False):
+def make(T=6, H=24, E=5, I=12, k=2, dtype=torch.float32, bias=False, gated=True):
     x = torch.randn(T, H, dtype=dtype)
-    w13 = torch.randn(E, 2 * I, H, dtype=dtype) * 0.3
+    w13 = torch.randn(E, 2 * I if gated else I, H, dtype=dtype) * 0.3
     w2 = torch.randn(E, H, I, dtype=dtype) * 0.3
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
     w = torch.rand(T, k)
-    b13 = torch.randn(E, 2 * I, dtype=dtype) if bias else None
+    b13 = torch.randn(E, 2 * I if gated else I, dtype=dtype) if bias else None
     b2 = torch.randn(E, H, dtype=dtype) if bias else None
     return x, w13, w2, w, ids, b13, b2
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu", "swigluoai", "swigluoai:1.25:2.5"])
+CLAMPED = ("swigluoai", "swigluoai:1.25:2.5", "swigluoai_uninterleave", "swigluoai_uninterleave:1.0:3.5",
+           "silu_clamp:2.5", "swiglustep", "swiglustep:1.5")  # fmt: skip
+NO_MUL = ("silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul", "relu_no_mul")
+
+
+@pytest.mark.parametrize("act", ("silu", "gelu_tanh", "gelu") + CLAMPED + NO_MUL)
 @pytest.mark.parametrize("bias", [False, True])
 def test_reference_matches_documented_semantics(act, bias):
-    x, w13, w2, w, ids, b13, b2 = make(bias=bias)
-    if act.startswith("swigluoai"):  # pre-activations of std ~4: the clamps (2.5, 7) bite
+    x, w13, w2, w, ids, b13, b2 = make(bias=bias, gated=not act.endswith("_no_mul"))
+    if act in CLAMPED:  # pre-activations of std ~4: the clamps (1.5 .. 7) bite
         w13 = w13 * 7
         assert (torch.einsum("eih,th->tei", w13, x).abs() > 7).any()
     got = torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2)
     want = dense_moe(x, w13, w2, w, ids, act, b13, b2)
     assert got.dtype == x.dtype
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", ["silu", "relu2_no_mul"])
+def test_router_weight_on_input(act, bias):
+    """apply_router_weight_on_input: each expert runs on its routed weight times the token (Llama 4, vLLM's flag):
+    not the same as weighting the output (the FFN is not linear), and equal to the restatement."""
+    x, w13, w2, w, ids, b13, b2 = make(bias=bias, gated=act == "silu")
+    ids[1, 1] = ids[1, 0]  # a duplicate expert in a row: each slot runs on its own scaled input
+    got = torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2, apply_router_weight_on_input=True)
+    torch.testing.assert_close(got.double(), dense_moe(x, w13, w2, w, ids, act, b13, b2, on_input=True),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert not torch.allclose(got, torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("act, constants", [("swigluoai", [1.25, 2.5]), ("silu_clamp:7.0", [2.0]),
+                                            ("swigluoai_uninterleave", [0.5, 1.5])])  # fmt: skip
+def test_activation_constants_at_run_time(act, constants):
+    """activation_constants (a tensor the graph computes or receives) replaces the string's constants."""
+    x, w13, w2, w, ids, b13, b2 = make(bias=True)
+    w13 = w13 * 7
+    kind = act.split(":")[0]
+    written = ":".join([kind] + [repr(float(c)) for c in constants])
+    got = torch.ops.rubin.moe(x, w13, w2, w, ids, act, b13, b2, activation_constants=torch.tensor(constants))
+    assert torch.equal(got, torch.ops.rubin.moe(x, w13, w2, w, ids, written, b13, b2))
+    torch.testing.assert_close(got.double(), dense_moe(x, w13, w2, w, ids, written, b13, b2), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(
+        torch.ops.rubin.moe.default, (x, w13, w2, w, ids, act), {"activation_constants": torch.tensor(constants)}
+    )
+    with pytest.raises(MoEArgumentError, match="1-D float tensor of"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, act, activation_constants=torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(MoEArgumentError, match="has no constants"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, "silu", activation_constants=torch.tensor([1.0]))
+
+
+def test_features_only_on_kernels_that_declare_them():
+    """A kernel that does not declare apply_router_weight_on_input / run-time constants is rejected by selection
+    with that reason, and refuses such a call given by hand (it would compute another op)."""
+    from rubin_compile.ops.moe import MOE
+    from rubin_compile.ops.registry import KernelSpec, KernelUnavailableError
+    from rubin_compile.target import resolve
+
+    spec = KernelSpec("moe", act_dtype="bfloat16", shape=(("E", 8), ("H", 256), ("I", 128), ("k", 1)),
+                      activation="silu", features=("router_weight_on_input",))  # fmt: skip
+    sel = MOE.select(spec, resolve("sm90"))
+    assert sel.chosen.name == "reference"
+    assert dict(sel.rejected)["triton"] == "triton does not implement router_weight_on_input"
+    x, w13, w2, w, ids, _, _ = make(k=1)
+    with pytest.raises(KernelUnavailableError, match="'vllm_cpu' does not implement router_weight_on_input"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, impl="vllm_cpu", apply_router_weight_on_input=True)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
@@ -98,6 +178,9 @@ def test_fp8_block_and_per_tensor_dequantisation():
         (lambda a: a.update(activation="relu"), "activation='relu' is not supported"),
         (lambda a: a.update(activation="swigluoai:1.7"), "activation='swigluoai:1.7' is not supported"),
         (lambda a: a.update(activation="swigluoai:1.7:-1"), "limit > 0"),
+        (lambda a: a.update(activation="silu_clamp"), "'silu_clamp:<limit>'"),  # its limit has no default
+        (lambda a: a.update(activation="silu:1.0"), "is not supported"),
+        (lambda a: a.update(activation="relu2_no_mul"), r"w2 has I=12, so w13 must be \[E=5, I=12, H=24\]"),
         (lambda a: a.update(w2=a["w2"][:, :, :-1]), r"disagree on I: w2 has I=11, so w13 must be \[E=5, 2I=22"),
         # a w13 with two rows too many names w13 (before: "w2 shape ... does not match")
         (
