@@ -9,7 +9,10 @@ copy, so a forced reference still computes the same result, slowly).
 
 ``_C.cpu_fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id, skip_weighted, act,
 isa)`` overwrites ``output`` with sum_j w[t, j] * FFN_e(x[t]), which is ``rubin.moe``'s definition
-(checked against the reference in tests/vllm/test_vllm_cpu_matcher.py). The op is vLLM's, reached through
+(checked against the reference in tests/vllm/test_vllm_cpu_matcher.py), for ``act`` "silu", "gelu_tanh", "gelu"
+(erf) and "swigluoai" (GPT-OSS's, interleaved rows, 1.702 / 7.0). ``apply_router_weight_on_input`` (Llama 4) is run
+as vLLM runs it, for top-1 only: the input times the weight, in its dtype (prepare_finalize/no_dp_ep.py), then the
+kernel with ``skip_weighted=True`` (no weight on the output). The op is vLLM's, reached through
 ``torch.ops._C`` once vLLM's CPU build has loaded its library (a graph holding such weights comes from a
 running vLLM); this module imports nothing of vLLM.
 """
@@ -21,12 +24,13 @@ from typing import Optional
 
 import torch
 
-from rubin_compile.ops.moe import MOE, MoEArgs
+from rubin_compile.ops.moe import MOE, ROUTER_WEIGHT_ON_INPUT, MoEArgs
 from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
 from rubin_compile.target import Target
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # vLLM's CPU op names them as rubin.moe does (gelu: erf)
+# vLLM's CPU op names them as rubin.moe does (gelu: erf; swigluoai: interleaved rows at 1.702 / 7.0)
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swigluoai")
 # The kernel checks H % 32 == 0 and I % 32 == 0 (cpu_fused_moe.cpp; vLLM's CPU experts declare
 # output_alignment = 32 and pad the intermediate size to it when they load weights). Seen with isa "vec".
 _ALIGN = 32
@@ -51,9 +55,17 @@ def _supports(target: Target, spec: KernelSpec) -> Optional[str]:
     reason = _misaligned(spec.dim("H"), spec.dim("I"))
     if reason:
         return reason
+    if ROUTER_WEIGHT_ON_INPUT in spec.features and spec.dim("k") not in (None, 1):
+        return _ON_INPUT_TOP1.format(k=spec.dim("k"))
     if importlib.util.find_spec("vllm") is None:
         return "package vllm is not installed"
     return None
+
+
+_ON_INPUT_TOP1 = (
+    "the router weight on the input with top-k {k}: vLLM's CPU kernel takes it for top-1 only (skip_weighted, the "
+    "input scaled first, as vLLM's prepare() does)"
+)
 
 
 def _runnable(here: Target) -> Optional[str]:
@@ -71,6 +83,7 @@ def _runnable(here: Target) -> Optional[str]:
     runnable=_runnable,
     entry=lambda spec: "vllm torch.ops._C.cpu_fused_moe",
     layouts=("vllm_cpu",),
+    features=(ROUTER_WEIGHT_ON_INPUT,),
 )
 def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
     """``rubin.moe`` with vLLM's CPU kernel; ``args.weight_layout`` must be ``"vllm_cpu:<isa>[:vnni]"``."""
@@ -89,7 +102,16 @@ def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
             "build when vLLM is imported (import vllm first, or use impl='reference')"
         )
     x = args.hidden_states
+    on_input = args.apply_router_weight_on_input
+    if on_input:
+        if args.k != 1:
+            raise ValueError(f"rubin.moe[vllm_cpu]: {_ON_INPUT_TOP1.format(k=args.k)}; use impl='reference'")
+        x = x * args.topk_weights.to(x.dtype)  # [T, 1]: what vLLM's prepare() does before its kernel
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    # The kernel reads topk_weights / topk_id as dense [T, k] rows (a column sliced off a wider tensor reads wrong
+    # values), and under skip_weighted it writes 1.0 into topk_weights, which its schema does not declare: it gets
+    # a copy then, never the graph's tensor.
+    weights = args.topk_weights.to(torch.float32, copy=on_input).contiguous()
     op(
         out,
         x.contiguous(),
@@ -97,9 +119,9 @@ def fused_moe(args: MoEArgs, launch: Launch = Launch()) -> torch.Tensor:
         args.w2,
         args.w13_bias,
         args.w2_bias,
-        args.topk_weights.to(torch.float32),
-        args.topk_ids.to(torch.int32),
-        False,
+        weights,
+        args.topk_ids.to(torch.int32).contiguous(),
+        on_input,  # skip_weighted: the weight is on the input already
         args.activation,
         args.weight_layout.isa,
     )

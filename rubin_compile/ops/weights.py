@@ -35,6 +35,14 @@ _INFERENCE_NOTE = (
 )
 
 
+def tensor_state(t: torch.Tensor) -> tuple:
+    """What must not have changed for a value made from ``t`` to be reused: its ``_version`` (``tensor_version``) and
+    its storage, dtype and shape. ``Module.to(dtype)`` and ``param.data = ...`` swap a parameter's data without a
+    new object or a version bump (before: a model compiled in bf16, cast to fp32 and compiled again got the bf16
+    stacked weights, and rubin.gemm refused the mixed dtypes)."""
+    return (tensor_version(t), t.data_ptr(), t.dtype, tuple(t.shape), t.device)
+
+
 def tensor_version(t: torch.Tensor) -> Optional[int]:
     """``t._version``, or ``None`` for an inference tensor, which has none (with a warning, which Python's
     warning filters show once)."""
@@ -45,21 +53,21 @@ def tensor_version(t: torch.Tensor) -> Optional[int]:
 
 
 class VersionedCache:
-    """Values made from tensors, kept while every source is the same live tensor at the same ``_version``
-    (an in-place update such as ``load_state_dict`` makes the value again; a source that dies drops its
-    entries). Serves ``stacked_weights`` here and the locality-domain weight shards
+    """Values made from tensors, kept while every source is the same live tensor at the same ``_version``, with the
+    same data (an in-place update such as ``load_state_dict``, or ``Module.to(dtype)``, makes the value again; a
+    source that dies drops its entries; ``tensor_state``). Serves ``stacked_weights`` here and the locality-domain weight shards
     (runtime/locality.py). ``stats`` counts hits and misses. Inference tensors have no version: for them the
     value is kept while they are the same live tensors (``tensor_version``)."""
 
     def __init__(self) -> None:
-        # (id of every source, key) -> (weak references to the sources, their versions, the value)
+        # (id of every source, key) -> (weak references to the sources, their tensor_state, the value)
         self.entries: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[Optional[int], ...], Any]] = {}
         self.stats = {"hits": 0, "misses": 0}
 
     def get(self, sources: Sequence[torch.Tensor], key: Any, make: Callable[[], Any]) -> Any:
         """The value cached for ``sources`` and ``key``, or ``make()`` (kept for the next call)."""
         full = (tuple(id(s) for s in sources), key)
-        versions = tuple(tensor_version(s) for s in sources)
+        versions = tuple(tensor_state(s) for s in sources)
         entry = self.entries.get(full)
         if entry is not None:
             refs, seen, value = entry

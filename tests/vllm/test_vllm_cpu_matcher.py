@@ -81,11 +81,23 @@ def test_biases_and_gelu_tanh(make_layer, vllm_config, dtype):
     assert d["biases"] and d["activation"] == "gelu_tanh"
 
 
-def test_router_weight_on_input(make_layer, vllm_config):
-    """top-1 with the router weight applied to the input: the kernel runs with skip_weighted=True."""
-    layer = make_layer(top_k=1, apply_router_weight_on_input=True)
-    d = check_rewritten_and_close(layer, vllm_config, torch.float32)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_router_weight_on_input(make_layer, vllm_config, dtype):
+    """top-1 with the router weight applied to the input (Llama 4; vLLM's prepare() multiplies the input in the graph,
+    the kernel runs with skip_weighted=True): rubin.moe takes that input with weights of one."""
+    layer = make_layer(top_k=1, apply_router_weight_on_input=True, dtype=dtype)
+    d = check_rewritten_and_close(layer, vllm_config, dtype)
     assert d["skip_weighted"] and d["k"] == 1
+    assert "applied by vLLM's prepare() to the input" in d["router_weight_on_input"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swigluoai_layer(make_layer, vllm_config, dtype):
+    """GPT-OSS's activation on vLLM's CPU experts (biases; weights large enough that the clamps at 7 bite):
+    act='swigluoai' is rubin.moe's swigluoai (interleaved gate / up rows, 1.702 / 7.0)."""
+    layer = make_layer(dtype=dtype, has_bias=True, activation="swigluoai", weight_std=1.0)
+    d = check_rewritten_and_close(layer, vllm_config, dtype)
+    assert d["activation"] == "swigluoai" and d["biases"]
 
 
 def test_erf_gelu_rewritten(make_layer, vllm_config):
@@ -101,7 +113,7 @@ def test_erf_gelu_rewritten(make_layer, vllm_config):
 @pytest.mark.parametrize(
     "edit, reason",
     [
-        (set_call_kwarg(CPU_MOE, act="swigluoai"), "act='swigluoai'"),
+        (set_call_kwarg(CPU_MOE, act="swiglustep"), "act='swiglustep'"),
         (set_call_kwarg(CPU_MOE, isa="neon"), "isa='neon'"),
     ],
     ids=["wrong-activation", "unverified-weight-packing"],
@@ -174,6 +186,22 @@ def test_cpu_fused_moe_semantics(dtype):
     cpu_fused_moe(out, x, p13, p2, None, None, weights, ids, "gelu", "vec")
     tanh = moe_reference(x, w13, w2, weights, ids, "gelu_tanh")
     assert not torch.equal(out, tanh)
+    # swigluoai: GPT-OSS's clamped SwiGLU over interleaved rows; pre-activations of std ~8 so the clamps at 7 bite
+    big13, big_b13 = (torch.randn(E, 2 * I, H) * 1.0).to(dtype), (torch.randn(E, 2 * I) * 2.0).to(dtype)
+    p13 = cpu_prepack_moe_weight(big13, "vec")
+    gate_up = x.float() @ big13[0].float().t() + big_b13[0].float()
+    assert (gate_up.abs() > 7).float().mean() > 0.2  # the clamps are exercised
+    cpu_fused_moe(out, x, p13, p2, big_b13, b2, weights, ids, "swigluoai", "vec")
+    assert_close(out, moe_reference(x, big13, w2, weights, ids, "swigluoai", big_b13, b2))
+    halves = moe_reference(x, big13, w2, weights, ids, "swigluoai_uninterleave", big_b13, b2)
+    assert (out.float() - halves.float()).abs().max() > 0.1 * out.float().abs().max()  # interleaved, not halves
+    # skip_weighted (vLLM's apply_router_weight_on_input, top-1): the kernel weights nothing, and writes 1.0 into
+    # topk_weights, which its schema does not declare as mutated (the vllm_cpu kernel hands it a copy)
+    w1, ids1 = weights[:, :1].contiguous(), ids[:, :1].contiguous()
+    given = w1.clone()
+    cpu_fused_moe(out, x, cpu_prepack_moe_weight(w13, "vec"), p2, None, None, w1, ids1, "silu", "vec", True)
+    assert_close(out, moe_reference(x, w13, w2, torch.ones_like(w1), ids1, "silu"))
+    assert torch.equal(w1, torch.ones_like(w1)) and not torch.equal(given, w1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -198,10 +226,75 @@ def test_vllm_cpu_kernel_is_rubin_moe_on_packed_weights(dtype):
         assert_close(got, moe_reference(x, w13, w2, weights, ids, act, *biases))
         forced_ref = torch.ops.rubin.moe(x, p13, p2, weights, ids, act, *biases, weight_layout="vllm_cpu:vec")
         assert_close(forced_ref, moe_reference(x, w13, w2, weights, ids, act, *biases))
+    # swigluoai (interleaved rows, clamps that bite) and the router weight on the input (top-1, as vLLM: the input
+    # scaled in its dtype, then skip_weighted), through the op
+    big13, big_b13 = (torch.randn(E, 2 * I, H) * 1.0).to(dtype), (torch.randn(E, 2 * I) * 2.0).to(dtype)
+    big_p13 = cpu_prepack_moe_weight(big13, "vec")
+    got = torch.ops.rubin.moe(
+        x, big_p13, p2, weights, ids, "swigluoai", big_b13, b2, weight_layout="vllm_cpu:vec", impl="vllm_cpu@cpu"
+    )
+    assert_close(got, moe_reference(x, big13, w2, weights, ids, "swigluoai", big_b13, b2))
+    w1, ids1 = torch.sigmoid(top[:, :1]), ids[:, :1]
+    for act, biases in (("silu", (None, None)), ("gelu_tanh", (b13, b2))):
+        got = torch.ops.rubin.moe(
+            x,
+            p13,
+            p2,
+            w1,
+            ids1,
+            act,
+            *biases,
+            weight_layout="vllm_cpu:vec",
+            impl="vllm_cpu@cpu",
+            apply_router_weight_on_input=True,
+        )
+        want = moe_reference(x, w13, w2, w1, ids1, act, *biases, apply_router_weight_on_input=True)
+        assert_close(got, want)
+        assert torch.equal(w1, torch.sigmoid(top[:, :1]))  # the graph's weights are left as they were
+        assert not torch.allclose(want, moe_reference(x, w13, w2, w1, ids1, act, *biases), rtol=1e-2)
+    # top-k columns sliced off wider tensors (strided): the kernel gets dense rows
+    strided_w, strided_ids = torch.softmax(top, -1)[:, ::2], ids.to(torch.int32)[:, ::2]
+    got = torch.ops.rubin.moe(x, p13, p2, strided_w, strided_ids, weight_layout="vllm_cpu:vec", impl="vllm_cpu@cpu")
+    assert_close(got, moe_reference(x, w13, w2, strided_w, strided_ids))
+    with pytest.raises(ValueError, match="top-1 only"):
+        torch.ops.rubin.moe(
+            x,
+            p13,
+            p2,
+            weights,
+            ids,
+            weight_layout="vllm_cpu:vec",
+            impl="vllm_cpu@cpu",
+            apply_router_weight_on_input=True,
+        )
     # a shape the kernel would abort on is refused with the reason (vLLM pads I to 32 when it loads weights)
     p13, p2 = p13[:, :80], p2[:, :, :40]
     with pytest.raises(ValueError, match="multiples of 32; got I=40"):
         torch.ops.rubin.moe(x, p13, p2, weights, ids, weight_layout="vllm_cpu:vec", impl="vllm_cpu@cpu")
+
+
+def test_vllm_cpu_kernel_declares_the_router_weight_on_input_for_top1_only():
+    """Selection on the CPU: the vllm_cpu kernel takes a rubin.moe weighted on the input at top-1 (as vLLM's own
+    layer runs it) and is rejected at top-2 with the reason, leaving the reference."""
+    from rubin_compile.ops.moe import MOE, ROUTER_WEIGHT_ON_INPUT
+    from rubin_compile.ops.registry import KernelSpec
+    from rubin_compile.target import resolve
+
+    def select(k):
+        spec = KernelSpec(
+            op="moe",
+            act_dtype="bfloat16",
+            weight_dtype="bfloat16",
+            shape=(("E", 8), ("H", 64), ("I", 64), ("k", k)),
+            activation="silu",
+            weight_layout="vllm_cpu:vec",
+            features=(ROUTER_WEIGHT_ON_INPUT,),
+        )
+        return MOE.select(spec, resolve("cpu"))
+
+    assert select(1).chosen.name == "vllm_cpu"
+    top2 = select(2)
+    assert top2.chosen.name == "reference" and "top-1 only" in dict(top2.rejected)["vllm_cpu"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -23,15 +23,18 @@ in a single-rank run)::
                                                            # softmax / sigmoid, grouped top-k,
                                                            # correction bias, routed scaling
     fused_out  = rubin.moe(hidden_states, W13, W2, topk_weights, topk_ids, act, b13, b2, impl=impl,
-                           pdl=pdl, placement=placement)
+                           pdl=pdl, placement=placement,
+                           apply_router_weight_on_input=<the layer's>)   # vLLM's prepare() scales the input
     shared_out = layer.shared_experts' module(shared_experts_input)   (``_shared`` only)
 
 where ``W13``/``W2`` are the layer's expert weights as stored, with their ``rubin.moe`` weight layout
-(vLLM's CPU build stores them prepacked: layout ``"vllm_cpu:<isa>[:vnni]"``). Whatever vLLM applies outside its op
+(vLLM's CPU build stores them prepacked: layout ``"vllm_cpu:<isa>[:vnni]"``), and ``act`` is what the layer's experts
+compute, in rubin.moe's terms (``experts_activation``: the activation with the constants its vLLM kernel reads). Whatever vLLM applies outside its op
 (the runner-level routed scaling factor, the shared + routed add, all-reduces) stays in the graph.
 
 ``layer_unsupported_reason`` says, at compile time, when a layer is one these ops cannot reproduce
-(quantised, expert/data parallel, LoRA, an activation ``rubin.moe`` lacks, ...); the matcher then leaves
+(quantised, expert/data parallel, LoRA, an activation ``rubin.moe`` lacks or constants vLLM ignores, the
+router weight on the input with top-k > 1, ...); the matcher then leaves
 the vLLM op alone. The ops are defined only once vLLM is imported (their schema names vLLM's type); they
 are registered as forms of ``rubin.moe`` (``MOE.add_form``), so selection binds them to rubin.moe's kernels
 with a spec read off the layer they name.
@@ -45,15 +48,117 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.integrations import after_import
-from rubin_compile.ops.moe import MOE, MoEArgs, WeightLayout, pack_cpu_weight
+from rubin_compile.ops.moe import (
+    MOE,
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    MoEArgs,
+    MoEArgumentError,
+    WeightLayout,
+    activation_info,
+    activation_string,
+    call_features,
+    pack_cpu_weight,
+)
 from rubin_compile.ops.nodes import bound_arguments, dtype_name, static_size, val_dtype
 from rubin_compile.ops.registry import KernelSpec, Launch
 
 PLAIN_CPU, VNNI_CPU = WeightLayout("vllm_cpu", "<isa>"), WeightLayout("vllm_cpu", "<isa>", vnni=True)
 
-# vLLM MoEActivation value -> rubin.moe's (the same names and meaning: vLLM's swigluoai reads interleaved gate / up
-# rows with alpha 1.702 and limit 7.0, its swigluoai_and_mul's defaults; gelu is erf GELU)
-GATED_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu", "swigluoai": "swigluoai"}
+# What vLLM 0.32's unquantized experts compute for a layer's ``MoEActivation``, as rubin.moe's activation. The
+# layer's swiglu_limit / swiglu_alpha / swiglu_beta reach the kernel through ``ApplyMoEActivationConfig`` (None, 1.0
+# and 0.0 when unset), and only some kernels read them:
+#
+# * Triton experts (GPUs; experts/triton_moe.py ``TritonExperts.activation`` -> activation.py
+#   ``apply_moe_activation``): "silu" with a limit runs ``silu_and_mul_with_clamp(limit, 1.0, 0.0)``
+#   = rubin's "silu_clamp:<limit>"; "swigluoai_uninterleave" runs ``silu_and_mul_with_clamp(limit, alpha, beta)``
+#   = gate * sigmoid(alpha * gate) * (up + beta) with both clamped, rubin's "swigluoai_uninterleave:<alpha>:<limit>"
+#   when beta is 1; "swiglustep" runs ``swiglustep_and_mul_triton`` at its default limit 7.0 (rubin's "swiglustep");
+#   "swigluoai" runs ``swigluoai_and_mul`` at 1.702 / 7.0 (rubin's "swigluoai", interleaved rows); the ``_no_mul``
+#   ones are plain PyTorch (relu2_no_mul = relu(x) ** 2). gelu is erf GELU.
+# * vLLM's CPU experts (experts/cpu_moe.py) build only silu / swigluoai / gelu / gelu_tanh layers and call
+#   ``cpu_fused_moe(act=activation.value)``: no constant reaches the kernel.
+#
+# A constant the layer sets but its kernel does not read leaves the layer to vLLM: rubin would have to choose between
+# what the config asks for and what vLLM computes (vLLM's CPU experts run a swiglu_limit layer's SiLU unclamped).
+VLLM_ACTIVATIONS = (
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "swigluoai",
+    "swigluoai_uninterleave",
+    "swiglustep",
+    "silu_no_mul",
+    "gelu_no_mul",
+    "gelu_tanh_no_mul",
+    "relu2_no_mul",
+)
+CPU_EXPERTS_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+# the constants a kernel applies whatever the layer says (None: the layer's value is read)
+_FIXED = {"swigluoai": {"alpha": SWIGLUOAI_ALPHA, "limit": SWIGLUOAI_LIMIT, "beta": 1.0}, "swiglustep": {"limit": 7.0}}
+_NEUTRAL = {"limit": None, "alpha": 1.0, "beta": 0.0}  # ApplyMoEActivationConfig's values when unset
+
+
+def experts_activation(
+    activation: str, cpu: bool, limit: Optional[float] = None, alpha: float = 1.0, beta: float = 0.0
+) -> tuple[Optional[str], Optional[str]]:
+    """(rubin.moe's activation string for what vLLM's unquantized experts compute, None), or (None, why there is
+    none): ``activation`` is the layer's ``MoEActivation`` value, ``cpu`` whether its experts are vLLM's CPU
+    experts (else the Triton experts), ``limit`` / ``alpha`` / ``beta`` its ``ApplyMoEActivationConfig``."""
+    given = {"limit": limit, "alpha": alpha, "beta": beta}
+    read: tuple[str, ...] = ()
+    if activation not in VLLM_ACTIVATIONS or (cpu and activation not in CPU_EXPERTS_ACTIVATIONS):
+        if cpu and activation in VLLM_ACTIVATIONS:
+            return None, f"activation {activation!r} (vLLM's CPU experts build {list(CPU_EXPERTS_ACTIVATIONS)})"
+        return None, f"activation {activation!r} (rubin.moe implements vLLM's {list(VLLM_ACTIVATIONS)})"
+    if activation == "silu" and limit is not None and not cpu:
+        name, read = activation_string("silu_clamp", (limit,)), ("limit",)
+    elif activation == "swigluoai_uninterleave":
+        if limit is None:
+            return None, "swigluoai_uninterleave without a swiglu_limit (vLLM's fused MoE asserts one)"
+        if beta != 1.0:
+            return None, (
+                f"swigluoai_uninterleave with swiglu_beta={beta}: vLLM computes gate * sigmoid(alpha * gate) * "
+                "(up + beta), rubin.moe's swigluoai_uninterleave (up + 1) * ... (beta 1 only)"
+            )
+        name, read = activation_string("swigluoai_uninterleave", (alpha, limit)), ("limit", "alpha", "beta")
+    else:
+        name = activation
+    fixed = _FIXED.get(activation, {})
+    ignored = [
+        f"swiglu_{n}={v}"
+        for n, v in given.items()
+        if n not in read and v != _NEUTRAL[n] and (n not in fixed or float(v) != fixed[n])
+    ]
+    if ignored:
+        kernel = "vLLM's CPU experts (cpu_fused_moe(act=...) takes no constants)" if cpu else "vLLM's fused MoE"
+        return None, (
+            f"{', '.join(ignored)} set on a layer whose activation {activation!r} {kernel} runs without it"
+            + (f" (it runs {activation} at {fixed})" if fixed else "")
+            + ": rubin would have to choose between what the config asks for and what vLLM computes, so the layer "
+            "stays with vLLM"
+        )
+    try:
+        activation_info(name)
+    except MoEArgumentError as exc:  # a limit rubin.moe refuses (<= 0)
+        return None, f"vLLM's {activation} with {given}: {exc}"
+    return name, None
+
+
+def layer_activation(layer: Any) -> tuple[Optional[str], Optional[str]]:
+    """``experts_activation`` for a vLLM ``MoERunner``: its activation, its experts (CPU or not) and the constants
+    vLLM's modular kernel hands the activation (``ApplyMoEActivationConfig.from_configs``, as modular_kernel.py
+    builds it)."""
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    method = layer.routed_experts.quant_method
+    quant = getattr(method, "moe_quant_config", None) or FusedMoEQuantConfig.make()
+    config = ApplyMoEActivationConfig.from_configs(layer.moe_config, quant)
+    cpu = getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
+    return experts_activation(layer.activation.value, cpu, config.clamp_limit, config.alpha, config.beta)
+
 
 # vLLM's CPU MoE kernels (csrc/cpu, ``prepack_moe_weight``) store each [N, K] expert matrix as [N / 16, K, 16]
 # (16 output rows interleaved along K) or, for isa "amx" with bf16 / fp16 weights on a CPU with AMX, as
@@ -146,8 +251,11 @@ def layer_unsupported_reason(layer: Any, shared: bool) -> Optional[str]:
         return "an expert map (expert parallelism)"
     if cfg.tp_size > 1 and layer._fused_output_is_reduced:
         return "the vLLM kernel all-reduces its own output under tensor parallelism"
-    if getattr(experts, "apply_router_weight_on_input", False):
-        return "router weights applied to the input (apply_router_weight_on_input)"
+    if getattr(experts, "apply_router_weight_on_input", False) and layer.router.top_k != 1:
+        return (
+            f"apply_router_weight_on_input with top-k {layer.router.top_k}: vLLM applies the router weight on the "
+            "input for top-1 only (its prepare() asserts top_k == 1), so this layer does not run in vLLM either"
+        )
     if isinstance(layer.router, ZeroExpertRouter):
         return "zero-expert routing"
     if getattr(layer.router, "eplb_state", None) is not None:
@@ -156,16 +264,9 @@ def layer_unsupported_reason(layer: Any, shared: bool) -> Optional[str]:
         return "router and shared-expert gates fused into one GEMM"
     if shared != (layer.shared_experts is not None):
         return "the op kind (moe_forward vs moe_forward_shared) does not match the layer's shared experts"
-    act = layer.activation.value
-    if act not in GATED_ACTIVATIONS:
-        return f"activation {act!r} (rubin.moe supports {sorted(GATED_ACTIVATIONS)})"
-    quant = method.moe_quant_config
-    for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
-        if quant is not None and getattr(quant, name, None) is not None:
-            return f"SwiGLU parameter {name} set on the layer"
-    if act == "silu" and getattr(cfg, "swiglu_limit", None) is not None:
-        # vLLM then runs silu_and_mul_with_clamp (ApplyMoEActivationConfig.clamp_limit), not plain SiLU-and-mul
-        return f"SiLU with a clamp (swiglu_limit={cfg.swiglu_limit}): vLLM's silu_and_mul_with_clamp"
+    reason = layer_activation(layer)[1]
+    if reason is not None:
+        return reason
     return _weights_unsupported_reason(experts)
 
 
@@ -222,21 +323,37 @@ def layer_weight_layout(layer: Any) -> str:
     return "plain"
 
 
+def layer_on_input(layer: Any) -> bool:
+    """Whether vLLM applies ``layer``'s router weights to the expert input (``apply_router_weight_on_input``: its
+    prepare() multiplies the input by them and the experts do not weight their outputs)."""
+    return bool(getattr(layer.routed_experts, "apply_router_weight_on_input", False))
+
+
 def layer_details(layer: Any) -> dict[str, Any]:
-    """Shapes and routing settings of a layer, for the rewrite report."""
+    """Shapes and routing settings of a layer, for the rewrite report. ``activation`` is rubin.moe's (what the layer's
+    experts compute; vLLM's name and constants are ``vllm_activation``)."""
     experts, router, cfg = layer.routed_experts, layer.router, layer.moe_config
-    E, two_i, H = experts.w13_weight.shape
+    E, n13, H = experts.w13_weight.shape
     bias = getattr(router, "e_score_correction_bias", None)
+    act = layer.activation
+    activation = layer_activation(layer)[0]
     return {
         "layer": layer.layer_name,
         "E": int(E),
         "H": int(H),
-        "I": int(two_i) // 2,
+        "I": int(n13) // 2 if act.is_gated else int(n13),
         "I_unpadded": cfg.intermediate_size_per_partition_unpadded,
         "k": router.top_k,
         "dtype": dtype_name(experts.w13_weight.dtype),
         "weight_layout": layer_weight_layout(layer),
-        "activation": layer.activation.value,
+        "activation": activation if activation is not None else act.value,
+        "vllm_activation": {
+            "activation": act.value,
+            "swiglu_limit": cfg.swiglu_limit,
+            "swiglu_alpha": cfg.swiglu_alpha,
+            "swiglu_beta": cfg.swiglu_beta,
+        },
+        "apply_router_weight_on_input": layer_on_input(layer),
         "routing": {
             "scoring_func": getattr(router, "scoring_func", None),
             "renormalize": getattr(router, "renormalize", None),
@@ -281,16 +398,20 @@ def run_layer(
         input_ids=input_ids,
     )
     w13, w2, b13, b2, layout = layer_expert_weights(layer)
+    activation, reason = layer_activation(layer)
+    if activation is None:  # layer_unsupported_reason keeps such a layer from being rewritten
+        raise ValueError(f"rubin: vLLM layer {layer.layer_name}: {reason}")
     args = MoEArgs(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        GATED_ACTIVATIONS[layer.activation.value],
+        activation,
         b13,
         b2,
         weight_layout=WeightLayout.decode(layout),
+        apply_router_weight_on_input=layer_on_input(layer),
     )
     return shared_out, MOE.run(impl, args, Launch.decode(pdl, placement))
 
@@ -449,6 +570,7 @@ def layer_spec(node: torch.fx.Node) -> KernelSpec:
         node=node.name,
         activation=details.get("activation"),
         weight_layout=details.get("weight_layout", "plain"),
+        features=call_features(bool(details.get("apply_router_weight_on_input")), False),
     )
 
 

@@ -2,7 +2,10 @@
 
 Each matcher is a module of this package with ``IDIOM`` (a short name for reports) and
 ``match(graph, ctx) -> (list[Rewrite], list[Unchanged])``; its docstring quotes the source idiom it
-recognises. Matchers run in the order of ``MATCHERS``; each leaves alone what it does not fully recognise,
+recognises: ``vllm_cpu`` (vLLM's CPU op ``_C.cpu_fused_moe``), ``vllm_layer`` (vLLM's layer op
+``vllm.moe_forward``), ``hf_grouped_mm`` and ``hf_batched_mm`` (Hugging Face experts in their two forms),
+``hf_llama4`` (Llama 4's dense experts: every expert on every token, the routing weight on the input) and
+``expert_loop`` (plain-PyTorch loops over the experts). Matchers run in the order of ``MATCHERS``; each leaves alone what it does not fully recognise,
 with the reason recorded. A router whose experts no matcher took or explained (a top-k of softmax / sigmoid
 router scores whose expert ids reach no ``rubin.moe`` and no block a matcher reported) is reported too, with
 the most likely reason: its ids leave the graph (a graph break: transformers' ``eager`` experts loop breaks the
@@ -18,17 +21,18 @@ import torch
 
 from rubin_compile.passes.base import GRADIENTS_REASON, Pass, PassContext, PassResult, Unchanged
 from rubin_compile.passes.fx import is_call
-from rubin_compile.passes.match_moe import expert_loop, hf_batched_mm, hf_grouped_mm, vllm_cpu, vllm_layer
+from rubin_compile.passes.match_moe import expert_loop, hf_batched_mm, hf_grouped_mm, hf_llama4, vllm_cpu, vllm_layer
 from rubin_compile.passes.match_moe.routing import describe_routing
 
 NAME = "match_moe"
 
 # Order matters only where idioms could overlap; the specific vLLM forms go first.
-MATCHERS = (vllm_cpu, vllm_layer, hf_grouped_mm, hf_batched_mm, expert_loop)
+MATCHERS = (vllm_cpu, vllm_layer, hf_grouped_mm, hf_batched_mm, hf_llama4, expert_loop)
 ROUTER = "MoE router (top-k)"
 KNOWN_FORMS = (
-    "Hugging Face experts in their grouped_mm (the default) and batched_mm forms, plain-PyTorch loops over the "
-    "experts with per-expert masks, vLLM's MoE layers"
+    "Hugging Face experts in their grouped_mm (the default) and batched_mm forms, Llama 4's dense experts (every "
+    "expert on every token, weighted on the input), plain-PyTorch loops over the experts with per-expert masks, "
+    "vLLM's MoE layers"
 )
 
 

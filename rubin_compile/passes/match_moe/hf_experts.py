@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError, swigluoai_activation
+from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError, call_features, swigluoai_activation
 from rubin_compile.passes.base import Rewrite
 from rubin_compile.passes.fx import (
     RESHAPES,
@@ -124,6 +124,7 @@ class Block:
     w2_bias: Optional[torch.fx.Node] = None
     activation: Optional[str] = None
     interleaved: bool = False  # gate and up are the even and odd columns of the gate-up product (GPT-OSS)
+    apply_router_weight_on_input: bool = False  # the routing weight scales each expert's input (Llama 4)
     extra_details: dict[str, Any] = field(default_factory=dict)  # form-specific report details
     final: Optional[torch.fx.Node] = None
     # Nodes of the block's data flow: replaced, so none may have a user outside the block.
@@ -352,6 +353,7 @@ def check_block(b: Block) -> None:
             b.activation,
             tensor_val(b.w13_bias),
             tensor_val(b.w2_bias),
+            apply_router_weight_on_input=b.apply_router_weight_on_input,
         )
     except MoEArgumentError as e:
         raise NoMatch(f"the matched operands do not fit rubin.moe: {e}") from None
@@ -378,7 +380,8 @@ def gpu_kernel_reason(b: Block, target: Any) -> Optional[str]:
     hv, w13v, idv = tensor_val(b.hidden), tensor_val(b.w13), tensor_val(b.topk_ids)
     two_i = w13v.shape[2 if b.w13_transposed else 1]
     sizes = {"E": w13v.shape[0], "H": hv.shape[1], "I": two_i // 2, "k": idv.shape[1]}
-    return reference_only_reason(target, dtype_name(hv.dtype), dtype_name(w13v.dtype), sizes, b.activation)
+    features = call_features(b.apply_router_weight_on_input, False)
+    return reference_only_reason(target, dtype_name(hv.dtype), dtype_name(w13v.dtype), sizes, b.activation, features)
 
 
 def module_path(node: torch.fx.Node) -> Optional[str]:
@@ -412,6 +415,7 @@ def rewrite(graph: torch.fx.Graph, b: Block, idiom: str) -> Rewrite:
             activation=b.activation,
             w13_bias=b.w13_bias,
             w2_bias=b.w2_bias,
+            apply_router_weight_on_input=b.apply_router_weight_on_input,
         )
     inherit_source([n for n in (w13, w2, moe) if n not in (b.w13, b.w2)], b.fc1)
     b.final.replace_all_uses_with(moe)

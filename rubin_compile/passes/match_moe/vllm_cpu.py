@@ -26,8 +26,13 @@ it rests on, each measured against the kernel (tests/vllm/test_vllm_cpu_matcher.
   ``rubin.moe``'s ``"vllm_cpu:<isa>[:vnni]"`` weight layouts, handed over as stored (no copy). On the CPU
   select_kernels binds the ``vllm_cpu`` kernel (vLLM's own kernel on those weights); kernels that read
   plain weights are rejected for the layout with that reason;
-- ``act`` "silu" and "gelu_tanh" are ``rubin.moe``'s; "gelu" (erf) and "swigluoai" are left alone;
-- ``skip_weighted=True`` (router weight already applied to the input, top-1 only) means weights of one;
+- ``act`` "silu", "gelu_tanh", "gelu" (erf) and "swigluoai" (GPT-OSS's clamped SwiGLU over interleaved rows at
+  1.702 / 7.0; vLLM's CPU experts pass no constants to the kernel) are ``rubin.moe``'s; vLLM's CPU experts build
+  layers with no other activation;
+- ``skip_weighted=True`` is vLLM's ``apply_router_weight_on_input`` (Llama 4, top-1 only): its prepare() has already
+  multiplied the input by the routing weight, in the graph before the call, and the kernel weights nothing; so
+  ``rubin.moe`` gets that input and weights of one (``x ** 0``), which keeps the multiply where vLLM put it and the
+  call a plain one that every kernel takes;
 - biases are ``rubin.moe``'s ``w13_bias`` / ``w2_bias``.
 
 The routing upstream stays as it is (Inductor fuses it); it is only described, in the rewrite's details.
@@ -63,7 +68,7 @@ from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing, softmax_input
 
 # vLLM's CPU op takes an ``act`` string; these are the ones checked against rubin.moe's reference (the tests)
-CPU_OP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+CPU_OP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swigluoai")
 
 IDIOM = "vllm _C.cpu_fused_moe"
 
@@ -191,6 +196,14 @@ def _rewrite(graph: torch.fx.Graph, mc: MutatingCall, layout: str) -> Rewrite:
         "weight_layout": f"{layout} (vLLM CPU prepacked, {WeightLayout.decode(layout).describe()}), as stored: no copy",
         "biases": a["w13_bias"] is not None,
         "skip_weighted": bool(a["skip_weighted"]),
+        **(
+            {
+                "router_weight_on_input": "applied by vLLM's prepare() to the input, in the graph before the call "
+                "(apply_router_weight_on_input); rubin.moe gets that input and weights of one"
+            }
+            if a["skip_weighted"]
+            else {}
+        ),
         "auto_functionalized": f"v{mc.version}",
         "routing": routing,
     }

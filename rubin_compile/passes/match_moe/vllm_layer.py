@@ -20,8 +20,17 @@ that rubin reproduces it and to record E, H, I, k, dtype and the routing in the 
 vLLM's layers it asks the engine adapter on the pass context (integrations/vllm/engine.py); this module
 imports nothing of vLLM.
 
+What the layer's experts compute is read as vLLM's kernels compute it (integrations/vllm/layer_ops.py,
+``experts_activation``): its activation with the constants its kernel reads (SiLU with a ``swiglu_limit`` is
+``silu_clamp:<limit>`` on the Triton experts, ``swigluoai_uninterleave`` takes the layer's alpha and limit, the
+``_no_mul`` activations read w13 as [E, I, H]), and ``apply_router_weight_on_input`` (Llama 4; vLLM's prepare()
+scales the input by the top-1 weight) becomes rubin.moe's flag of that name, which selection gives only to kernels
+that declare it (on a CUDA target a layer whose rubin.moe only the reference would run stays with vLLM's fused MoE).
+
 Left alone, with the reason: quantised methods, expert / data parallel layers, LoRA, activations
-``rubin.moe`` lacks, weight layouts rubin does not undo (FlashInfer / AITER shuffles), a read of the
+``rubin.moe`` lacks and activation constants the layer sets but its vLLM kernel ignores (vLLM's CPU experts run a
+``swiglu_limit`` layer's SiLU unclamped), the router weight on the input with top-k > 1 (vLLM asserts top-1),
+weight layouts rubin does not undo (FlashInfer / AITER shuffles), a read of the
 mutated ``hidden_states`` after the call, a layer name resolved from the forward context's order
 (``VLLM_USE_LAYERNAME=0`` on torch < 2.11), and a layer that cannot be found at compile time.
 
@@ -35,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from rubin_compile.ops.moe import call_features
 from rubin_compile.passes.base import PassContext, Rewrite, Unchanged
 from rubin_compile.passes.match_moe.emit import reference_only_reason
 from rubin_compile.passes.fx import (
@@ -65,7 +75,8 @@ def match(graph: torch.fx.Graph, ctx: PassContext) -> tuple[list[Rewrite], list[
         if reason is None:
             d = ctx.engine.moe_layer_details(layer)
             sizes = {n: d.get(n) for n in ("E", "H", "I", "k")}
-            reason = reference_only_reason(ctx.target, d["dtype"], d["dtype"], sizes, d["activation"])
+            features = call_features(d["apply_router_weight_on_input"], False)
+            reason = reference_only_reason(ctx.target, d["dtype"], d["dtype"], sizes, d["activation"], features)
         if reason is not None:
             unchanged.append(Unchanged(node.name, IDIOM, reason))
             continue

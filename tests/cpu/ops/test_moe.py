@@ -129,9 +129,13 @@ def test_features_only_on_kernels_that_declare_them():
     sel = MOE.select(spec, resolve("sm90"))
     assert sel.chosen.name == "reference"
     assert dict(sel.rejected)["triton"] == "triton does not implement router_weight_on_input"
+    # by hand: vllm_cpu, the one kernel besides the reference that runs on this machine, declares the router weight
+    # on the input (top-1, as vLLM runs it) but not run-time activation constants
+    pytest.importorskip("vllm", reason="the vllm_cpu kernel runs only with vLLM's CPU build")
     x, w13, w2, w, ids, _, _ = make(k=1)
-    with pytest.raises(KernelUnavailableError, match="'vllm_cpu' does not implement router_weight_on_input"):
-        torch.ops.rubin.moe(x, w13, w2, w, ids, impl="vllm_cpu", apply_router_weight_on_input=True)
+    constants = torch.tensor([1.702, 7.0])
+    with pytest.raises(KernelUnavailableError, match="'vllm_cpu' does not implement runtime_activation_constants"):
+        torch.ops.rubin.moe(x, w13, w2, w, ids, "swigluoai", impl="vllm_cpu", activation_constants=constants)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])

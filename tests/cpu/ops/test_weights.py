@@ -19,6 +19,21 @@ def test_concatenates_and_reuses_while_the_parts_are_unchanged():
     assert updated is not first and torch.equal(updated, torch.cat(parts))
 
 
+def test_parameters_cast_in_place_are_stacked_again():
+    """``Module.to(dtype)`` swaps each parameter's data (same object, same version): the stacked copy is made again
+    in the new dtype, not served from before the cast."""
+    weights.clear_cache()
+    module = torch.nn.Module()
+    module.a, module.b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(2, 4))
+    parts = [module.a, module.b]
+    assert torch.ops.rubin.stacked_weights(parts).dtype == torch.float32
+    module.to(torch.bfloat16)
+    again = torch.ops.rubin.stacked_weights(parts)
+    assert again.dtype == torch.bfloat16 and torch.equal(again, torch.cat([p.detach() for p in parts]))
+    module.a.data = torch.randn(3, 4, dtype=torch.bfloat16)  # new data, same dtype and shape
+    assert torch.equal(torch.ops.rubin.stacked_weights(parts), torch.cat([p.detach() for p in parts]))
+
+
 def test_other_tensors_at_a_reused_address_are_not_served_from_the_cache():
     weights.clear_cache()
     parts = [torch.randn(2, 2), torch.randn(2, 2)]
