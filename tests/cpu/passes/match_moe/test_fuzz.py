@@ -145,20 +145,6 @@ def known_tiny_router_bug(case: Case, tokens) -> bool:
     return tokens == 1 and (case.E == 1 or (case.H <= 16 and case.E <= 16))
 
 
-def known_top1_decode_bug(case: Case, graph_index: int, unchanged: list) -> bool:
-    """transformers' grouped_mm experts at T * k = 1 (one token, top-1): ``inv_perm[perm] = arange(1)`` reaches the
-    graph as ``index_put(empty, [perm], reshape(iota(1), []))`` and match_moe/hf_grouped_mm.py leaves the block
-    unchanged ("... gathered by something other than the inverse sort permutation")."""
-    return (
-        case.form == "hf"
-        and case.impl == "grouped_mm"
-        and case.k == 1
-        and case.T == 1
-        and graph_index == 0  # the first graph is compiled for case.T
-        and any("inverse sort permutation" in u["reason"] for u in unchanged)
-    )
-
-
 class KnownBug(AssertionError):
     """A check failed where one of the known bugs above says it does (the xfail regressions expect exactly this)."""
 
@@ -188,7 +174,7 @@ def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
         if why_not is None:
             _expect(
                 len(moes) == 1,
-                known_top1_decode_bug(case, index, unchanged) or known_dynamic_alpha_bug(case, unchanged),
+                known_dynamic_alpha_bug(case, unchanged),
                 skip_known,
                 f"graph {report['graph_id']}: claimed block not rewritten: {unchanged}",
             )
@@ -370,12 +356,6 @@ def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
     check_case(case, skip_known=False)
 
 
-@_xfail(
-    "rubin bug (missed rewrite): transformers' grouped_mm experts at T * k = 1 (one token, top-1 routing) are left "
-    "unchanged: inv_perm[perm] = arange(1) reaches the graph as index_put(empty, [perm], reshape(iota(1), [])) and "
-    "hf_grouped_mm.py wants the iota itself ('the weighted expert output is gathered by something other than the "
-    "inverse sort permutation')"
-)
 @pytest.mark.parametrize(
     "case",
     [
@@ -421,7 +401,10 @@ def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
     ],
     ids=["mixtral_bf16", "deepseek_v3", "qwen3_moe_h64"],
 )
-def test_regression_top1_single_token_grouped_mm_not_rewritten(case):
+def test_regression_top1_single_token_grouped_mm_rewritten(case):
+    """transformers' grouped_mm experts at T * k = 1 (one token, top-1) were left unchanged: ``inv_perm[perm] =
+    arange(1)`` reaches the graph as ``index_put(empty, [perm], reshape(iota(1), []))`` (a 0-d value) and
+    hf_grouped_mm.py wanted the iota itself. Now rewritten, and equal to eager (fp32) / Inductor (bf16)."""
     check_case(case, skip_known=False)
 
 
