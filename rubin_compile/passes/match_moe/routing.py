@@ -413,10 +413,9 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
     ):
         info["order"] = "topk_then_sigmoid"
     else:
-        info["why"] = (
-            f"the routing weights ({getattr(w, 'name', w)}) are none of the forms read from a top-k (its values, a "
-            "softmax or sigmoid of them, or the scores gathered at its indices, under a scale, a per-expert scale and "
-            "a renormalisation)"
+        info["why"] = (  # read under any scale, per-expert scale and renormalisation (peeled above)
+            f"the routing weights ({getattr(w, 'name', w)}) are no form read from the top-k (its values, their "
+            "softmax / sigmoid, the scores gathered at its indices)"
         )
         return info
     info["recognised"] = True

@@ -141,7 +141,7 @@ def test_zaya_routing(rubin_run):
     "model_type, why",
     [
         # softmax over logsigmoid of the chosen and the shared experts' logits, times a learned global scale
-        ("inkling_text", "are none of the forms read from a top-k"),
+        ("inkling_text", "are no form read from the top-k"),
         # SparseMixer: each of the two choices is the max of its own jitter-masked scores
         ("phimoe", "is not the indices output of aten.topk"),
     ],
