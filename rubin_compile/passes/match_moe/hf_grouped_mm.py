@@ -28,7 +28,7 @@ Post-grad ATen, as Inductor gives it (fp32 on CPU)::
     gate, up = aten.split(h, I, -1);  a = div(gate, add(exp(neg(gate)), 1)) * up        # SiLU, decomposed
     y = transformers.grouped_mm_fallback(a, aten.permute(down_proj, [0, 2, 1]), offs)
     yw = aten.mul(y, aten.unsqueeze(aten.index(aten.reshape(topk_weights, [-1]), [perm]), -1))
-    inv = aten.index_put(aten.empty([S]), [perm], prims.iota(S))
+    inv = aten.index_put(aten.empty([S]), [perm], prims.iota(S))          # S = 1: aten.reshape(prims.iota(1), [])
     out = aten.sum(aten.reshape(aten.index(yw, [inv]), [T, k, H]), [1])                  # [+ convert_element_type]
 
 The CUDA form differs only in ``aten._grouped_mm`` and ``convert_element_type(ids_g, int32)`` before
