@@ -651,10 +651,12 @@ def _routing_text(r: Optional[dict]) -> str:
         parts.append("group-limited")
     if r.get("renormalize"):
         parts.append("renormalised")
-    if r.get("scale") is not None:
-        parts.append(f"scale {r['scale']:g}")
+    if r.get("scale") is not None:  # a number, or "graph input <name>" (a run-time value)
+        parts.append(f"scale {r['scale']:g}" if isinstance(r["scale"], (int, float)) else f"scale: {r['scale']}")
     if r.get("per_expert_scale"):
         parts.append("per-expert scale")
+    if r.get("skip_expert") is not None:
+        parts.append(f"skip class {r['skip_expert']}")
     if r.get("router") not in (None, "linear"):
         parts.append(f"router {r['router']}")
     return ", ".join(parts)

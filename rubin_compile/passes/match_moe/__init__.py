@@ -5,24 +5,27 @@ Each matcher is a module of this package with ``IDIOM`` (a short name for report
 recognises: ``vllm_cpu`` (vLLM's CPU op ``_C.cpu_fused_moe``), ``vllm_layer`` (vLLM's layer op
 ``vllm.moe_forward``), ``hf_grouped_mm`` and ``hf_batched_mm`` (Hugging Face experts in their two forms),
 ``hf_llama4`` (Llama 4's dense experts: every expert on every token, the routing weight on the input) and
-``expert_loop`` (plain-PyTorch loops over the experts). Matchers run in the order of ``MATCHERS``; each leaves alone what it does not fully recognise,
-with the reason recorded. A router whose experts no matcher took or explained (a top-k of softmax / sigmoid
-router scores whose expert ids reach no ``rubin.moe`` and no block a matcher reported) is reported too, with
-the most likely reason: its ids leave the graph (a graph break: transformers' ``eager`` experts loop breaks the
-graph at its ``nonzero()``), or its experts are in a form no matcher knows. In a training graph (``ctx.gradients``) each leaves every block it finds alone, with
-``GRADIENTS_REASON``: the forward keeps the experts' intermediates for the backward.
+``expert_loop`` (plain-PyTorch loops over the experts). Matchers run in the order of ``MATCHERS``; each leaves alone
+what it does not fully recognise, with the reason recorded. A router whose experts no matcher took or explained (a
+top-k, or an argmax, of the scores of a linear projection, whose expert ids reach no ``rubin.moe`` and no block a
+matcher reported) is reported too, with the most likely reason: its ids, or a dispatch mask made from them, leave
+the graph (a graph break: an experts loop over ``nonzero()``, transformers' ``eager`` experts implementation or a
+model's own), it routes to one expert (a dense MLP), or its experts are in a form no matcher knows. In a training
+graph (``ctx.gradients``) each leaves every block it finds alone, with ``GRADIENTS_REASON``: the forward keeps the
+experts' intermediates for the backward.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 
 from rubin_compile.passes.base import GRADIENTS_REASON, Pass, PassContext, PassResult, Unchanged
-from rubin_compile.passes.fx import is_call
+from rubin_compile.passes.fx import is_call, tensor_val
 from rubin_compile.passes.match_moe import expert_loop, hf_batched_mm, hf_grouped_mm, hf_llama4, vllm_cpu, vllm_layer
-from rubin_compile.passes.match_moe.routing import describe_routing
+from rubin_compile.passes.match_moe.routing import read_selection
 
 NAME = "match_moe"
 
@@ -67,29 +70,75 @@ def _downstream(start: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def _routers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, torch.fx.Node, dict]]]:
+    """The routers of the graph by their projection: for each, (choice, its expert ids, the selection read) of every
+    ``aten.topk`` (its indices; the values may be unused: weights gathered from the scores) or ``aten.argmax`` (a
+    top-1: Switch Transformers; NLLB-MoE's two, the second over the logits without the first) over the scores of a
+    linear projection (routing.read_selection). One router, one block: its choices are explained together."""
+    out: dict[torch.fx.Node, list] = {}
+    for node in graph.nodes:
+        if is_call(node, torch.ops.aten.topk.default):
+            ids = next((u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
+        elif is_call(node, torch.ops.aten.argmax.default):
+            ids = node
+        else:
+            continue
+        if ids is None:
+            continue
+        selection, projection = read_selection(node)
+        if ids is node and not _one_hot(ids, selection.get("num_experts")):
+            continue  # an argmax that is no dispatch (a greedy decode's next token)
+        if selection.get("router") == "linear":  # not a router's top-k otherwise (a sampling top-k, a group score's)
+            out.setdefault(projection, []).append((node, ids, selection))
+    return out
+
+
+def _one_hot(ids: torch.fx.Node, num: Optional[int]) -> bool:
+    """``one_hot(ids, num_classes=num)``, as it reaches the graph: ``eq(ids.unsqueeze(-1), iota(num))``."""
+    for u in ids.users:
+        if is_call(u, torch.ops.aten.unsqueeze.default) and u.args[1] == -1:
+            for eq in u.users:
+                if is_call(eq, torch.ops.aten.eq.Tensor) and eq.args[0] is u:
+                    iota = eq.args[1]
+                    if is_call(iota, torch.ops.prims.iota.default) and num is not None and iota.args[0] == num:
+                        return True
+    return False
+
+
+def _leaves_graph(ids: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+    """The ids, or an integer / bool tensor computed from them (a dispatch mask), are an output of the graph: the
+    experts that read them run in another graph."""
+    outputs = set(graph.output_node().all_input_nodes)
+    for n in _downstream(ids) | {ids}:
+        val = tensor_val(n)
+        if n in outputs and val is not None and not val.is_floating_point():
+            return True
+    return False
+
+
 def _routers_left_alone(graph: torch.fx.Graph, result: PassResult) -> list[Unchanged]:
     """An ``Unchanged`` for each router whose expert ids reach neither a ``rubin.moe`` nor a block a matcher
     reported: the most likely reason, so that no MoE block is left alone without one."""
     explained = {u.node for u in result.unchanged}
     out = []
-    for node in graph.nodes:
-        if not is_call(node, torch.ops.aten.topk.default):
-            continue
-        values = ids = None
-        for user in node.users:
-            if is_call(user, operator.getitem):
-                values, ids = (user, ids) if user.args[1] == 0 else (values, user)
-        if ids is None or values is None or describe_routing(values, ids).get("router") != "linear":
-            continue  # not a router's top-k (a top-k of router scores computed from a linear projection)
-        reach = _downstream(ids) | {node, values, ids}
+    for choices in _routers(graph).values():
+        reach = set().union(*(_downstream(ids) | {node, ids} for node, ids, _ in choices))
         if any(n.target is torch.ops.rubin.moe.default or n.name in explained for n in reach):
             continue
-        if ids in graph.output_node().all_input_nodes:  # the ids themselves are an output: the graph breaks here
+        node, ids, selection = choices[0]
+        if any(_leaves_graph(choice_ids, graph) for _, choice_ids, _ in choices):
             why = (
                 "its expert ids leave this graph (a graph break): the experts run in another graph or eagerly, and no "
-                "rewrite sees the whole block. transformers' experts_implementation='eager' loops over the experts "
-                "hit, which breaks the graph at nonzero(); use 'grouped_mm' (the default) or 'batched_mm' "
-                "(model.set_experts_implementation(...)) and compile again"
+                "rewrite sees the whole block. A loop over the experts hit (nonzero(), then a Python int per expert) "
+                "breaks the graph: transformers' experts_implementation='eager' does, where 'grouped_mm' (the default) "
+                "or 'batched_mm' (model.set_experts_implementation(...)) compiles in one graph; an experts class that "
+                "writes such a loop itself, without that interface, needs its forward changed"
+            )
+        elif selection.get("num_experts") == 1:
+            why = (
+                "a router over one expert (E = 1): every token goes to it, scaled by its routing weight, a dense MLP "
+                "rather than a mixture. The expert-loop matcher groups per-expert masks from two experts up and no "
+                "other matcher took the block, so it stays as written for Inductor"
             )
         else:
             why = f"the experts its ids select are in a form no matcher recognises (the forms: {KNOWN_FORMS})"

@@ -28,7 +28,7 @@ Post-grad ATen, as Inductor gives it (fp32 on CPU)::
     gate, up = aten.split(h, I, -1);  a = div(gate, add(exp(neg(gate)), 1)) * up        # SiLU, decomposed
     y = transformers.grouped_mm_fallback(a, aten.permute(down_proj, [0, 2, 1]), offs)
     yw = aten.mul(y, aten.unsqueeze(aten.index(aten.reshape(topk_weights, [-1]), [perm]), -1))
-    inv = aten.index_put(aten.empty([S]), [perm], prims.iota(S))
+    inv = aten.index_put(aten.empty([S]), [perm], prims.iota(S))          # S = 1: aten.reshape(prims.iota(1), [])
     out = aten.sum(aten.reshape(aten.index(yw, [inv]), [T, k, H]), [1])                  # [+ convert_element_type]
 
 The CUDA form differs only in ``aten._grouped_mm`` and ``convert_element_type(ids_g, int32)`` before
@@ -67,7 +67,7 @@ from typing import Any, Optional, Union
 import torch
 
 from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
-from rubin_compile.passes.fx import dtype_name, getitem_of, is_call, strip_converts, tensor_val
+from rubin_compile.passes.fx import RESHAPES, dtype_name, getitem_of, is_call, strip_converts, tensor_val
 from rubin_compile.passes.match_moe.hf_experts import (
     Block,
     NoMatch,
@@ -205,21 +205,44 @@ def _match_combine(b: Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     if not (is_call(unperm, aten.index.Tensor) and len(unperm.args[1]) == 1):
         raise NoMatch("the weighted expert output is not put back in token order (weighted_out[inv_perm])")
     inv = unperm.args[1][0]
-    ok = (
-        is_call(inv, aten.index_put.default)
-        and len(inv.args[1]) == 1
-        and inv.args[1][0] is perm
-        and is_call(inv.args[2], prims.iota.default, aten.arange.default, aten.arange.start)
-    )
-    if not ok:
+    positions = None
+    if is_call(inv, aten.index_put.default) and len(inv.args[1]) == 1 and inv.args[1][0] is perm:
+        positions = _arange_of(inv.args[2], tensor_val(perm).shape[0])
+    if positions is None:
         raise NoMatch(
             "the weighted expert output is gathered by something other than the inverse sort "
             "permutation (inv_perm[perm] = arange)"
         )
     b.flow += [unperm, inv]
-    b.aux += [inv.args[0], inv.args[2]]
+    b.aux += [inv.args[0], *positions]
 
     match_sum_over_k(b, sole_user(unperm, "the expert output in token order"))
+
+
+def _arange_of(node: Any, size: Any) -> Optional[list[torch.fx.Node]]:
+    """If ``node`` is ``arange(size)`` (0, 1, ..., size - 1), the nodes that make it; else None.
+
+    ``inv_perm[perm] = torch.arange(S)`` reaches the graph as ``prims.iota(S, start=0, step=1)``, except at S = 1
+    (one token, top-1: the decode step of a top-1 model), where the decomposition of ``index_put`` reads the one
+    value as a scalar: ``reshape(iota(1), [])``, which broadcast over the one index is the same permutation."""
+    nodes = []
+    if is_call(node, *RESHAPES) and list(node.args[1]) == [] and same(size, 1):
+        nodes.append(node)
+        node = node.args[0]
+    if is_call(node, prims.iota.default):
+        given = dict(zip(("length", "start", "step"), node.args), **node.kwargs)
+        length, start, step = given.get("length"), given.get("start"), given.get("step")
+    elif is_call(node, aten.arange.default):
+        length, start, step = node.args[0], 0, 1
+    elif is_call(node, aten.arange.start):
+        length, start, step = node.args[1], node.args[0], 1  # arange(0, S)
+    else:
+        return None
+    if isinstance(length, torch.fx.Node):  # a symbolic size (dynamic shapes) is a node of the graph
+        length = length.meta.get("val")
+    if not (start == 0 and step == 1 and length is not None and same(length, size)):
+        return None
+    return [*nodes, node]
 
 
 def _sentinel_mask(b: Block, node: Any, ids_g: torch.fx.Node, E: int) -> Optional[torch.fx.Node]:

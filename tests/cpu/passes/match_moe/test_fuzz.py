@@ -120,13 +120,6 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, case: Case) -> None:
 # --- known bugs: the fuzz tests step around them; the xfail regressions at the end of this file keep them visible --
 
 
-def known_dynamic_scale_bug(case: Case) -> bool:
-    """Under ``dynamic=True`` Dynamo turns the routed scaling factor (a Python float attribute of the router) into a
-    0-d tensor input of the graph, and match_moe/routing.py then reports a DeepSeek-style routing as unrecognised
-    ("the routing weights (mul_tensor) are not derived from the same top-k")."""
-    return case.routing == "sigmoid_grouped" and case.shapes == "dynamic"
-
-
 def known_dynamic_alpha_bug(case: Case, unchanged: list) -> bool:
     """The same for GPT-OSS's clamped SwiGLU: under ``dynamic=True`` its ``alpha`` (a float attribute of the experts)
     is a graph input, and both Hugging Face matchers leave the experts unchanged ("a clamped SwiGLU whose constants
@@ -135,27 +128,6 @@ def known_dynamic_alpha_bug(case: Case, unchanged: list) -> bool:
         case.family == "gpt_oss"
         and case.shapes == "dynamic"
         and any("clamped SwiGLU whose constants" in u["reason"] for u in unchanged)
-    )
-
-
-def known_tiny_router_bug(case: Case, tokens) -> bool:
-    """At T = 1 on the CPU Inductor decomposes a router's addmm with H, E <= 16 (and an mm or addmm with E = 1) into
-    mul / sum / add (torch/_inductor/decomposition.py); routing.py then reports the router as "unrecognised (add)"
-    without its bias, and a router it does not see as one gets no reason either. Toy sizes only."""
-    return tokens == 1 and (case.E == 1 or (case.H <= 16 and case.E <= 16))
-
-
-def known_top1_decode_bug(case: Case, graph_index: int, unchanged: list) -> bool:
-    """transformers' grouped_mm experts at T * k = 1 (one token, top-1): ``inv_perm[perm] = arange(1)`` reaches the
-    graph as ``index_put(empty, [perm], reshape(iota(1), []))`` and match_moe/hf_grouped_mm.py leaves the block
-    unchanged ("... gathered by something other than the inverse sort permutation")."""
-    return (
-        case.form == "hf"
-        and case.impl == "grouped_mm"
-        and case.k == 1
-        and case.T == 1
-        and graph_index == 0  # the first graph is compiled for case.T
-        and any("inverse sort permutation" in u["reason"] for u in unchanged)
     )
 
 
@@ -178,8 +150,7 @@ def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
     assert reports, "rubin compiled no graph"
     why_not = claimed(case)
     total = 0
-    for index, report in enumerate(reports):
-        graph_tokens = case.T if index == 0 else None  # later graphs: T2, or a symbolic T
+    for report in reports:
         assert report["reporting_errors"] == [], report["reporting_errors"]
         (result,) = [p for p in report["passes"] if p["name"] == "match_moe"]
         moes = [r for r in result["rewrites"] if r["canonical_op"] == "rubin.moe"]
@@ -188,24 +159,19 @@ def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
         if why_not is None:
             _expect(
                 len(moes) == 1,
-                known_top1_decode_bug(case, index, unchanged) or known_dynamic_alpha_bug(case, unchanged),
+                known_dynamic_alpha_bug(case, unchanged),
                 skip_known,
                 f"graph {report['graph_id']}: claimed block not rewritten: {unchanged}",
             )
         if not moes:
-            _expect(
-                bool(unchanged),
-                known_tiny_router_bug(case, graph_tokens),
-                skip_known,
-                f"graph {report['graph_id']}: block left unchanged without a reason",
-            )
+            assert unchanged, f"graph {report['graph_id']}: block left unchanged without a reason"
         assert all(u["reason"].strip() for u in unchanged), unchanged
         for r in moes:
-            _check_details(r["details"], case, skip_known)
+            _check_details(r["details"], case)
     assert count_ops(run.final_code(), "rubin.moe") == total
 
 
-def _check_details(d: dict, case: Case, skip_known: bool) -> None:
+def _check_details(d: dict, case: Case) -> None:
     assert (d["E"], d["k"]) == (case.E, case.k), d
     assert d["activation"].split(":")[0] == case.act, d  # "swigluoai[:alpha:limit]"
     if "bias" in d:
@@ -216,17 +182,17 @@ def _check_details(d: dict, case: Case, skip_known: bool) -> None:
         want["renormalize"] = case.renorm
     if case.routing == "sigmoid_grouped":
         want["score_correction_bias"] = True
-        if case.scale != 1.0:  # a scale of 1.0 may be folded away
+        if case.shapes == "dynamic":
+            # dynamic=True: Dynamo makes the float attribute a 0-d tensor input of the graph, a run-time value
+            assert str(routing.get("scale")).startswith("graph input "), routing
+        elif case.scale != 1.0:  # a scale of 1.0 may be folded away
             want["scale"] = case.scale
     got = {key: routing.get(key) for key in want}
-    _expect(got == want, known_dynamic_scale_bug(case), skip_known, f"routing {routing}, want {want}")
+    assert got == want, f"routing {routing}, want {want}"
     # the loop's router is an nn.Linear with or without a bias; transformers' routers have one in GPT-OSS only
     bias = case.router_bias if case.form == "loop" else case.family in ("gpt_oss", "gpt_oss_router")
-    _expect(
-        (routing["router"], routing["router_bias"]) == ("linear", bias),
-        known_tiny_router_bug(case, d["T"]),
-        skip_known,
-        f"routing {routing}, want router 'linear' with router_bias {bias}",
+    assert (routing["router"], routing["router_bias"]) == ("linear", bias), (
+        f"routing {routing}, want router 'linear' with router_bias {bias}"
     )
 
 
@@ -291,12 +257,6 @@ def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, raises=KnownBug, reason=reason)
 
 
-@_xfail(
-    "rubin bug (routing description): under dynamic=True the routed scaling factor of a DeepSeek-V3 router becomes a "
-    "0-d tensor input of the graph (Dynamo does not specialise the float), and match_moe/routing.py reports the "
-    "routing as unrecognised: 'the routing weights (mul_tensor) are not derived from the same top-k' (renormalize "
-    "and scale lost too). The rewrite itself is right."
-)
 @pytest.mark.parametrize(
     "case",
     [
@@ -339,7 +299,11 @@ def _xfail(reason: str):
     ],
     ids=["hf_deepseek_v3", "loop"],
 )
-def test_regression_dynamic_routed_scaling_factor_misdescribed(case):
+def test_regression_dynamic_routed_scaling_factor_described(case):
+    """Under dynamic=True the routed scaling factor of a DeepSeek-V3 router becomes a 0-d tensor input of the graph
+    (Dynamo does not specialise the float), and routing.py called the routing unrecognised ('the routing weights
+    (mul_tensor) are not derived from the same top-k', renormalize lost too). Now it reads the scale as that input
+    ("scale": "graph input <name>"), the rest of the routing as before."""
     check_case(case, skip_known=False)
 
 
@@ -370,12 +334,6 @@ def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
     check_case(case, skip_known=False)
 
 
-@_xfail(
-    "rubin bug (missed rewrite): transformers' grouped_mm experts at T * k = 1 (one token, top-1 routing) are left "
-    "unchanged: inv_perm[perm] = arange(1) reaches the graph as index_put(empty, [perm], reshape(iota(1), [])) and "
-    "hf_grouped_mm.py wants the iota itself ('the weighted expert output is gathered by something other than the "
-    "inverse sort permutation')"
-)
 @pytest.mark.parametrize(
     "case",
     [
@@ -421,14 +379,13 @@ def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
     ],
     ids=["mixtral_bf16", "deepseek_v3", "qwen3_moe_h64"],
 )
-def test_regression_top1_single_token_grouped_mm_not_rewritten(case):
+def test_regression_top1_single_token_grouped_mm_rewritten(case):
+    """transformers' grouped_mm experts at T * k = 1 (one token, top-1) were left unchanged: ``inv_perm[perm] =
+    arange(1)`` reaches the graph as ``index_put(empty, [perm], reshape(iota(1), []))`` (a 0-d value) and
+    hf_grouped_mm.py wanted the iota itself. Now rewritten, and equal to eager (fp32) / Inductor (bf16)."""
     check_case(case, skip_known=False)
 
 
-@_xfail(
-    "rubin bug (routing description, toy sizes): at T = 1 on the CPU Inductor decomposes a router addmm with H, E <= "
-    "16 into mul / sum / add; routing.py reports the router as 'unrecognised (add)' and router_bias False"
-)
 @pytest.mark.parametrize(
     "case",
     [
@@ -460,16 +417,17 @@ def test_regression_top1_single_token_grouped_mm_not_rewritten(case):
     ],
     ids=["loop_sigmoid_grouped", "hf_gpt_oss_batched_mm"],
 )
-def test_regression_tiny_router_at_one_token_misdescribed(case):
+def test_regression_tiny_router_at_one_token_described(case):
+    """At T = 1 on the CPU Inductor decomposes a router addmm with H, E <= 16 into mul / sum / add
+    (torch/_inductor/decomposition.py); routing.py reported the router as 'unrecognised (add)' with router_bias
+    False. Now the decomposed form is read as the linear router it is, bias included."""
     check_case(case, skip_known=False)
 
 
-@_xfail(
-    "rubin gap (no reason given, degenerate block): a loop over a single expert (E = 1) at T = 1: expert_loop groups "
-    "two masks or more, and the router fallback of match_moe/__init__.py skips the router because Inductor "
-    "decomposed its [H, 1] mm (routing.py: router 'unrecognised'), so the report says nothing of the block"
-)
-def test_regression_one_expert_one_token_left_without_reason():
+def test_regression_one_expert_one_token_given_a_reason():
+    """A loop over a single expert (E = 1) at T = 1 was reported nowhere: expert_loop groups two masks or more, and
+    the router fallback of match_moe/__init__.py skipped the router, whose [H, 1] mm Inductor had decomposed. Now
+    the decomposed router is read, and the fallback says why a one-expert block stays as written."""
     check_case(
         Case(form="loop", family="loop", E=1, k=1, H=8, I=8, act="silu", routing="topk_sigmoid", T=1),
         skip_known=False,

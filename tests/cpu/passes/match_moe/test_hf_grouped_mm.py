@@ -350,6 +350,54 @@ def test_dynamic_token_count(rubin_run):
     assert isinstance(rewrites[1]["details"]["T"], str)  # symbolic
 
 
+def test_one_token_top1_rewritten(rubin_run):
+    """Decode of a top-1 model (T * k = 1): ``inv_perm[perm] = arange(1)`` reaches the graph as
+    ``index_put(empty, [perm], reshape(iota(1), []))``, the same permutation; rewritten, equal to eager."""
+    block = moe_block(qwen3_moe(num_experts_per_tok=1)).eval()
+    x = torch.randn(1, 1, HIDDEN)
+    with torch.no_grad():
+        got, want = rubin_run.compile(block)(x), block(x)
+    assert_close_to_eager(got, want)
+    assert "torch.ops.aten.reshape.default(iota, [])" in input_code(rubin_run)  # the form this test is about
+    (rewrite,) = hf_rewrites(rubin_run)
+    assert (rewrite["details"]["T"], rewrite["details"]["k"]) == (1, 1)
+    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0
+
+
+def _inverse_permutation(fill):
+    def inverse(ids):
+        perm = torch.sort(ids)[1]
+        inv = torch.empty_like(perm)
+        inv[perm] = fill(perm)
+        return inv
+
+    return inverse
+
+
+@pytest.mark.parametrize(
+    "fill, size, is_arange",
+    [
+        (lambda perm: torch.arange(perm.size(0)), 5, True),
+        (lambda perm: torch.arange(perm.size(0)), 1, True),  # reshape(iota(1), [])
+        (lambda perm: torch.arange(1, perm.size(0) + 1), 5, False),
+        (lambda perm: torch.arange(perm.size(0)) * 2, 5, False),
+        (lambda perm: torch.arange(1, perm.size(0) + 1), 1, False),  # reshape(iota(1, start=1), [])
+        (lambda perm: perm.sum(), 1, False),  # a 0-d value that is not position 0
+    ],
+    ids=["arange", "arange_of_one", "shifted", "strided", "shifted_of_one", "not_an_arange"],
+)
+def test_inverse_permutation_read_only_from_an_arange(fill, size, is_arange):
+    """What ``inv_perm[perm] = ...`` writes must be 0, 1, ..., S - 1 for the gather to undo the sort."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    from rubin_compile.passes.match_moe.hf_grouped_mm import _arange_of
+
+    gm = fwd_only(_inverse_permutation(fill), [torch.randint(0, 8, (size,))])
+    aten = torch.ops.aten
+    (inv,) = [n for n in gm.graph.nodes if n.target in (aten.index_put.default, aten.index_put_.default)]
+    assert (_arange_of(inv.args[2], size) is not None) is is_arange, gm.code
+
+
 def test_cuda_form_compiled_on_meta(rubin_run):
     """transformers takes its non-CPU branch on the meta device: histc on int32 ids and F.grouped_mm
     (aten._grouped_mm), as on CUDA. The graph cannot run (meta has no data); the report is what counts."""
