@@ -25,6 +25,13 @@ experts, mixed dtypes, outside users), and the expert-parallel form (``expert_id
 weights masked where ``ids >= E``) unless the ids are a top-k over the E experts in the graph -- then the clamp and
 the mask change nothing and are dropped (transformers 5.17 clamps in every experts block).
 
+Versions: as written above from transformers 5.8 (5.8 clamps the ids in place, 5.10 to 5.17 out of place, 5.18+ only
+with ``_is_expert_parallel`` and masking the routing weights). 5.3 to 5.7 gather the rows by a token index
+(``hidden_states[token_idx]``, ``token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)``), clamp the ids and
+mask the weighted output where the unclamped ids are >= E (``weighted_out.masked_fill_``); both dropped as above.
+Before 5.3 the block differs in more than bookkeeping (5.1 compares the routing weights' sum with 0, a graph break;
+5.0 / 5.2 multiply by the weights without ``unsqueeze`` / by a validity mask) and is left unchanged with the reason.
+
 Walked by hand, anchored on the pair of bmms whose weights are gathered by one ids tensor, for the reasons in
 hf_grouped_mm.py; the shared parts are in hf_experts.py.
 """

@@ -52,11 +52,14 @@ no such rows and the masks are dropped (the report says so, ``sentinel_masks``);
 that writes sentinels) are left unchanged with that reason.
 
 Versions: the walk above is transformers 5.8's ``grouped_mm_experts_forward`` onwards (5.8 to 5.24 compared line by
-line: they differ only in where the sentinel masks sit). Older releases sort with ``argsort``, gather the sorted ids
-and the tokens by ``perm`` (``expert_ids[perm]``, ``hidden_states[token_idx[perm]]``), and before 5.4 invert ``perm``
-by a second ``argsort``; their blocks are left unchanged with the reason (``histc does not count the sorted expert
-ids``). Before 5.3 transformers calls ``torch._grouped_mm`` for every dtype, which torch refuses for fp32 under
-torch.compile (its fake kernel takes bf16 only), with or without rubin.
+line: they differ only in where the sentinel masks sit). 5.4 to 5.7 sort with ``perm = argsort(expert_ids)`` and
+gather by it (``expert_ids[perm]`` counted by histc, ``hidden_states[token_idx[perm]]``, in 5.4
+``hidden_states[token_idx][perm]``, with ``token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)``); 5.6 and
+5.7 clamp the ids to [0, E - 1] before the argsort and mask the weighted output where ``expert_ids >= E`` (dropped
+as above, ``sentinel_clamp``). 5.3 inverts ``perm`` with a second ``argsort``: left unchanged with the reason. Before
+5.3 transformers calls ``torch._grouped_mm`` for every dtype, which torch 2.13 refuses for fp32 under torch.compile
+(its fake kernel takes bf16 only), with or without rubin; torch 2.15 takes it (seen with backend="inductor"), and those
+releases invert ``perm`` with ``argsort`` as 5.3 does.
 
 Why the block is walked by hand rather than with one ``register_replacement`` pattern: it has optional
 parts (biases, dtype conversions that depend on the model and dtype, CPU / CUDA bookkeeping, two grouped
