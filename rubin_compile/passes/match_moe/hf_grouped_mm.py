@@ -45,10 +45,21 @@ dtypes, an intermediate with a user outside the block, or any other deviation fr
 
 transformers' expert-parallel sentinel masking (``where((ids_g >= E).unsqueeze(-1), 0, x)`` on the gathered hidden
 states and on both projections' outputs, the bias gathered by ``ids_g.clamp(max=E - 1)``; in every experts block
-of transformers 5.17, only with ``_is_expert_parallel`` from 5.19) zeroes the rows of ids >= E. When the ids
-are the indices of a top-k over the E experts in the same graph there are no such rows and the masks are dropped
-(the report says so, ``sentinel_masks``); ids from anywhere else (a dispatch that writes sentinels) are left
-unchanged with that reason.
+of transformers 5.17, only with ``_is_expert_parallel`` from 5.19; transformers 5.8 to 5.16 mask the gathered hidden
+states and the weighted output ``proj_out * sample_weights_g`` instead of the projections', in every experts block)
+zeroes the rows of ids >= E. When the ids are the indices of a top-k over the E experts in the same graph there are
+no such rows and the masks are dropped (the report says so, ``sentinel_masks``); ids from anywhere else (a dispatch
+that writes sentinels) are left unchanged with that reason.
+
+Versions: the walk above is transformers 5.8's ``grouped_mm_experts_forward`` onwards (5.8 to 5.24 compared line by
+line: they differ only in where the sentinel masks sit). 5.4 to 5.7 sort with ``perm = argsort(expert_ids)`` and
+gather by it (``expert_ids[perm]`` counted by histc, ``hidden_states[token_idx[perm]]``, in 5.4
+``hidden_states[token_idx][perm]``, with ``token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)``); 5.6 and
+5.7 clamp the ids to [0, E - 1] before the argsort and mask the weighted output where ``expert_ids >= E`` (dropped
+as above, ``sentinel_clamp``). 5.3 inverts ``perm`` with a second ``argsort``: left unchanged with the reason. Before
+5.3 transformers calls ``torch._grouped_mm`` for every dtype, which torch 2.13 refuses for fp32 under torch.compile
+(its fake kernel takes bf16 only), with or without rubin; torch 2.15 takes it (seen with backend="inductor"), and those
+releases invert ``perm`` with ``argsort`` as 5.3 does.
 
 Why the block is walked by hand rather than with one ``register_replacement`` pattern: it has optional
 parts (biases, dtype conversions that depend on the model and dtype, CPU / CUDA bookkeeping, two grouped
@@ -67,7 +78,7 @@ from typing import Any, Optional, Union
 import torch
 
 from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
-from rubin_compile.passes.fx import RESHAPES, dtype_name, getitem_of, is_call, strip_converts, tensor_val
+from rubin_compile.passes.fx import RESHAPES, dtype_name, getitem_of, is_call, single_user, strip_converts, tensor_val
 from rubin_compile.passes.match_moe.hf_experts import (
     Block,
     NoMatch,
@@ -82,6 +93,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     same,
     sole_user,
     split_gate_up,
+    token_of_slots,
     view_input,
 )
 
@@ -116,8 +128,19 @@ def _gmm_operands(node: torch.fx.Node) -> tuple[Any, Any, Any]:
     return bound.get("input"), bound.get("weight"), bound.get("offs")
 
 
-def _match_bookkeeping(b: Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """offsets = cumsum(histc(ids_g), dtype=int32); (ids_g, perm) = sort(topk_ids.reshape(-1))."""
+def _argsorted_ids(node: Any) -> Optional[torch.fx.Node]:
+    """For ``ids[perm]`` with ``perm = argsort(ids)`` (``aten.index(ids, [sort(ids)[1]])``, transformers 5.4 to 5.7):
+    the sort node; else None."""
+    if not (is_call(node, aten.index.Tensor) and len(node.args[1]) == 1):
+        return None
+    sort = getitem_of(node.args[1][0], 1, aten.sort.default, aten.sort.stable)
+    return sort if sort is not None and sort.args[0] is node.args[0] else None
+
+
+def _match_bookkeeping(b: Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """offsets = cumsum(histc(ids_g), dtype=int32); (ids_g, perm) = sort(topk_ids.reshape(-1)), or (transformers 5.4
+    to 5.7) perm = argsort(ids), ids_g = ids[perm], ids = topk_ids.reshape(-1) [.clamp(0, E - 1)]. Returns (ids_g,
+    perm, the flattened ids before any clamp)."""
     if not is_call(offs, aten.cumsum.default):
         raise NoMatch(
             f"the grouped mm offsets ({getattr(offs, 'name', offs)}) are not a cumsum of per-expert token counts"
@@ -132,9 +155,15 @@ def _match_bookkeeping(b: Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Nod
     bins, lo, hi = given.get("bins", 100), given.get("min", 0), given.get("max", 0)
     hval = tensor_val(histc.args[0])
     b.extra_details["histc_input"] = dtype_name(hval.dtype) if hval is not None else None
-    sort = getitem_of(strip_converts(histc.args[0]), 0, aten.sort.default, aten.sort.stable)
-    if sort is None:
-        raise NoMatch("histc does not count the sorted expert ids (sort(...)[0])")
+    counted = strip_converts(histc.args[0])
+    sort = getitem_of(counted, 0, aten.sort.default, aten.sort.stable)
+    argsorted = _argsorted_ids(counted) if sort is None else None
+    if sort is None and argsorted is None:
+        raise NoMatch(
+            "histc does not count the sorted expert ids (sort(...)[0], or ids[argsort(ids)] as transformers 5.4 "
+            "to 5.7 write it)"
+        )
+    sort = sort if argsorted is None else argsorted
     # aten.sort.default(self, dim=-1, descending=False); aten.sort.stable(self, *, stable, dim, descending)
     positional = dict(zip(("dim", "descending"), sort.args[1:])) if sort.target is aten.sort.default else {}
     if {**positional, **sort.kwargs}.get("descending", False):
@@ -147,17 +176,48 @@ def _match_bookkeeping(b: Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Nod
             perm = u
     if perm is None:
         raise NoMatch("the sort permutation is unused; hidden states are not gathered by it")
-    b.topk_ids = view_input(sort.args[0], "the sorted expert ids")
+    E = tensor_val(b.w13).shape[0]
+    flat, clamps = sort.args[0], []
+    if argsorted is not None:
+        ids_g = counted
+        flat, clamps = _clamped(sort.args[0], E)
+    b.topk_ids = view_input(flat, "the sorted expert ids")
     ids_val = tensor_val(b.topk_ids)
     if ids_val is None or ids_val.dim() != 2:
         raise NoMatch("the sorted expert ids are not a reshape of a [T, k] top-k index tensor")
-    if not (same(bins, tensor_val(b.w13).shape[0]) and lo == 0 and same(hi, bins - 1)):
-        raise NoMatch(
-            f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..E-1 for E={tensor_val(b.w13).shape[0]}"
-        )
-    b.flow += [sort.args[0], sort, ids_g, perm, offs, histc]
+    if clamps:
+        # transformers 5.6 / 5.7: expert_ids.clamp(0, E - 1) before the argsort (expert-parallel sentinels)
+        why = ids_from_topk(b, E)
+        if why is not None:
+            raise NoMatch(
+                "the expert ids are clamped before they are sorted: transformers' expert-parallel sentinel "
+                f"handling, whose out-of-range expert ids rubin.moe does not take ({why})"
+            )
+        b.extra_details["sentinel_clamp"] = "expert-parallel sentinel clamp dropped: the ids come from a top-k over E"
+        b.flow += clamps
+    if argsorted is not None:
+        b.extra_details["sort"] = "argsort, the sorted ids gathered by the permutation (transformers 5.4 to 5.7)"
+    if not (same(bins, E) and lo == 0 and same(hi, bins - 1)):
+        raise NoMatch(f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..E-1 for E={E}")
+    b.flow += [flat, sort, ids_g, perm, offs, histc]
     b.flow += [n for n in _converts_between(histc.args[0], ids_g)]
-    return ids_g, perm
+    return ids_g, perm, flat
+
+
+def _clamped(node: Any, E: int) -> tuple[Any, list[torch.fx.Node]]:
+    """``node`` under ``.clamp(0, E - 1)`` (Inductor splits it into clamp_min and clamp_max), and the clamp nodes;
+    ``(node, [])`` when it is not clamped. A clamp to other bounds is a NoMatch."""
+    clamps, bounds = [], {}
+    while is_call(node, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+        given = dict(zip(("min", "max"), node.args[1:]), **node.kwargs)
+        if node.target is aten.clamp_max.default:
+            given = {"max": node.args[1]}
+        bounds.update({key: v for key, v in given.items() if v is not None})
+        clamps.append(node)
+        node = node.args[0]
+    if clamps and not (bounds.get("min", 0) == 0 and bounds.get("max") == E - 1):
+        raise NoMatch(f"the expert ids are clamped to {bounds} before they are sorted, not to [0, {E - 1}]")
+    return node, clamps
 
 
 def _converts_between(top: Any, bottom: torch.fx.Node) -> list[torch.fx.Node]:
@@ -182,8 +242,11 @@ def _match_weight(b: Block, weight: Any, which: str) -> tuple[torch.fx.Node, boo
     return weight, True
 
 
-def _match_combine(b: Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
-    """``(y * w[perm].unsqueeze(-1))[inv_perm].view(T, k, H).sum(1)`` [``.to(hidden.dtype)``]."""
+def _match_combine(
+    b: Block, y: torch.fx.Node, perm: torch.fx.Node, ids_g: torch.fx.Node, flat_ids: torch.fx.Node, E: int
+) -> None:
+    """``(y * w[perm].unsqueeze(-1))[inv_perm].view(T, k, H).sum(1)`` [``.to(hidden.dtype)``]; transformers 5.6 to
+    5.16 mask the weighted output (``weighted_out.masked_fill_(sentinel_mask, 0.0)``) instead of the projections'."""
     mul = sole_user(y, "the down grouped mm output")
     if not is_call(mul, aten.mul.Tensor):
         raise NoMatch(
@@ -201,7 +264,15 @@ def _match_combine(b: Block, y: torch.fx.Node, perm: torch.fx.Node) -> None:
     b.topk_weights = view_input(gathered.args[0], "the flattened routing weights")
     b.flow += [mul, sw, gathered, gathered.args[0]]
 
-    unperm = sole_user(mul, "the weighted expert output")
+    weighted = _unmask_output(b, mul, ids_g, E)
+    if weighted is mul and b.extra_details.get("sentinel_clamp"):
+        weighted = _invalid_slots_mask(b, mul, perm, flat_ids, E)
+    unperm = sole_user(weighted, "the weighted expert output")
+    if is_call(unperm, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        raise NoMatch(
+            f"the weighted expert output is masked ({unperm.name}) by something other than transformers' "
+            "expert-parallel sentinel mask over the gathered hidden states"
+        )
     if not (is_call(unperm, aten.index.Tensor) and len(unperm.args[1]) == 1):
         raise NoMatch("the weighted expert output is not put back in token order (weighted_out[inv_perm])")
     inv = unperm.args[1][0]
@@ -264,12 +335,40 @@ def _sentinel_mask(b: Block, node: Any, ids_g: torch.fx.Node, E: int) -> Optiona
     return x
 
 
+def _invalid_slots_mask(
+    b: Block, out: torch.fx.Node, perm: torch.fx.Node, flat_ids: torch.fx.Node, E: int
+) -> torch.fx.Node:
+    """transformers 5.6 / 5.7: ``weighted_out.masked_fill_(invalid_mask[perm].unsqueeze(-1), 0.0)`` with ``invalid_mask
+    = expert_ids >= E`` taken before the clamp (post-grad: ``where(unsqueeze(index(ge(ids, E), [perm]), -1), 0, out)``):
+    the mask node, part of the block, when ``out``'s only reader is it (the clamp was dropped: no id is >= E); else
+    ``out``."""
+    user = single_user(out)
+    if not (is_call(user, aten.where.self) and len(user.args) == 3 and user.args[2] is out):
+        return out
+    cond, zero = user.args[0], user.args[1]
+    if not (is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, 1)):
+        return out
+    gathered = cond.args[0]
+    if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and gathered.args[1][0] is perm):
+        return out
+    ge = gathered.args[0]
+    if not (is_call(ge, aten.ge.Scalar) and ge.args[0] is flat_ids and ge.args[1] == E):
+        return out
+    if not is_zero_fill(zero) and not (isinstance(zero, (int, float)) and zero == 0):
+        return out
+    b.flow.append(user)
+    b.aux += [cond, gathered, ge] + ([zero] if isinstance(zero, torch.fx.Node) else [])
+    return user
+
+
 def _unmask_output(b: Block, out: torch.fx.Node, ids_g: torch.fx.Node, E: int) -> torch.fx.Node:
-    """``out``, or the sentinel-masked ``out`` when its only reader masks it (then that mask is part of the block)."""
+    """``out``, or the sentinel-masked ``out`` when its only reader masks it (then that mask is part of the block).
+    Where the mask is (transformers 5.17+: both projections' outputs; 5.8 to 5.16: the weighted output) differs by
+    version, so ``out`` with several readers (an in-place bias add's views regenerated per reader) is left as is."""
     if not b.extra_details.get("sentinel_masks"):
         return out
-    user = sole_user(out, "the grouped mm output")
-    return user if _sentinel_mask(b, user, ids_g, E) is out else out
+    user = single_user(out)
+    return user if user is not None and _sentinel_mask(b, user, ids_g, E) is out else out
 
 
 def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Block:
@@ -288,7 +387,7 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     x2, wt2, _ = _gmm_operands(fc2)
     b.w13, b.w13_transposed = _match_weight(b, wt1, "gate_up")
     b.w2, b.w2_transposed = _match_weight(b, wt2, "down")
-    ids_g, perm = _match_bookkeeping(b, offs)
+    ids_g, perm, flat_ids = _match_bookkeeping(b, offs)
     k = tensor_val(b.topk_ids).shape[1]
 
     # hidden_states[perm // k] (.to(weight.dtype): a cast here means mixed dtypes)
@@ -325,7 +424,9 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
         b.aux.append(clamp)  # expert_ids_g.clamp_(max=E - 1): the identity on ids below E
     if not (is_call(x1, aten.index.Tensor) and len(x1.args[1]) == 1):
         raise NoMatch("the gate_up grouped mm input is not hidden_states gathered by token (hidden_states[perm // k])")
-    q = x1.args[1][0]
+    q, b.hidden = x1.args[1][0], x1.args[0]
+    inner = b.hidden  # transformers 5.4: hidden_states[token_idx][perm]
+    inner_ok = is_call(inner, aten.index.Tensor) and len(inner.args[1]) == 1 and tensor_val(inner.args[0]) is not None
     if (
         is_call(q, aten.div.Tensor_mode, aten.floor_divide.default)
         and q.args[0] is perm
@@ -333,9 +434,21 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
         and q.kwargs.get("rounding_mode", "floor") == "floor"
     ):
         b.flow.append(q)
+    elif (  # transformers 5.5 to 5.7: hidden_states[token_idx[perm]]
+        is_call(q, aten.index.Tensor)
+        and len(q.args[1]) == 1
+        and q.args[1][0] is perm
+        and token_of_slots(b, q.args[0], tensor_val(b.hidden).shape[0], k)
+    ):
+        b.flow.append(q)
+    elif q is perm and inner_ok and token_of_slots(b, inner.args[1][0], tensor_val(inner.args[0]).shape[0], k):
+        b.flow.append(inner)
+        b.hidden = inner.args[0]
     elif not (q is perm and k == 1):
-        raise NoMatch("the hidden states are not gathered by perm // k (the token of each sorted slot)")
-    b.hidden = x1.args[0]
+        raise NoMatch(
+            "the hidden states are not gathered by perm // k (the token of each sorted slot; before transformers "
+            "5.8: token_idx[perm] with token_idx = arange(T).repeat_interleave(k))"
+        )
     b.flow += [x1, fc1]
 
     h1, b.w13_bias = match_bias(b, fc1, ids_bias, "gate_up grouped mm")
@@ -347,7 +460,7 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
     b.flow.append(fc2)
     y, b.w2_bias = match_bias(b, fc2, ids_bias, "down grouped mm")
     y = _unmask_output(b, y, ids_g, E)
-    _match_combine(b, y, perm)
+    _match_combine(b, y, perm, ids_g, flat_ids, E)
 
     check_block(b)
     return b

@@ -336,8 +336,14 @@ def _hf_config(case: Case):
     elif f == "mixtral":
         cfg = transformers.MixtralConfig(**common, intermediate_size=case.I, num_local_experts=case.E)
     elif f == "olmoe":
+        # tie_word_embeddings in the type OlmoeConfig declares (transformers 5.4.0: int, and its default False fails)
+        untied = 0 if transformers.OlmoeConfig.__annotations__.get("tie_word_embeddings") is int else False
         cfg = transformers.OlmoeConfig(
-            **common, intermediate_size=case.I, num_experts=case.E, norm_topk_prob=case.renorm
+            **common,
+            intermediate_size=case.I,
+            num_experts=case.E,
+            norm_topk_prob=case.renorm,
+            tie_word_embeddings=untied,
         )
     elif f == "qwen2_moe":
         cfg = transformers.Qwen2MoeConfig(

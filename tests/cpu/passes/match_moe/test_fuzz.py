@@ -39,7 +39,8 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, assume, given, settings  # noqa: E402
+from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.conftest import RubinRun, assert_close_to_eager, count_ops  # noqa: E402
@@ -177,6 +178,12 @@ def _check_details(d: dict, case: Case) -> None:
     if "bias" in d:
         assert d["bias"] is case.expert_bias, d
     routing = d["routing"]
+    if case.family == "deepseek_v3":
+        from tests.cpu.passes.match_moe.test_hf_grouped_mm import deepseek_v3_zero_filled_groups
+
+        if deepseek_v3_zero_filled_groups():  # transformers 5.4 / 5.5: another router, not described
+            assert not routing["recognised"] and routing["why"], routing
+            return
     want = {"recognised": True, "order": ORDER[case.routing], "top_k": case.k, "num_experts": case.E}
     if case.routing in ("softmax_topk", "sigmoid_grouped"):
         want["renormalize"] = case.renorm
@@ -196,9 +203,33 @@ def _check_details(d: dict, case: Case) -> None:
     )
 
 
+def _skip_where_transformers_breaks_the_graph(case: Case) -> None:
+    """transformers 5.3 to 5.15 break the graph inside their bf16 grouped mm on the CPU, so no graph holds such a block
+    (and the graphs between the breaks hold nothing to report): the fuzzer draws another case, a fixed case skips.
+    A fixed DeepSeek-V3 case (a regression about its routing description) skips where transformers writes another
+    router (5.4 / 5.5: ``deepseek_v3_zero_filled_groups``); drawn ones run, their routing checked as undescribed."""
+    from tests.cpu.passes.match_moe.test_hf_grouped_mm import (
+        _bf16_grouped_mm_graph_break,
+        deepseek_v3_zero_filled_groups,
+    )
+
+    fixed = not currently_in_test_context()
+    if fixed and case.family == "deepseek_v3" and deepseek_v3_zero_filled_groups():
+        pytest.skip("this transformers fills DeepSeek-V3's masked expert groups with 0: another router")
+    if not (case.form == "hf" and case.impl == "grouped_mm" and case.dtype == "bf16"):
+        return
+    why = _bf16_grouped_mm_graph_break()
+    if why is None:
+        return
+    if not fixed:
+        assume(False)
+    pytest.skip(f"this transformers breaks the graph inside its bf16 grouped mm on the CPU ({why})")
+
+
 def check_case(case: Case, skip_known: bool = True) -> None:
     """Compile ``case``'s block with rubin, call it at each of its token counts, and compare (see the module
     docstring). ``skip_known``: step around the known bugs above (the regression tests do not)."""
+    _skip_where_transformers_breaks_the_graph(case)
     torch._dynamo.reset()
     block = build(case)
     xs = [separated_inputs(case, block, t) for t in case.token_counts()]

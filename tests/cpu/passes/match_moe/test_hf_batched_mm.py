@@ -137,6 +137,17 @@ def test_near_misses_left_unchanged_with_reason(rubin_run, build, reason):
 
 
 def batched_ep(block):
+    """``block`` with batched_mm experts, for the expert-parallel tests: transformers 5.0's batched_mm has no
+    sentinel handling (it gathers ``gate_up_proj[E]``, out of range: eager raises, compiled code reads past the
+    weights), so there they skip."""
+    import inspect
+
+    from transformers.integrations import moe as hf_moe
+
+    if ".clamp" not in inspect.getsource(hf_moe.batched_mm_experts_forward):
+        pytest.skip(
+            f"transformers {transformers.__version__}'s batched-mm experts have no expert-parallel sentinel handling"
+        )
     block.experts.config._experts_implementation = "batched_mm"
     return block
 

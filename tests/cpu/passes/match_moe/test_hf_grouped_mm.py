@@ -14,6 +14,7 @@ median token within 1.5e-2; a wrong rewrite moves every token.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import pytest
@@ -73,8 +74,18 @@ def qwen2_moe(**kw):
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**cfg, **kw}))
 
 
+def olmoe_untied() -> dict:
+    """``tie_word_embeddings`` off, in the type OlmoeConfig declares: transformers 5.4.0 declares it ``int`` with the
+    default ``False``, which its own strict validation rejects, so ``OlmoeConfig()`` fails there without it."""
+    return {
+        "tie_word_embeddings": 0
+        if transformers.OlmoeConfig.__annotations__.get("tie_word_embeddings") is int
+        else False
+    }
+
+
 def olmoe(**kw):
-    cfg = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    cfg = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2, **olmoe_untied())
     return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**cfg, **kw}))
 
 
@@ -131,6 +142,8 @@ def gpt_oss_block_other_constants() -> nn.Module:
 
 def gemma4_block() -> nn.Module:
     """Gemma 4's MoE: GELU-tanh experts; the router renormalises, then scales by a per-expert weight."""
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4 (added in 5.5)")
     cfg = transformers.Gemma4TextConfig(
         **{**COMMON, "num_hidden_layers": 1},
         head_dim=16,
@@ -168,6 +181,32 @@ def hf_unchanged(rubin_run) -> list[dict]:
     return [u for u in rubin_run.unchanged() if u["idiom"] == "hf grouped_mm"]
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_grouped_mm_graph_break() -> Optional[str]:
+    """Why Dynamo cannot hold transformers' bf16 grouped mm on the CPU in one graph (transformers 5.3 to 5.15: its
+    ``_can_use_grouped_mm`` logs on the CPU branch), found by compiling it with ``fullgraph=True``; None when it can."""
+    grouped_mm = getattr(hf_moe, "_grouped_mm", None)
+    if grouped_mm is None:
+        return None
+    x, w = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    try:
+        torch.compile(grouped_mm, fullgraph=True, backend="eager")(x, w, torch.tensor([4, 8], dtype=torch.int32))
+    except torch._dynamo.exc.Unsupported as e:
+        return str(e).splitlines()[0]
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+def skip_if_bf16_grouped_mm_breaks_the_graph(dtype: torch.dtype) -> None:
+    """A bf16 grouped-mm block on the CPU under a transformers whose grouped mm breaks the graph there: no graph holds
+    a whole block (the router says so), so these tests have nothing to check; the meta-device test covers the GPU
+    branch, which does not break."""
+    why = _bf16_grouped_mm_graph_break() if dtype == torch.bfloat16 else None
+    if why is not None:
+        pytest.skip(f"transformers {transformers.__version__}: its bf16 grouped mm breaks the graph on the CPU ({why})")
+
+
 def run_block(rubin_run, block: nn.Module, dtype: torch.dtype, tokens: int = 14, cast: bool = True):
     """Compile a MoE block (cast to ``dtype`` unless ``cast=False``), run it and eager on one fresh random
     input of ``dtype``; (compiled output, eager output)."""
@@ -192,6 +231,7 @@ def test_every_block_of_the_model_rewritten_and_logits_match(rubin_run, family, 
     compared with Inductor's compile of it (Inductor's own bf16 roundings move eager's outputs by up to 2.3%), and
     (2) each MoE block with the family's own top-k is compared with Inductor's, on the hidden states it sees in an
     eager run: same input, same routing (before: 25% of the tokens could be arbitrarily wrong)."""
+    skip_if_bf16_grouped_mm_breaks_the_graph(dtype)
     model = (family() if dtype == torch.float32 else family(num_experts_per_tok=8)).to(dtype).eval()
     layers = model.config.num_hidden_layers
     batches = [torch.randint(0, VOCAB, (2, 8)) for _ in range(2)]  # same shape, so one compile
@@ -293,15 +333,30 @@ BLOCK_VARIANTS = [  # (name, build, expected details / routing, dtypes)
     ],
 )
 def test_block_variants_rewritten(rubin_run, build, expect, dtype):
+    skip_if_bf16_grouped_mm_breaks_the_graph(dtype)
     got, want = run_block(rubin_run, build(), dtype)
     assert_close_to_eager(got, want, dtype)
     (rewrite,) = hf_rewrites(rubin_run)
     details, routing = rewrite["details"], rewrite["details"]["routing"]
+    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
+    assert grouped_mm_count(rubin_run.final_code()) == 0
+    if expect.get("group_limited") and deepseek_v3_zero_filled_groups():
+        assert not routing["recognised"] and routing["why"], routing  # a router of its own: not described
+        return
     assert routing["recognised"], routing
     for key, value in expect.items():
         assert (details if key == "activation" else routing)[key] == value, (key, details)
-    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
-    assert grouped_mm_count(rubin_run.final_code()) == 0
+
+
+def deepseek_v3_zero_filled_groups() -> bool:
+    """transformers 5.4 / 5.5 fill the scores of DeepSeek-V3's unselected expert groups with 0 (later: -inf), so an
+    expert of a masked group is still chosen over negative scores: another router than DeepSeek-V3's, which the
+    report's routing description does not claim to know (the experts block is rewritten all the same)."""
+    import inspect
+
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    return "masked_fill(~score_mask.bool(), 0.0)" in inspect.getsource(modeling_deepseek_v3)
 
 
 def test_gpt_oss_clamps_are_exercised():
@@ -327,6 +382,7 @@ def test_gpt_oss_left_to_inductor_on_a_gpu_target(rubin_run):
     """Planned for sm90 in bf16, where no GPU kernel implements swigluoai (a silu block would get the Triton MoE;
     only the reference, a loop over the experts, takes this one), the block stays as written, with that reason;
     it still computes what eager does. (In fp32 the reference runs every activation on sm90: rewritten as before.)"""
+    skip_if_bf16_grouped_mm_breaks_the_graph(torch.bfloat16)
     block = gpt_oss_block().to(torch.bfloat16).eval()
     compiled = rubin_run.compile(block, target="sm90")
     x = torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16)
@@ -489,6 +545,7 @@ def test_transposed_and_biased_experts(rubin_run, is_transposed, has_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_router_bias_and_topk_then_softmax(rubin_run, dtype):
     """GPT-OSS's router (bias, top-k then softmax) in front of SiLU experts."""
+    skip_if_bf16_grouped_mm_breaks_the_graph(dtype)
     got, want = run_block(rubin_run, synthetic_block(router="gpt_oss"), dtype)
     assert_close_to_eager(got, want, dtype)
     (rewrite,) = hf_rewrites(rubin_run)
@@ -552,6 +609,17 @@ class SentinelRouterExperts(RouterExperts):
         return self.experts(x, torch.where(local, ids, E), torch.where(local, weights, 0.0))
 
 
+def skip_without_grouped_sentinels() -> None:
+    """transformers' grouped-mm experts handle expert-parallel sentinel ids (ids >= E, clamped and masked) from 5.6 on;
+    before, they have no such handling, so there is nothing to drop or to refuse."""
+    import inspect
+
+    if ".clamp" not in inspect.getsource(hf_moe.grouped_mm_experts_forward):
+        pytest.skip(
+            f"transformers {transformers.__version__}'s grouped-mm experts have no expert-parallel sentinel handling"
+        )
+
+
 def _expert_parallel_block():
     block = synthetic_block()
     block = SentinelRouterExperts(block.router, block.experts).eval()
@@ -561,14 +629,17 @@ def _expert_parallel_block():
 
 @pytest.mark.parametrize("has_bias", [False, True], ids=["plain", "bias"])
 def test_expert_parallel_masks_over_topk_ids_rewritten(rubin_run, has_bias):
-    """transformers' sentinel masks (always there in transformers 5.17, with ``_is_expert_parallel`` later)
-    change nothing when the ids are a top-k over the E experts: the block is rewritten, exactly."""
+    """transformers' sentinel masks (always there in transformers 5.8 to 5.17, with ``_is_expert_parallel`` later; in
+    5.6 / 5.7 a clamp of the ids and a mask of the weighted output) change nothing when the ids are a top-k over the E
+    experts: the block is rewritten, exactly."""
+    skip_without_grouped_sentinels()
     block = synthetic_block(has_bias=has_bias).eval()
     block.experts._is_expert_parallel = True
     got, want = run_block(rubin_run, block, torch.float32)
     assert_close_to_eager(got, want)
     (rewrite,) = hf_rewrites(rubin_run)
-    assert "sentinel masks dropped" in rewrite["details"]["sentinel_masks"]
+    d = rewrite["details"]
+    assert "sentinel masks dropped" in d.get("sentinel_masks", "") or "sentinel clamp dropped" in d["sentinel_clamp"], d
     assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0
 
 
@@ -581,7 +652,10 @@ def test_expert_parallel_masks_over_topk_ids_rewritten(rubin_run, has_bias):
         (lambda mp: _gpt_oss_gate(mp, halves=True), "swigluoai over halved gate / up"),
         (lambda mp: _gpt_oss_gate(mp, up_limit=5.0), "different limits for gate and up"),
         (lambda mp: _gpt_oss_gate(mp, silu_interleaved=True), "silu over interleaved gate / up"),
-        (lambda mp: _expert_parallel_block(), "expert-parallel sentinel handling"),
+        (
+            lambda mp: (skip_without_grouped_sentinels(), _expert_parallel_block())[1],
+            "expert-parallel sentinel handling",
+        ),
     ],
     ids=[
         "relu",
@@ -594,6 +668,8 @@ def test_expert_parallel_masks_over_topk_ids_rewritten(rubin_run, has_bias):
     ],
 )
 def test_near_misses_left_unchanged_with_reason(rubin_run, monkeypatch, build, reason):
+    if reason == "mixed dtypes":  # bf16 experts
+        skip_if_bf16_grouped_mm_breaks_the_graph(torch.bfloat16)
     block = build(monkeypatch)
     got, want = run_block(rubin_run, block, torch.float32, cast=False)
     assert_close_to_eager(got, want, torch.bfloat16 if reason == "mixed dtypes" else torch.float32)
