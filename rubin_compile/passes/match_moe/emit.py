@@ -48,12 +48,18 @@ def emit_moe(
 
 
 def reference_only_reason(
-    target: Any, act_dtype: str, weight_dtype: str, sizes: dict[str, Any], activation: str
+    target: Any,
+    act_dtype: str,
+    weight_dtype: str,
+    sizes: dict[str, Any],
+    activation: str,
+    features: tuple[str, ...] = (),
 ) -> Optional[str]:
-    """On a CUDA target, why a block stays when its activation is what leaves only the reference kernel to run
-    its ``rubin.moe`` (the reference loops over the experts: slower on a GPU than what the block runs without
-    rubin, Inductor's compile of it or vLLM's fused MoE). None when a GPU kernel takes it, on a CPU target, or
-    when the reference would run it for another reason (an fp32 model, rewritten as before)."""
+    """On a CUDA target, why a block stays when its activation (with ``features``, e.g. its constants as run-time
+    values) is what leaves only the reference kernel to run its ``rubin.moe`` (the reference loops over the
+    experts: slower on a GPU than what the block runs without rubin, Inductor's compile of it or vLLM's fused MoE).
+    None when a GPU kernel takes it, on a CPU target, or when the reference would run it for another reason (an
+    fp32 model, rewritten as before)."""
     if not getattr(target, "is_cuda", False):
         return None
     spec = KernelSpec(
@@ -62,14 +68,16 @@ def reference_only_reason(
         weight_dtype=weight_dtype,
         shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),
         activation=activation,
+        features=tuple(features),
     )
     selection = MOE.select(spec, target)
     if selection.chosen.name != "reference":
         return None
-    if MOE.select(dataclasses.replace(spec, activation="silu"), target).chosen.name == "reference":
+    if MOE.select(dataclasses.replace(spec, activation="silu", features=()), target).chosen.name == "reference":
         return None
     why = "; ".join(f"{name}: {reason}" for name, reason in selection.rejected)
+    what = f"activation {activation}" + (f" with {', '.join(features)}" if features else "")
     return (
-        f"on {target.name} only the reference implements activation {activation} ({why}); the reference loops "
+        f"on {target.name} only the reference implements {what} ({why}); the reference loops "
         "over the experts, slower than the block as written, so the block stays"
     )

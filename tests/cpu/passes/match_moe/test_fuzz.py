@@ -5,10 +5,12 @@ What is drawn (fuzz_blocks.py): the form (a plain-PyTorch loop over per-expert `
 Face transformers' own sparse MoE blocks from tiny configs), E, k (1..E), H, I, the dtype, the routing (softmax then
 top-k with or without renormalisation; top-k then softmax with a router bias; sigmoid scores with a
 score-correction bias, grouped top-k and a routed scaling factor; top-k then sigmoid), the activation (SiLU,
-GELU-tanh and exact GELU, which rubin.moe implements, GPT-OSS's clamped SwiGLU in its own block, and ReLU, a near
-miss), biases on the experts or not, shared experts (plain, or scaled by a sigmoid gate) or not, the token count T
-(0, 1, odd, 64..200), the shape mode (static, ``dynamic=True``, ``mark_dynamic``, or automatic dynamic shapes on a
-second call) and the seed of the weights and inputs.
+GELU-tanh and exact GELU, which rubin.moe implements, GPT-OSS's clamped SwiGLU in its own block, MiniMax-M3's clamped
+SwiGLU over halves and DeepSeek-V4's clamped SiLU in their own experts with a drawn limit, Nemotron-H's non-gated
+experts with each activation rubin.moe takes non-gated, and ReLU, a near miss), biases on the experts or not, shared
+experts (plain, or scaled by a sigmoid gate) or not, the token count T (0, 1, odd, 64..200), the shape mode (static,
+``dynamic=True``, ``mark_dynamic``, or automatic dynamic shapes on a second call) and the seed of the weights and
+inputs.
 
 What is checked, for every example:
 
@@ -127,17 +129,6 @@ def known_dynamic_scale_bug(case: Case) -> bool:
     return case.routing == "sigmoid_grouped" and case.shapes == "dynamic"
 
 
-def known_dynamic_alpha_bug(case: Case, unchanged: list) -> bool:
-    """The same for GPT-OSS's clamped SwiGLU: under ``dynamic=True`` its ``alpha`` (a float attribute of the experts)
-    is a graph input, and both Hugging Face matchers leave the experts unchanged ("a clamped SwiGLU whose constants
-    are not one alpha, one limit and up + 1 (... scale [] ...)")."""
-    return (
-        case.family == "gpt_oss"
-        and case.shapes == "dynamic"
-        and any("clamped SwiGLU whose constants" in u["reason"] for u in unchanged)
-    )
-
-
 def known_tiny_router_bug(case: Case, tokens) -> bool:
     """At T = 1 on the CPU Inductor decomposes a router's addmm with H, E <= 16 (and an mm or addmm with E = 1) into
     mul / sum / add (torch/_inductor/decomposition.py); routing.py then reports the router as "unrecognised (add)"
@@ -188,7 +179,7 @@ def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
         if why_not is None:
             _expect(
                 len(moes) == 1,
-                known_top1_decode_bug(case, index, unchanged) or known_dynamic_alpha_bug(case, unchanged),
+                known_top1_decode_bug(case, index, unchanged),
                 skip_known,
                 f"graph {report['graph_id']}: claimed block not rewritten: {unchanged}",
             )
@@ -343,14 +334,11 @@ def test_regression_dynamic_routed_scaling_factor_misdescribed(case):
     check_case(case, skip_known=False)
 
 
-@_xfail(
-    "rubin bug (missed rewrite): GPT-OSS's experts under dynamic=True are left unchanged by both Hugging Face "
-    "matchers: Dynamo makes the SwiGLU's alpha (GptOssExperts.alpha, a Python float) a 0-d tensor input of the "
-    "graph, and the clamped-SwiGLU reader wants a constant ('a clamped SwiGLU whose constants are not one alpha, one "
-    "limit and up + 1 (clamp_min [-7.0], clamp_max [7.0, 7.0], scale [], offset [1.0])')"
-)
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
+def test_regression_gpt_oss_dynamic_alpha_and_limit_rewritten(impl):
+    """Found by the fuzzer: under dynamic=True Dynamo makes GPT-OSS's SwiGLU alpha (torch 2.13) and limit (2.15 too)
+    graph inputs, and both Hugging Face matchers left the experts unchanged. They are rewritten now, the constants
+    passed to rubin.moe as activation_constants (match_moe/hf_activation.py)."""
     case = Case(
         form="hf",
         family="gpt_oss",
