@@ -802,6 +802,8 @@ def _survey(family: Family, row: Row) -> Row:
         activations = sorted({str(r["details"].get("activation")) for r in rewrites})
         if row.gate.startswith("gated"):
             row.gate = f"gated, {' / '.join(activations)}"
+        elif row.gate.startswith("not gated"):
+            row.gate = f"not gated, {' / '.join(activations)}"
     total = max(row.blocks, len(rewrites) + len(unchanged))
     if rewrites and not unchanged and len(rewrites) >= row.blocks:
         row.kind, row.status = "rewritten", f"rewritten: {len(rewrites)} of {total} blocks, {idioms}"

@@ -63,7 +63,8 @@ activation reads N = 2I columns, a gate and an up part, and returns I; a ``_no_m
 
 ``activation_constants``: when the activation's constants are values the graph computes or receives (Dynamo
 makes a module's float attribute a graph input under ``dynamic=True``), a 1-D float tensor of them in the order
-of the string form (``[alpha, limit]``, ``[limit]``); they replace the string's. None: the string's.
+of the string form (``[alpha, limit]``, ``[limit]``); they replace the string's, and the string may then be the
+kind alone (``"silu_clamp"``, whose limit has no default otherwise). None: the string's.
 
 The top-k weights are applied after FC2 (as vLLM and Hugging Face do) unless ``apply_router_weight_on_input``.
 If an expert id appears twice in a token's row, both slots contribute. FP8 weights are dequantised before use: with ``block_shape=None`` a
@@ -284,7 +285,8 @@ def _validate(a: MoEArgs) -> tuple:
             )
         if w13.dtype in WEIGHT_FP8_DTYPES or w2.dtype in WEIGHT_FP8_DTYPES:
             _fail(f"weight_layout {layout.encode()!r} is for unquantised weights")
-    act, _ = activation_info(a.activation)  # names the activations rubin.moe implements when it is not one
+    # names the activations rubin.moe implements when it is not one
+    act, _ = activation_info(a.activation, runtime_constants=a.activation_constants is not None)
     _validate_constants(a, act)
     if x.dim() != 2:
         _fail(f"hidden_states must be [T, H], got shape {tuple(x.shape)}")
@@ -421,14 +423,17 @@ def activation_string(kind: str, constants: Sequence[float] = ()) -> str:
     return ":".join([kind] + [repr(v) for v in values])
 
 
-def activation_info(activation: str) -> tuple[Activation, tuple[float, ...]]:
+def activation_info(activation: str, runtime_constants: bool = False) -> tuple[Activation, tuple[float, ...]]:
     """``(Activation, constants)`` of an ``activation`` string; ``MoEArgumentError`` naming the supported ones
-    otherwise."""
+    otherwise. ``runtime_constants``: the call passes ``activation_constants``, so a kind without defaults may be
+    written alone (its constants are then ``()``: they come at run time)."""
     kind, *parts = activation.split(":") if isinstance(activation, str) else [None]
     act = ACTIVATION_KINDS.get(kind)
     if act is not None:
         if not parts and act.defaults is not None:
             return act, tuple(act.defaults)
+        if not parts and act.constants and runtime_constants:
+            return act, ()
         try:
             values = tuple(float(v) for v in parts)
         except ValueError:
@@ -438,7 +443,8 @@ def activation_info(activation: str) -> tuple[Activation, tuple[float, ...]]:
                 return act, values
     raise MoEArgumentError(
         f"rubin.moe: activation={activation!r} is not supported; use one of {ACTIVATIONS} (with constants: "
-        "'swigluoai[_uninterleave]:<alpha>:<limit>', 'silu_clamp:<limit>', 'swiglustep:<limit>', limit > 0)"
+        "'swigluoai[_uninterleave]:<alpha>:<limit>', 'silu_clamp:<limit>', 'swiglustep:<limit>', limit > 0; the kind "
+        "alone with activation_constants)"
     )
 
 
@@ -452,7 +458,7 @@ def parse_activation(activation: str) -> tuple[str, tuple[float, ...]]:
 def apply_activation(gate_up: torch.Tensor, activation: str, constants: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The activation of a ``[*, N]`` gate-up product (see "Activations" in the module docstring). ``constants``:
     the run-time values of its constants (``activation_constants``), which replace the string's."""
-    act, values = activation_info(activation)
+    act, values = activation_info(activation, runtime_constants=constants is not None)
     c: Sequence[Any] = values
     if constants is not None:
         c = [constants[i].to(gate_up.dtype) for i in range(len(act.constants))]
@@ -673,7 +679,8 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
     else:
         quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
     two_i = static_size(w13, 1)
-    gated = activation_info(args.get("activation", "silu"))[0].gated
+    runtime = args.get("activation_constants") is not None
+    gated = activation_info(args.get("activation", "silu"), runtime_constants=runtime)[0].gated
     sizes = {
         "T": static_size(hidden, 0),
         "E": static_size(w13, 0),

@@ -20,8 +20,8 @@ shape: ``aten.index(W, [reshape(ids, [-1])])``, ``aten.bmm``, ``aten.squeeze.dim
 Why it is worth a rewrite: ``gate_up_proj[ids]`` copies k experts' weights per token before reading them
 again in the bmm -- three passes over the routed weights where the fused kernel makes one, and decode is
 bound by exactly those bytes. One ``rubin.moe`` replaces the block (weights as stored: no gather, no copy).
-Left unchanged, with the reason: what hf_grouped_mm.py leaves (activations, interleaved gate / up, non-gated
-experts, mixed dtypes, outside users), and the expert-parallel form (``expert_ids.clamp(0, E - 1)`` and routing
+The activations are hf_grouped_mm.py's (hf_activation.py). Left unchanged, with the reason: what hf_grouped_mm.py
+leaves (activations and constants rubin.moe does not take, mixed dtypes, outside users), and the expert-parallel form (``expert_ids.clamp(0, E - 1)`` and routing
 weights masked where ``ids >= E``) unless the ids are a top-k over the E experts in the graph -- then the clamp and
 the mask change nothing and are dropped (transformers 5.17 clamps in every experts block).
 
@@ -57,7 +57,6 @@ from rubin_compile.passes.match_moe.hf_experts import (
     rewrite,
     same,
     sole_user,
-    split_gate_up,
     token_of_slots,
     view_input,
 )
@@ -197,10 +196,10 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
     b.w13 = w13
     b.hidden = _repeated_hidden(b, x, k)
     h1, b.w13_bias = match_bias(b, h1, ids, "gate_up bmm")
-    gate, up = split_gate_up(b, _regenerated_views(b, h1))
+    views = _regenerated_views(b, h1)
     a, y, b.w2_transposed = _projection(b, fc2, "down")
     b.w2 = w2
-    match_activation(b, gate, up, a, "down bmm")
+    match_activation(b, views, a, "down bmm")
     y, b.w2_bias = match_bias(b, y, ids, "down bmm")
     views = _regenerated_views(b, y)
     if len(views) != 1:

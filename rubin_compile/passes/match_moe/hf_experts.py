@@ -1,25 +1,24 @@
 """What the Hugging Face experts matchers share (hf_grouped_mm.py, hf_batched_mm.py): the block found, the gate /
-up split and its activation, biases gathered per row, the checks before a rewrite, and the rewrite itself.
+up split and its activation (hf_activation.py), biases gathered per row, the checks before a rewrite, and the
+rewrite itself.
 
 transformers computes one experts block in several ways (``config._experts_implementation``; ``generate()``
 switches a model on a GPU from ``grouped_mm`` to ``batched_mm`` for its decode steps), and the forms share
-everything but how rows reach their experts: the same ``gate_up_proj`` / ``down_proj`` parameters, the same
-``_default_apply_gate`` (``act_fn(gate) * up`` on ``chunk(2)``), the same biases and the same combine by the
-routing weights. Each form module walks its own bookkeeping and calls these for the rest.
+everything but how rows reach their experts: the same ``gate_up_proj`` (``up_proj`` when ``has_gate=False``) /
+``down_proj`` parameters, the same ``_apply_gate`` (``_default_apply_gate``: ``act_fn(gate) * up`` on ``chunk(2)``;
+or a model's own: GPT-OSS's clamped SwiGLU, ...), the same biases and the same combine by the routing weights. Each
+form module walks its own bookkeeping and calls these for the rest.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from rubin_compile.ops.moe import ACTIVATIONS, MoEArgs, MoEArgumentError, call_features, swigluoai_activation
+from rubin_compile.ops.moe import MoEArgs, MoEArgumentError, call_features
 from rubin_compile.passes.base import Rewrite
 from rubin_compile.passes.fx import (
     RESHAPES,
@@ -32,78 +31,14 @@ from rubin_compile.passes.fx import (
     single_user,
     tensor_val,
 )
+from rubin_compile.passes.match_moe import hf_activation
 from rubin_compile.passes.match_moe.emit import emit_moe, reference_only_reason
+from rubin_compile.passes.match_moe.hf_activation import NoMatch  # the form modules import it from here
 from rubin_compile.passes.match_moe.routing import describe_routing
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 SIZE_OPS = (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
-
-
-class NoMatch(Exception):
-    """The block deviates from the idiom; the message is the reason recorded in the report."""
-
-
-def _silu_mul(gate, up):
-    return F.silu(gate) * up
-
-
-def _gelu_tanh_mul(gate, up):
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def _gelu_mul(gate, up):  # exact GELU: recognised so that the report can name it
-    return F.gelu(gate) * up
-
-
-def _relu_mul(gate, up):
-    return F.relu(gate) * up
-
-
-def _sigmoid_mul(gate, up):
-    return torch.sigmoid(gate) * up
-
-
-def _swigluoai_mul(gate, up):
-    """GPT-OSS's ``_apply_gate`` after its interleaved split (any constants: generated patterns ignore them;
-    ``_swigluoai_constants`` reads them off a match)."""
-    gate = gate.clamp(min=None, max=7.0)
-    up = up.clamp(min=-7.0, max=7.0)
-    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
-
-
-# Gated activations (``_default_apply_gate``: ``act_fn(gate) * up``), supported ones first.
-_GATES = {
-    "silu": _silu_mul,
-    "gelu_tanh": _gelu_tanh_mul,
-    "gelu": _gelu_mul,
-    "relu": _relu_mul,
-    "sigmoid": _sigmoid_mul,
-    "swigluoai": _swigluoai_mul,
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _gate_pattern(activation: str, low_precision: bool):
-    """``act(gate) * up`` as Inductor decomposes it (bf16/fp16 add upcasts around the activation), and the
-    numbers in it: generated patterns ignore scalar arguments, so a match is checked against these."""
-    from torch._inductor.pattern_matcher import fwd_only, gen_pattern_and_search_gm
-
-    dtype = torch.bfloat16 if low_precision else torch.float32
-    pattern, search_gm = gen_pattern_and_search_gm(
-        _GATES[activation], [torch.empty(4, 8, dtype=dtype), torch.empty(4, 8, dtype=dtype)], fwd_only
-    )
-    return pattern, _constants(n for n in search_gm.graph.nodes if n.op == "call_function")
-
-
-def _constants(nodes) -> list[float]:
-    """The Python numbers among the arguments of ``nodes``, sorted."""
-    out = []
-    for n in nodes:
-        for a in list(n.args) + list(n.kwargs.values()):
-            if isinstance(a, (int, float)) and not isinstance(a, bool):
-                out.append(float(a))
-    return sorted(out)
 
 
 @dataclass
@@ -116,15 +51,18 @@ class Block:
     hidden: Optional[torch.fx.Node] = None
     topk_ids: Optional[torch.fx.Node] = None
     topk_weights: Optional[torch.fx.Node] = None
-    w13: Optional[torch.fx.Node] = None  # as stored: [E, 2I, H], or [E, H, 2I] when w13_transposed
+    w13: Optional[torch.fx.Node] = None  # as stored: [E, N, H] (N = 2I, or I not gated), [E, H, N] when w13_transposed
     w2: Optional[torch.fx.Node] = None  # as stored: [E, H, I], or [E, I, H] when w2_transposed
     w13_transposed: bool = False
     w2_transposed: bool = False
     w13_bias: Optional[torch.fx.Node] = None
     w2_bias: Optional[torch.fx.Node] = None
     activation: Optional[str] = None
+    gated: bool = True  # False: has_gate=False experts (an up_proj, the activation on its whole output)
     interleaved: bool = False  # gate and up are the even and odd columns of the gate-up product (GPT-OSS)
     apply_router_weight_on_input: bool = False  # the routing weight scales each expert's input (Llama 4)
+    # the activation's constants as run-time values (numbers or 0-d nodes), or None: its string holds them
+    activation_constants: Optional[list] = None
     extra_details: dict[str, Any] = field(default_factory=dict)  # form-specific report details
     final: Optional[torch.fx.Node] = None
     # Nodes of the block's data flow: replaced, so none may have a user outside the block.
@@ -217,13 +155,27 @@ def match_bias(
     b: Block, out: torch.fx.Node, ids: torch.fx.Node, what: str
 ) -> tuple[torch.fx.Node, Optional[torch.fx.Node]]:
     """``out + bias[ids]`` after an expert projection (``has_bias=True``; ``ids``: the expert of each row, the
-    sorted ids of the grouped mm form): (node after it, bias [E, N]). ``what``: the projection, for reasons."""
+    sorted ids of the grouped mm form): (node after it, bias [E, N]). ``what``: the projection, for reasons.
+    An output read several times has no bias: a non-gated activation reads its input twice (SiLU as
+    ``x / (1 + exp(-x))``); a reader outside the block is named by the activation's match or ``check_block``."""
+
+    def gathered_bias(add: Any) -> Optional[torch.fx.Node]:
+        other = add.args[1] if add.args[0] is out else add.args[0]
+        if is_call(other, aten.index.Tensor) and len(other.args[1]) == 1 and other.args[1][0] is ids:
+            return other
+        return None
+
+    if single_user(out) is None and not any(
+        is_call(u, aten.add.Tensor) and gathered_bias(u) is not None for u in out.users
+    ):
+        return out, None
     user = sole_user(out, f"the {what} output")
     if is_call(user, aten.add.Tensor):
-        other = user.args[1] if user.args[0] is out else user.args[0]
-        if is_call(other, aten.index.Tensor) and len(other.args[1]) == 1 and other.args[1][0] is ids:
+        other = gathered_bias(user)
+        if other is not None:
             b.flow += [user, other]
             return user, other.args[0]
+        other = user.args[1] if user.args[0] is out else user.args[0]
         raise NoMatch(
             f"the {what} output is added to {getattr(other, 'name', other)}, "
             f"not to a per-expert bias gathered by {getattr(ids, 'name', ids)} (the expert of each row)"
@@ -231,134 +183,21 @@ def match_bias(
     return out, None
 
 
-def split_gate_up(b: Block, h: Union[torch.fx.Node, list[torch.fx.Node]]) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """``gate, up = h.chunk(2, dim=-1)``: an aten.split into two halves (or two slices). ``h`` may be several
-    nodes of one value (functionalization regenerates a view after an in-place bias add once per use)."""
-    sources = h if isinstance(h, list) else [h]
-    val = tensor_val(sources[0])
-    two_i = val.shape[-1]
-    users = [u for src in sources for u in src.users]
-    # One split, or (seen with biased experts, where Inductor does not merge them) one split per half.
-    if users and all(is_call(u, aten.split.Tensor, aten.split_with_sizes.default) for u in users):
-        parts: dict[int, list[torch.fx.Node]] = {}
-        for split in users:
-            size, dim = split.args[1], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-            halves = size == [two_i // 2] * 2 if isinstance(size, (list, tuple)) else same(size * 2, two_i)
-            if dim % val.dim() != val.dim() - 1 or not halves:
-                raise NoMatch(
-                    f"the gate_up output is split by {size} along dim {dim}, not into two halves of the last dim"
-                )
-            for g in split.users:
-                if not is_call(g, operator.getitem):
-                    raise NoMatch(f"the gate_up split has a user {g.name} that is not gate or up")
-                parts.setdefault(g.args[1], []).append(g)
-        if sorted(parts) != [0, 1] or any(len(v) != 1 for v in parts.values()):
-            raise NoMatch("the gate_up split is not used as exactly (gate, up)")
-        b.flow += users + [parts[0][0], parts[1][0]]
-        return parts[0][0], parts[1][0]
-    slices = [u for u in users if is_call(u, aten.slice.Tensor)]
-    if len(slices) == 2 and len(users) == 2:
-
-        def bounds(s):
-            a = list(s.args) + [0, None, None, 1][len(s.args) - 1 :]
-            return a[1] % val.dim(), a[2], a[3], a[4]
-
-        steps = {bounds(s)[3] for s in slices}
-        if steps == {2}:
-            # gate_up[..., ::2], gate_up[..., 1::2]: GPT-OSS's interleaved rows, which rubin.moe's swigluoai reads
-            # as stored (match_activation then requires that activation)
-            g, u = sorted(slices, key=lambda s: 0 if bounds(s)[1] in (0, None) else 1)
-            (g_dim, g_start, g_end, _), (u_dim, u_start, u_end, _) = bounds(g), bounds(u)
-            ends = all(e is None or (isinstance(e, int) and e >= two_i) or same(e, two_i) for e in (g_end, u_end))
-            if g_dim == u_dim == val.dim() - 1 and g_start in (0, None) and u_start == 1 and ends:
-                b.flow += [g, u]
-                b.interleaved = True
-                b.extra_details["gate_up"] = "interleaved (gate_up[..., ::2], gate_up[..., 1::2]), read as stored"
-                return g, u
-            raise NoMatch(
-                f"gate and up are strided slices of gate_up that are not its even and odd columns "
-                f"(starts {g_start}, {u_start})"
-            )
-        if steps != {1}:
-            raise NoMatch(f"gate and up are slices of gate_up with steps {sorted(steps)}, not halves or interleaved")
-        g, u = sorted(slices, key=lambda s: 0 if bounds(s)[1] in (0, None) else 1)
-        (g_dim, g_start, g_end, _), (u_dim, u_start, _, _) = bounds(g), bounds(u)
-        if (
-            g_dim == u_dim == val.dim() - 1
-            and g_start in (0, None)
-            and same(g_end, two_i // 2)
-            and same(u_start, two_i // 2)
-        ):
-            b.flow += [g, u]
-            return g, u
-    raise NoMatch(
-        "the gate_up output is not split into gate and up halves (chunk(2, dim=-1)); "
-        "non-gated experts (has_gate=False) and custom _apply_gate functions are not this idiom"
-    )
-
-
-def match_activation(b: Block, gate: torch.fx.Node, up: torch.fx.Node, act_out: Any, down: str) -> None:
-    """``act_out = act(gate) * up`` with act one of rubin.moe's activations; ``down``: what reads ``act_out``."""
-    from torch._inductor.pattern_matcher import Match
-
-    gval = tensor_val(gate)
-    low = gval is not None and gval.dtype in (torch.bfloat16, torch.float16)
-    name_of = getattr(act_out, "name", act_out)
-    extra_user = False
-    for name in _GATES:
-        pattern, constants = _gate_pattern(name, low)
-        m = pattern.match(act_out)
-        if not isinstance(m, Match):
-            # The pattern matcher refuses a pattern node with a user outside the pattern; say so.
-            extra_user = extra_user or str(m).startswith("multiple_users")
-            continue
-        if m.kwargs.get("gate") is not gate or m.kwargs.get("up") is not up:
-            continue
-        if name == "swigluoai":
-            activation = _swigluoai_constants(m.nodes)
-        elif _constants(m.nodes) == constants:
-            activation = name
-        else:
-            continue
-        if name not in ACTIVATIONS:
-            raise NoMatch(f"the experts' activation is {name}(gate) * up; rubin.moe implements {list(ACTIVATIONS)}")
-        if (name == "swigluoai") != b.interleaved:
-            raise NoMatch(
-                f"the experts' activation is {name} over {'interleaved' if b.interleaved else 'halved'} gate / up "
-                "columns; rubin.moe's swigluoai reads interleaved ones (GPT-OSS, vLLM's swigluoai) and its other "
-                "activations gate rows then up rows (vLLM's swigluoai_uninterleave is not implemented)"
-            )
-        b.activation = activation
-        b.flow += [n for n in m.nodes if n not in (gate, up)]
-        return
-    if extra_user:
-        raise NoMatch(f"an intermediate of the gate/up activation ({name_of}) has a user outside the experts block")
-    raise NoMatch(
-        f"the input of the {down} ({name_of}) is not act(gate) * up with a recognised "
-        f"activation (rubin.moe implements {list(ACTIVATIONS)}); a custom _apply_gate?"
-    )
-
-
-def _swigluoai_constants(nodes) -> str:
-    """The ``activation`` string of a matched GPT-OSS clamped SwiGLU: its ``alpha`` (the scalar of
-    ``gate * alpha``) and ``limit`` (``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``); ``NoMatch`` when
-    the clamps disagree or the offset on up is not one."""
-    by_op: dict[Any, list[float]] = {}
-    for n in nodes:
-        for a in n.args[1:]:
-            if isinstance(a, (int, float)) and not isinstance(a, bool):
-                by_op.setdefault(n.target, []).append(float(a))
-    lows, highs = by_op.get(aten.clamp_min.default, []), by_op.get(aten.clamp_max.default, [])
-    scales, offsets = by_op.get(aten.mul.Tensor, []), by_op.get(aten.add.Tensor, [])
-    if len(lows) != 1 or len(highs) != 2 or len(scales) != 1 or offsets != [1.0]:
-        raise NoMatch(
-            f"a clamped SwiGLU whose constants are not one alpha, one limit and up + 1 (clamp_min {lows}, "
-            f"clamp_max {highs}, scale {scales}, offset {offsets})"
-        )
-    limit = highs[0]
-    if highs[1] != limit or lows[0] != -limit or limit <= 0:
-        raise NoMatch(f"a clamped SwiGLU with different limits for gate and up (clamp_min {lows}, clamp_max {highs})")
-    return swigluoai_activation(scales[0], limit)
+def match_activation(b: Block, h: Union[torch.fx.Node, list[torch.fx.Node]], act_out: Any, down: str) -> None:
+    """The gate / up split (or none: ``has_gate=False``) of the first projection's output ``h`` and the activation
+    that makes ``act_out``, the input of the down projection (``down`` names it); hf_activation.py says which
+    forms are recognised. Sets the block's activation, its layout and its run-time constants."""
+    found = hf_activation.match(h, act_out, down)
+    b.activation, b.gated, b.interleaved = found.activation, found.gated, found.interleaved
+    b.activation_constants = found.constants
+    b.extra_details["gate_up"] = found.layout
+    if found.constants_report is not None:
+        b.extra_details["activation_constants"] = {
+            **found.constants_report,
+            "passed as": "activation_constants (run-time values: Dynamo made the float attributes graph inputs)",
+        }
+    b.flow += found.flow
+    b.aux += found.aux
 
 
 def check_block(b: Block) -> None:
@@ -385,6 +224,7 @@ def check_block(b: Block) -> None:
             tensor_val(b.w13_bias),
             tensor_val(b.w2_bias),
             apply_router_weight_on_input=b.apply_router_weight_on_input,
+            activation_constants=None if b.activation_constants is None else _constants_val(b.activation_constants),
         )
     except MoEArgumentError as e:
         raise NoMatch(f"the matched operands do not fit rubin.moe: {e}") from None
@@ -406,13 +246,39 @@ def check_block(b: Block) -> None:
             )
 
 
+def _constants_val(constants: list) -> torch.Tensor:
+    """What the ``activation_constants`` tensor the rewrite builds will be, for MoEArgs' checks."""
+    return torch.empty(len(constants), dtype=torch.float32, device="meta")
+
+
 def gpu_kernel_reason(b: Block, target: Any) -> Optional[str]:
     """``emit.reference_only_reason`` for this block (None: rewrite it)."""
     hv, w13v, idv = tensor_val(b.hidden), tensor_val(b.w13), tensor_val(b.topk_ids)
-    two_i = w13v.shape[2 if b.w13_transposed else 1]
-    sizes = {"E": w13v.shape[0], "H": hv.shape[1], "I": two_i // 2, "k": idv.shape[1]}
-    features = call_features(b.apply_router_weight_on_input, False)
+    n = w13v.shape[2 if b.w13_transposed else 1]
+    sizes = {"E": w13v.shape[0], "H": hv.shape[1], "I": n // 2 if b.gated else n, "k": idv.shape[1]}
+    features = call_features(b.apply_router_weight_on_input, b.activation_constants is not None)
     return reference_only_reason(target, dtype_name(hv.dtype), dtype_name(w13v.dtype), sizes, b.activation, features)
+
+
+def _emit_constants(graph: torch.fx.Graph, constants: list) -> torch.fx.Node:
+    """The 1-D float32 ``activation_constants`` tensor, built at the graph's insertion point from the values the
+    activation read: 0-d nodes (converted to float32 where they are not) and numbers (``aten.full``, on the
+    nodes' device), each unsqueezed and concatenated."""
+    nodes = [c for c in constants if isinstance(c, torch.fx.Node)]
+    val = tensor_val(nodes[0])
+    parts = []
+    for c in constants:
+        if isinstance(c, torch.fx.Node):
+            if tensor_val(c).dtype != torch.float32:
+                c = call(graph, prims.convert_element_type.default, (c, torch.float32))
+        else:
+            c = call(graph, aten.full.default, ([], float(c)), {"dtype": torch.float32, "device": val.device})
+            if "val" not in c.meta and isinstance(val, torch._subclasses.FakeTensor):
+                with val.fake_mode:
+                    c.meta["val"] = torch.full([], float(c.args[1]), dtype=torch.float32, device=val.device)
+        parts.append(call(graph, aten.unsqueeze.default, (c, 0)))
+    # not aten.stack: it has a decomposition, and Inductor lowers a post-grad graph without decomposing it again
+    return parts[0] if len(parts) == 1 else call(graph, aten.cat.default, (parts,))
 
 
 def module_path(node: torch.fx.Node) -> Optional[str]:
@@ -428,14 +294,22 @@ def rewrite(graph: torch.fx.Graph, b: Block, idiom: str) -> Rewrite:
     """Replace the block by one ``rubin.moe`` node (weights stored transposed become ``permute`` views)."""
     routing = describe_routing(b.topk_weights, b.topk_ids)
     notes = []
+    new = []
     with graph.inserting_before(b.final):
         w13, w2 = b.w13, b.w2
         if b.w13_transposed:
             w13 = call(graph, aten.permute.default, (b.w13, [0, 2, 1]))
-            notes.append("gate_up_proj is stored [E, H, 2I]; w13 is its permute(0, 2, 1) view (no copy)")
+            stored = "gate_up_proj is stored [E, H, 2I]" if b.gated else "up_proj is stored [E, H, I]"
+            notes.append(f"{stored}; w13 is its permute(0, 2, 1) view (no copy)")
+            new.append(w13)
         if b.w2_transposed:
             w2 = call(graph, aten.permute.default, (b.w2, [0, 2, 1]))
             notes.append("down_proj is stored [E, I, H]; w2 is its permute(0, 2, 1) view (no copy)")
+            new.append(w2)
+        constants = None
+        if b.activation_constants is not None:
+            constants = _emit_constants(graph, b.activation_constants)
+            new.append(constants)
         moe = emit_moe(
             graph,
             b.hidden,
@@ -447,8 +321,9 @@ def rewrite(graph: torch.fx.Graph, b: Block, idiom: str) -> Rewrite:
             w13_bias=b.w13_bias,
             w2_bias=b.w2_bias,
             apply_router_weight_on_input=b.apply_router_weight_on_input,
+            activation_constants=constants,
         )
-    inherit_source([n for n in (w13, w2, moe) if n not in (b.w13, b.w2)], b.fc1)
+    inherit_source(new + [moe], b.fc1)
     b.final.replace_all_uses_with(moe)
     replaced = []
     doomed = set(b.flow) | set(b.aux)

@@ -39,9 +39,13 @@ Rewritten into one ``rubin.moe(hidden, gate_up_proj, down_proj, topk_weights, to
 HF's ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows: ``chunk(2)``) and ``down_proj`` [E, H, I] are the
 canonical layout as stored, so no weight is copied. Experts stored transposed (``is_transposed=True``:
 [E, H, 2I] and [E, I, H], e.g. Aria) get a ``permute`` *view*, noted in the report. Biases
-(``has_bias=True``) become ``w13_bias`` / ``w2_bias``. Left unchanged, with the reason: an activation other
-than SiLU / GELU-tanh, interleaved gate/up columns (GPT-OSS's clamped SwiGLU), non-gated experts, mixed
-dtypes, an intermediate with a user outside the block, or any other deviation from the idiom above.
+(``has_bias=True``) become ``w13_bias`` / ``w2_bias``. The activation between the grouped mms may be any form
+hf_activation.py recognises: ``act_fn(gate) * up`` (SiLU, GELU-tanh, GELU), GPT-OSS's clamped SwiGLU over
+interleaved columns or halves (MiniMax-M3), the clamped SiLU of DeepSeek-V4 / GLM-5-Next / Hunyuan-V4, Step-3.7's
+SwiGLU-step, or a non-gated ``act_fn(up)`` (``has_gate=False``: Nemotron-H's ReLU², ``up_proj`` [E, I, H] as w13),
+with its constants as graph inputs under ``dynamic=True``. Left unchanged, with the reason: another activation or
+constants rubin.moe does not take, mixed dtypes, an intermediate with a user outside the block, or any other
+deviation from the idiom above.
 
 transformers' expert-parallel sentinel masking (``where((ids_g >= E).unsqueeze(-1), 0, x)`` on the gathered hidden
 states and on both projections' outputs, the bias gathered by ``ids_g.clamp(max=E - 1)``; in every experts block
@@ -92,7 +96,6 @@ from rubin_compile.passes.match_moe.hf_experts import (
     rewrite,
     same,
     sole_user,
-    split_gate_up,
     token_of_slots,
     view_input,
 )
@@ -453,8 +456,7 @@ def _match_block(offs: torch.fx.Node, mms: list[torch.fx.Node], order: dict[torc
 
     h1, b.w13_bias = match_bias(b, fc1, ids_bias, "gate_up grouped mm")
     h1 = _unmask_output(b, h1, ids_g, E)
-    gate, up = split_gate_up(b, h1)
-    match_activation(b, gate, up, x2, "down grouped mm")
+    match_activation(b, h1, x2, "down grouped mm")
     if sole_user(x2, "the activation output") is not fc2:
         raise NoMatch("the activation output does not feed the down grouped mm")
     b.flow.append(fc2)

@@ -72,8 +72,8 @@ from rubin_compile.passes.match_moe.hf_experts import (
     rewrite,
     same,
     sole_user,
-    split_gate_up,
 )
+from rubin_compile.passes.match_moe.hf_activation import HALVES, split_gate_up
 from rubin_compile.passes.match_moe.routing import softmax_input
 
 IDIOM = "hf llama4 dense experts"
@@ -114,11 +114,12 @@ def _numbers(nodes) -> list[float]:
     )
 
 
-def _match_up_times_act(b: Block, gate: torch.fx.Node, up: torch.fx.Node, act_out: torch.fx.Node) -> None:
+def _match_up_times_act(b: Block, fc1: torch.fx.Node, split: tuple, act_out: torch.fx.Node) -> None:
     """Set ``b.activation`` from ``act_out = up * act(gate)``; the other operand order goes to
     ``hf_experts.match_activation``, which raises NoMatch with its reason when neither is there."""
     from torch._inductor.pattern_matcher import Match
 
+    gate, up, interleaved, split_nodes = split
     gval = tensor_val(gate)
     low = gval is not None and gval.dtype in (torch.bfloat16, torch.float16)
     for name in _UP_TIMES_ACT:
@@ -130,15 +131,16 @@ def _match_up_times_act(b: Block, gate: torch.fx.Node, up: torch.fx.Node, act_ou
             continue
         if name not in _SUPPORTED:
             raise NoMatch(f"the experts' activation is up * {name}(gate); rubin.moe implements {list(_SUPPORTED)}")
-        if b.interleaved:
+        if interleaved:
             raise NoMatch(
                 f"the experts' activation is {name} over interleaved gate / up columns; rubin.moe's {name} reads "
                 "gate rows then up rows"
             )
         b.activation = name
-        b.flow += [n for n in m.nodes if n not in (gate, up)]
+        b.extra_details["gate_up"] = HALVES
+        b.flow += split_nodes + [n for n in m.nodes if n not in (gate, up)]
         return
-    match_activation(b, gate, up, act_out, "down bmm")
+    match_activation(b, fc1, act_out, "down bmm")  # the split again, and every form hf_activation.py reads
 
 
 def _bias_reason(node: torch.fx.Node, what: str) -> Optional[str]:
@@ -278,8 +280,8 @@ def _match_block(fc1: torch.fx.Node, mul: torch.fx.Node, repeat: torch.fx.Node) 
     if reason:
         raise NoMatch(reason)
     b.flow.append(fc1)
-    gate, up = split_gate_up(b, fc1)
-    act_out = sole_user(up, "up")
+    split = split_gate_up(fc1)
+    act_out = sole_user(split[1], "up")
     fc2 = sole_user(act_out, "the gated activation")
     if not (is_call(fc2, aten.bmm.default) and fc2.args[0] is act_out):
         raise NoMatch(f"the gated activation feeds {fc2.name} ({fc2.target}), not the down projection's bmm")
@@ -287,7 +289,7 @@ def _match_block(fc1: torch.fx.Node, mul: torch.fx.Node, repeat: torch.fx.Node) 
     w2v = tensor_val(b.w2)
     if w2v is None or w2v.dim() != 3 or w2v.shape[0] != E:
         raise NoMatch(f"the down bmm's weight is not a stored [E={E}, I, H] tensor")
-    _match_up_times_act(b, gate, up, act_out)
+    _match_up_times_act(b, fc1, split, act_out)
     reason = _bias_reason(fc2, "down bmm")
     if reason:
         raise NoMatch(reason)

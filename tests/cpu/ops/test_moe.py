@@ -98,6 +98,7 @@ def test_router_weight_on_input(act, bias):
 
 
 @pytest.mark.parametrize("act, constants", [("swigluoai", [1.25, 2.5]), ("silu_clamp:7.0", [2.0]),
+                                            ("silu_clamp", [2.0]),  # the kind alone: its limit comes at run time
                                             ("swigluoai_uninterleave", [0.5, 1.5])])  # fmt: skip
 def test_activation_constants_at_run_time(act, constants):
     """activation_constants (a tensor the graph computes or receives) replaces the string's constants."""

@@ -9,7 +9,9 @@ Two forms of block:
   the routers below, with or without shared experts.
 * ``"hf"``: Hugging Face transformers' own classes built from tiny configs (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE,
   DeepSeek-V3 sparse MoE blocks; GPT-OSS's own block, clamped SwiGLU over interleaved gate / up; GPT-OSS's router in
-  front of concatenated experts; a top-k-then-sigmoid router in front of Qwen3-MoE's experts), their experts in the
+  front of concatenated experts; a top-k-then-sigmoid router in front of Qwen3-MoE's experts; Qwen3-MoE's router in
+  front of MiniMax-M3's experts (clamped SwiGLU over halves), DeepSeek-V4's (clamped SiLU) or Nemotron-H's (not
+  gated, its activation drawn), with a drawn limit that bites), their experts in the
   ``grouped_mm`` (default) or ``batched_mm`` form; optionally
   with biased and / or transposed experts (an experts class decorated by transformers' own
   ``use_experts_implementation(has_bias=..., is_transposed=...)``, as in test_hf_grouped_mm.py).
@@ -38,6 +40,22 @@ ACTS = {
 }
 SUPPORTED_ACTS = ("silu", "gelu_tanh", "gelu")  # rubin.moe's gated activations (GPT-OSS's swigluoai aside)
 HF_ACTS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu", "swigluoai": "silu"}
+# Families whose experts class has its own activation: (rubin.moe's kind, or None when drawn (Nemotron-H)).
+OWN_ACTIVATION = {
+    "gpt_oss": "swigluoai",
+    "minimax_m3": "swigluoai_uninterleave",
+    "deepseek_v4": "silu_clamp",
+    "nemotron_h": None,
+}
+# Nemotron-H's experts (has_gate=False) with each activation rubin.moe takes non-gated: transformers' ACT2FN names.
+UNGATED_ACTS = {
+    "relu2_no_mul": "relu2",
+    "silu_no_mul": "silu",
+    "gelu_no_mul": "gelu",
+    "gelu_tanh_no_mul": "gelu_pytorch_tanh",
+    "relu_no_mul": "relu",
+}
+CLAIMED_ACTS = SUPPORTED_ACTS + ("swigluoai", "swigluoai_uninterleave", "silu_clamp") + tuple(UNGATED_ACTS)
 
 # Routers. softmax_topk: softmax (fp32) then top-k, renormalised or not (Mixtral, Qwen2/3-MoE, OLMoE).
 # topk_softmax: top-k of the logits then softmax over the k (GPT-OSS; with a router bias there).
@@ -45,7 +63,21 @@ HF_ACTS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "re
 # from the unbiased scores, renormalised or not, times a routed scaling factor (DeepSeek-V3).
 # topk_sigmoid: top-k of the logits then sigmoid (Llama 4).
 LOOP_ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "topk_sigmoid")
-HF_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss_router", "topk_sigmoid", "gpt_oss")
+HF_FAMILIES = (
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "qwen2_moe",
+    "deepseek_v3",
+    "gpt_oss_router",
+    "topk_sigmoid",
+    "gpt_oss",
+    "minimax_m3",
+    "deepseek_v4",
+    "nemotron_h",
+)
+# Qwen3-MoE's router in front of these families' own experts classes.
+OWN_EXPERTS_BEHIND_QWEN3_ROUTER = ("minimax_m3", "deepseek_v4", "nemotron_h")
 # static: dynamic=False; dynamic: dynamic=True; mark_dynamic: torch._dynamo.mark_dynamic on T; automatic: the
 # default (dynamic=None), the second token count recompiles with a symbolic T (automatic dynamic shapes)
 SHAPE_MODES = ("static", "dynamic", "mark_dynamic", "automatic")
@@ -59,7 +91,7 @@ class Case:
     k: int
     H: int
     I: int
-    act: str  # a key of ACTS, or "swigluoai" (GPT-OSS's own experts)
+    act: str  # a key of ACTS, or rubin.moe's kind of a family's own experts (OWN_ACTIVATION, UNGATED_ACTS)
     routing: str  # one of LOOP_ROUTINGS (for "hf", the family's own; see hf_routing)
     renorm: bool = False  # softmax_topk / sigmoid_grouped: renormalise the top-k weights (norm_topk_prob)
     router_bias: bool = False  # loop form: nn.Linear(bias=True) router
@@ -70,6 +102,7 @@ class Case:
     shared: str = "none"  # "none", "plain" (out + shared(x)), "gated" (out + sigmoid(g(x)) * shared(x))
     impl: str = "grouped_mm"  # hf: the experts implementation ("grouped_mm" or "batched_mm")
     transposed: bool = False  # hf: experts stored [E, H, 2I] / [E, I, H] (Aria's layout)
+    limit: Optional[float] = None  # the clamp limit (swiglu_limit) of MiniMax-M3's / DeepSeek-V4's experts
     dtype: str = "fp32"
     T: int = 8
     T2: Optional[int] = None  # a second call at this token count (dynamic shape modes)
@@ -92,7 +125,7 @@ class Case:
 def claimed(case: Case) -> Optional[str]:
     """None if rubin claims to rewrite ``case`` into rubin.moe (README's idiom table, the matchers' docstrings);
     otherwise why it need not (the report must then give a reason of its own, or the rewrite be right)."""
-    if case.act not in SUPPORTED_ACTS and case.act != "swigluoai":
+    if case.act not in CLAIMED_ACTS:
         return f"activation {case.act} is not one rubin.moe implements"
     if case.form == "loop":
         if case.expert_bias:
@@ -185,24 +218,34 @@ def hf_cases(draw, family: str, dtypes: tuple) -> Case:
     else:
         k = draw(st.integers(1, E))
     shared = {"qwen2_moe": "gated", "deepseek_v3": "plain"}.get(family, "none")
-    if family in ("gpt_oss_router", "topk_sigmoid"):
+    if family in ("gpt_oss_router", "topk_sigmoid") + OWN_EXPERTS_BEHIND_QWEN3_ROUTER:
         shared = draw(st.sampled_from(["none", "plain", "gated"]))
-    own_experts = family == "gpt_oss"  # GPT-OSS's experts are its own (interleaved, clamped, biased)
+    # GPT-OSS's experts are its own (interleaved, clamped, biased); so are MiniMax-M3's, DeepSeek-V4's, Nemotron-H's
+    own_experts = family in OWN_ACTIVATION
     renorm = {"mixtral": True, "gpt_oss_router": False, "gpt_oss": False, "topk_sigmoid": False}.get(family)
+    H, I = draw(SMALL_DIMS), draw(SMALL_DIMS)  # (drawn in the order they always were)
+    if own_experts:
+        act = OWN_ACTIVATION[family] or draw(st.sampled_from(sorted(UNGATED_ACTS)))
+    else:
+        act = draw(ACT_CHOICES)
+    # a limit that bites (pre-activations are of order one): drawn for the families added with it only, so that the
+    # others' derandomised examples stay what they were
+    limit = draw(st.sampled_from([0.5, 1.0, 2.0, 7.0])) if family in ("minimax_m3", "deepseek_v4") else None
     case = Case(
         form="hf",
         family=family,
         E=E,
         k=k,
-        H=draw(SMALL_DIMS),
-        I=draw(SMALL_DIMS),
-        act="swigluoai" if own_experts else draw(ACT_CHOICES),  # GPT-OSS: clamped SwiGLU, interleaved
+        H=H,
+        I=I,
+        act=act,
+        limit=limit,
         routing=hf_routing(family),
         renorm=draw(st.booleans()) if renorm is None else renorm,
         n_group=n_group,
         topk_group=topk_group,
         scale=draw(st.sampled_from([1.0, 2.5])) if family == "deepseek_v3" else 1.0,
-        expert_bias=True if own_experts else draw(st.booleans()),
+        expert_bias=family == "gpt_oss" if own_experts else draw(st.booleans()),
         shared=shared,
         impl=draw(st.sampled_from(["grouped_mm", "batched_mm"])),
         transposed=False if own_experts else draw(st.booleans()),
@@ -283,7 +326,7 @@ class SharedExperts(nn.Module):
 
     def __init__(self, case: Case) -> None:
         super().__init__()
-        self.mlp = Expert(case.H, case.I, case.act, bias=False)
+        self.mlp = Expert(case.H, case.I, case.act if case.act in ACTS else "silu", bias=False)
         self.gate = nn.Linear(case.H, 1, bias=False) if case.shared == "gated" else None
 
     def forward(self, x):
@@ -321,7 +364,7 @@ def _hf_config(case: Case):
 
     common = dict(
         hidden_size=case.H,
-        hidden_act=HF_ACTS[case.act],
+        hidden_act=HF_ACTS.get(case.act, "silu"),  # a family's own experts set theirs (_own_experts)
         num_experts_per_tok=case.k,
         num_hidden_layers=1,
         num_attention_heads=2,
@@ -370,6 +413,10 @@ def _hf_config(case: Case):
         )
         cfg.moe_intermediate_size = case.I
         cfg.num_experts = case.E
+    elif f in OWN_EXPERTS_BEHIND_QWEN3_ROUTER:  # the router's; _own_experts builds the experts' own
+        cfg = transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=case.I, num_experts=case.E, norm_topk_prob=case.renorm
+        )
     else:
         raise ValueError(f)
     cfg._experts_implementation = case.impl
@@ -401,6 +448,37 @@ def synthetic_experts(is_transposed: bool, has_bias: bool) -> type:
             raise AssertionError("the experts implementation (grouped_mm / batched_mm) replaces this")
 
     return FuzzExperts
+
+
+def _own_experts(case: Case) -> nn.Module:
+    """MiniMax-M3's, DeepSeek-V4's or Nemotron-H's experts class, from its own tiny config."""
+    import transformers
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as deepseek_v4
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as minimax_m3
+    from transformers.models.nemotron_h import modeling_nemotron_h as nemotron_h
+
+    sizes = dict(hidden_size=case.H, num_experts_per_tok=case.k, num_hidden_layers=1)
+    if case.family == "minimax_m3":
+        cfg = transformers.MiniMaxM3VLTextConfig(
+            **sizes, intermediate_size=case.I, num_local_experts=case.E, swiglu_limit=case.limit
+        )
+        cls = minimax_m3.MiniMaxM3VLExperts
+    elif case.family == "deepseek_v4":
+        cfg = transformers.DeepseekV4Config(
+            **sizes,
+            moe_intermediate_size=case.I,
+            n_routed_experts=case.E,
+            mlp_layer_types=["moe"],
+            swiglu_limit=case.limit,
+        )
+        cls = deepseek_v4.DeepseekV4Experts
+    else:
+        cfg = transformers.NemotronHConfig(
+            **sizes, moe_intermediate_size=case.I, n_routed_experts=case.E, mlp_hidden_act=UNGATED_ACTS[case.act]
+        )
+        cls = nemotron_h.NemotronHExperts
+    cfg._experts_implementation = case.impl
+    return cls(cfg)
 
 
 class TopKSigmoidRouter(nn.Module):
@@ -455,6 +533,9 @@ def _hf_block(case: Case) -> nn.Module:
         block = deepseek_v3.DeepseekV3MoE(cfg)
     elif f == "gpt_oss":
         return gpt_oss.GptOssMLP(cfg)
+    elif f in OWN_EXPERTS_BEHIND_QWEN3_ROUTER:
+        shared = SharedExperts(case) if case.shared != "none" else None
+        return RouterExperts(qwen3_moe.Qwen3MoeTopKRouter(cfg), _own_experts(case), shared)
     else:
         router = gpt_oss.GptOssTopKRouter(cfg) if f == "gpt_oss_router" else TopKSigmoidRouter(cfg)
         shared = SharedExperts(case) if case.shared != "none" else None

@@ -5,10 +5,12 @@ What is drawn (fuzz_blocks.py): the form (a plain-PyTorch loop over per-expert `
 Face transformers' own sparse MoE blocks from tiny configs), E, k (1..E), H, I, the dtype, the routing (softmax then
 top-k with or without renormalisation; top-k then softmax with a router bias; sigmoid scores with a
 score-correction bias, grouped top-k and a routed scaling factor; top-k then sigmoid), the activation (SiLU,
-GELU-tanh and exact GELU, which rubin.moe implements, GPT-OSS's clamped SwiGLU in its own block, and ReLU, a near
-miss), biases on the experts or not, shared experts (plain, or scaled by a sigmoid gate) or not, the token count T
-(0, 1, odd, 64..200), the shape mode (static, ``dynamic=True``, ``mark_dynamic``, or automatic dynamic shapes on a
-second call) and the seed of the weights and inputs.
+GELU-tanh and exact GELU, which rubin.moe implements, GPT-OSS's clamped SwiGLU in its own block, MiniMax-M3's clamped
+SwiGLU over halves and DeepSeek-V4's clamped SiLU in their own experts with a drawn limit, Nemotron-H's non-gated
+experts with each activation rubin.moe takes non-gated, and ReLU, a near miss), biases on the experts or not, shared
+experts (plain, or scaled by a sigmoid gate) or not, the token count T (0, 1, odd, 64..200), the shape mode (static,
+``dynamic=True``, ``mark_dynamic``, or automatic dynamic shapes on a second call) and the seed of the weights and
+inputs.
 
 What is checked, for every example:
 
@@ -118,33 +120,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, case: Case) -> None:
         assert_close_to_eager(got, want, case.torch_dtype)
 
 
-# --- known bugs: the fuzz tests step around them; the xfail regressions at the end of this file keep them visible --
-
-
-def known_dynamic_alpha_bug(case: Case, unchanged: list) -> bool:
-    """The same for GPT-OSS's clamped SwiGLU: under ``dynamic=True`` its ``alpha`` (a float attribute of the experts)
-    is a graph input, and both Hugging Face matchers leave the experts unchanged ("a clamped SwiGLU whose constants
-    are not one alpha, one limit and up + 1 (... scale [] ...)")."""
-    return (
-        case.family == "gpt_oss"
-        and case.shapes == "dynamic"
-        and any("clamped SwiGLU whose constants" in u["reason"] for u in unchanged)
-    )
-
-
-class KnownBug(AssertionError):
-    """A check failed where one of the known bugs above says it does (the xfail regressions expect exactly this)."""
-
-
-def _expect(ok: bool, known: bool, skip_known: bool, message) -> None:
-    """Assert ``ok``; a failure that a known bug explains (``known``) is stepped around with ``skip_known`` and
-    raised as ``KnownBug`` without."""
-    if ok or (known and skip_known):
-        return
-    raise (KnownBug if known else AssertionError)(message)
-
-
-def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
+def _check_report(run: RubinRun, case: Case) -> None:
     """A claimed block rewritten into rubin.moe in every graph (report and final code agreeing, details right); a
     block left unchanged has a reason."""
     reports = run.reports()
@@ -158,12 +134,7 @@ def _check_report(run: RubinRun, case: Case, skip_known: bool) -> None:
         unchanged = result["unchanged"]
         total += len(moes)
         if why_not is None:
-            _expect(
-                len(moes) == 1,
-                known_dynamic_alpha_bug(case, unchanged),
-                skip_known,
-                f"graph {report['graph_id']}: claimed block not rewritten: {unchanged}",
-            )
+            assert len(moes) == 1, f"graph {report['graph_id']}: claimed block not rewritten: {unchanged}"
         if not moes:
             assert unchanged, f"graph {report['graph_id']}: block left unchanged without a reason"
         assert all(u["reason"].strip() for u in unchanged), unchanged
@@ -226,9 +197,9 @@ def _skip_where_transformers_breaks_the_graph(case: Case) -> None:
     pytest.skip(f"this transformers breaks the graph inside its bf16 grouped mm on the CPU ({why})")
 
 
-def check_case(case: Case, skip_known: bool = True) -> None:
+def check_case(case: Case) -> None:
     """Compile ``case``'s block with rubin, call it at each of its token counts, and compare (see the module
-    docstring). ``skip_known``: step around the known bugs above (the regression tests do not)."""
+    docstring)."""
     _skip_where_transformers_breaks_the_graph(case)
     torch._dynamo.reset()
     block = build(case)
@@ -244,7 +215,7 @@ def check_case(case: Case, skip_known: bool = True) -> None:
             want = _calls(torch.compile(block, backend="inductor", dynamic=DYNAMIC[case.shapes]), xs, case.shapes)
         for g, w in zip(got, want):
             _assert_close(g, w, case)
-        _check_report(run, case, skip_known)
+        _check_report(run, case)
     finally:
         torch._dynamo.reset()
         shutil.rmtree(dump, ignore_errors=True)
@@ -282,10 +253,6 @@ def test_fuzz_hf_low_precision_against_inductor(family, data):
 
 
 # --- regressions: every failure the fuzzer found, with its concrete parameters -------------------------------------
-
-
-def _xfail(reason: str):
-    return pytest.mark.xfail(strict=True, raises=KnownBug, reason=reason)
 
 
 @pytest.mark.parametrize(
@@ -335,17 +302,14 @@ def test_regression_dynamic_routed_scaling_factor_described(case):
     (Dynamo does not specialise the float), and routing.py called the routing unrecognised ('the routing weights
     (mul_tensor) are not derived from the same top-k', renormalize lost too). Now it reads the scale as that input
     ("scale": "graph input <name>"), the rest of the routing as before."""
-    check_case(case, skip_known=False)
+    check_case(case)
 
 
-@_xfail(
-    "rubin bug (missed rewrite): GPT-OSS's experts under dynamic=True are left unchanged by both Hugging Face "
-    "matchers: Dynamo makes the SwiGLU's alpha (GptOssExperts.alpha, a Python float) a 0-d tensor input of the "
-    "graph, and the clamped-SwiGLU reader wants a constant ('a clamped SwiGLU whose constants are not one alpha, one "
-    "limit and up + 1 (clamp_min [-7.0], clamp_max [7.0, 7.0], scale [], offset [1.0])')"
-)
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
+def test_regression_gpt_oss_dynamic_alpha_and_limit_rewritten(impl):
+    """Found by the fuzzer: under dynamic=True Dynamo makes GPT-OSS's SwiGLU alpha (torch 2.13) and limit (2.15 too)
+    graph inputs, and both Hugging Face matchers left the experts unchanged. They are rewritten now, the constants
+    passed to rubin.moe as activation_constants (match_moe/hf_activation.py)."""
     case = Case(
         form="hf",
         family="gpt_oss",
@@ -362,7 +326,7 @@ def test_regression_gpt_oss_dynamic_alpha_not_rewritten(impl):
         shapes="dynamic",
         seed=3,
     )
-    check_case(case, skip_known=False)
+    check_case(case)
 
 
 @pytest.mark.parametrize(
@@ -414,7 +378,7 @@ def test_regression_top1_single_token_grouped_mm_rewritten(case):
     """transformers' grouped_mm experts at T * k = 1 (one token, top-1) were left unchanged: ``inv_perm[perm] =
     arange(1)`` reaches the graph as ``index_put(empty, [perm], reshape(iota(1), []))`` (a 0-d value) and
     hf_grouped_mm.py wanted the iota itself. Now rewritten, and equal to eager (fp32) / Inductor (bf16)."""
-    check_case(case, skip_known=False)
+    check_case(case)
 
 
 @pytest.mark.parametrize(
@@ -452,7 +416,7 @@ def test_regression_tiny_router_at_one_token_described(case):
     """At T = 1 on the CPU Inductor decomposes a router addmm with H, E <= 16 into mul / sum / add
     (torch/_inductor/decomposition.py); routing.py reported the router as 'unrecognised (add)' with router_bias
     False. Now the decomposed form is read as the linear router it is, bias included."""
-    check_case(case, skip_known=False)
+    check_case(case)
 
 
 def test_regression_one_expert_one_token_given_a_reason():
@@ -461,5 +425,4 @@ def test_regression_one_expert_one_token_given_a_reason():
     the decomposed router is read, and the fallback says why a one-expert block stays as written."""
     check_case(
         Case(form="loop", family="loop", E=1, k=1, H=8, I=8, act="silu", routing="topk_sigmoid", T=1),
-        skip_known=False,
     )
