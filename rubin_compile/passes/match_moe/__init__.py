@@ -72,8 +72,9 @@ def _downstream(start: torch.fx.Node) -> set[torch.fx.Node]:
 
 def _routers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[torch.fx.Node, torch.fx.Node, dict]]]:
     """The routers of the graph by their projection: for each, (choice, its expert ids, the selection read) of every
-    ``aten.topk`` (its indices; the values may be unused: weights gathered from the scores) or ``aten.argmax`` (a
-    top-1: Switch Transformers; NLLB-MoE's two, the second over the logits without the first) over the scores of a
+    ``aten.topk`` (its indices; the values may be unused: weights gathered from the scores), ``aten.argmax`` or the
+    indices of ``aten.max.dim`` (a top-1: Switch Transformers; NLLB-MoE's two, the second over the logits without the
+    first) over the scores of a
     linear projection (routing.read_selection). One router, one block: its choices are explained together."""
     out: dict[torch.fx.Node, list] = {}
     for node in graph.nodes:
@@ -81,13 +82,15 @@ def _routers(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[torch.fx.N
             ids = next((u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
         elif is_call(node, torch.ops.aten.argmax.default):
             ids = node
+        elif is_call(node, torch.ops.aten.max.dim):  # torch.max(probs, dim=-1): Switch Transformers before 5.17
+            ids = next((u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
         else:
             continue
         if ids is None:
             continue
         selection, projection = read_selection(node)
-        if ids is node and not _one_hot(ids, selection.get("num_experts")):
-            continue  # an argmax that is no dispatch (a greedy decode's next token)
+        if node.target is not torch.ops.aten.topk.default and not _one_hot(ids, selection.get("num_experts")):
+            continue  # an argmax / max that is no dispatch (a greedy decode's next token)
         if selection.get("router") == "linear":  # not a router's top-k otherwise (a sampling top-k, a group score's)
             out.setdefault(projection, []).append((node, ids, selection))
     return out

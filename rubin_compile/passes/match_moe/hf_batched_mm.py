@@ -56,6 +56,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     match_sum_over_k,
     rewrite,
     same,
+    sentinel_clamps,
     sole_user,
     token_of_slots,
     view_input,
@@ -163,16 +164,7 @@ def _match_block(fc1: torch.fx.Node, fc2: torch.fx.Node, ids: torch.fx.Node) -> 
     b = Block(form=FORM, fc1=fc1, fc2=fc2)
     w13, _, _, _ = _bmm_operands(fc1)
     w2, _, _, _ = _bmm_operands(fc2)
-    flat, clamps, bounds = ids, [], {}
-    while is_call(flat, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
-        # transformers' expert-parallel sentinel clamp (every experts block in 5.17, only with
-        # _is_expert_parallel later; Inductor splits clamp(0, E - 1) into clamp_min and clamp_max)
-        given = dict(zip(("min", "max"), flat.args[1:]), **flat.kwargs)
-        if flat.target is aten.clamp_max.default:
-            given = {"max": flat.args[1]}
-        bounds.update({k: v for k, v in given.items() if v is not None})
-        clamps.append(flat)
-        flat = flat.args[0]
+    flat, clamps, bounds = sentinel_clamps(ids)
     if clamps:
         E = tensor_val(w13).shape[0]
         b.topk_ids = view_input(flat, "the flattened expert ids")

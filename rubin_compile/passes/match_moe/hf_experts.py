@@ -102,6 +102,22 @@ def is_zero_fill(node: Any) -> bool:
     )
 
 
+def sentinel_clamps(node: Any) -> tuple[Any, list[torch.fx.Node], dict[str, Any]]:
+    """Walk up the clamps over ``node``: transformers' expert-parallel sentinel clamp of the expert ids (every experts
+    block in 5.17, only with ``_is_expert_parallel`` later; Inductor splits ``clamp(0, E - 1)`` into clamp_min and
+    clamp_max). Returns the unclamped node, the clamp nodes and the bounds they give (``{}`` when not clamped)."""
+    clamps: list[torch.fx.Node] = []
+    bounds: dict[str, Any] = {}
+    while is_call(node, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+        given = dict(zip(("min", "max"), node.args[1:]), **node.kwargs)
+        if node.target is aten.clamp_max.default:
+            given = {"max": node.args[1]}
+        bounds.update({key: v for key, v in given.items() if v is not None})
+        clamps.append(node)
+        node = node.args[0]
+    return node, clamps, bounds
+
+
 def ids_from_topk(b: Block, E: int) -> Optional[str]:
     """None when the block's routed expert ids (``b.topk_ids``) are the indices of a top-k over E scores in this
     graph, so every id is below E and transformers' expert-parallel sentinel handling (ids >= E masked or clamped)

@@ -95,6 +95,7 @@ from rubin_compile.passes.match_moe.hf_experts import (
     match_sum_over_k,
     rewrite,
     same,
+    sentinel_clamps,
     sole_user,
     token_of_slots,
     view_input,
@@ -210,14 +211,7 @@ def _match_bookkeeping(b: Block, offs: Any) -> tuple[torch.fx.Node, torch.fx.Nod
 def _clamped(node: Any, E: int) -> tuple[Any, list[torch.fx.Node]]:
     """``node`` under ``.clamp(0, E - 1)`` (Inductor splits it into clamp_min and clamp_max), and the clamp nodes;
     ``(node, [])`` when it is not clamped. A clamp to other bounds is a NoMatch."""
-    clamps, bounds = [], {}
-    while is_call(node, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
-        given = dict(zip(("min", "max"), node.args[1:]), **node.kwargs)
-        if node.target is aten.clamp_max.default:
-            given = {"max": node.args[1]}
-        bounds.update({key: v for key, v in given.items() if v is not None})
-        clamps.append(node)
-        node = node.args[0]
+    node, clamps, bounds = sentinel_clamps(node)
     if clamps and not (bounds.get("min", 0) == 0 and bounds.get("max") == E - 1):
         raise NoMatch(f"the expert ids are clamped to {bounds} before they are sorted, not to [0, {E - 1}]")
     return node, clamps

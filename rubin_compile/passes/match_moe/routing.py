@@ -255,7 +255,7 @@ def _router_logits(node: Any, info: dict[str, Any]) -> Any:
 
 
 def read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any]:
-    """What an ``aten.topk`` (or ``aten.argmax``, a top-1) selects from, and the router projection's node: the keys
+    """What an ``aten.topk`` (or ``aten.argmax`` / ``aten.max.dim``, a top-1) selects from, and the router projection's node: the keys
     of ``describe_routing`` that the selection decides (the scoring: softmax, sigmoid or none; the router projection
     and its bias; a score-correction bias; a group mask). ``router`` is "linear" when the scores come from a linear
     projection, which is what makes a top-k a router's."""
@@ -266,7 +266,8 @@ def read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any]:
 def _read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any, Any]:
     """``read_selection``'s description, the scores the top-k reads under its correction bias and group mask, and the
     router projection."""
-    k = 1 if is_call(topk, aten.argmax.default) else topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
+    top1 = is_call(topk, aten.argmax.default, aten.max.dim)
+    k = 1 if top1 else topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
     info: dict[str, Any] = {
         "scoring": None,
         "router": None,

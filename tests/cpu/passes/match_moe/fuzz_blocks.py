@@ -78,6 +78,10 @@ HF_FAMILIES = (
 )
 # Qwen3-MoE's router in front of these families' own experts classes.
 OWN_EXPERTS_BEHIND_QWEN3_ROUTER = ("minimax_m3", "deepseek_v4", "nemotron_h")
+# The transformers model type each family's modules come from (the synthetic routers' blocks: Qwen3-MoE's).
+HF_MODEL_TYPE = dict(
+    {f: f for f in HF_FAMILIES}, gpt_oss_router="gpt_oss", topk_sigmoid="qwen3_moe", minimax_m3="minimax_m3_vl"
+)
 # static: dynamic=False; dynamic: dynamic=True; mark_dynamic: torch._dynamo.mark_dynamic on T; automatic: the
 # default (dynamic=None), the second token count recompiles with a symbolic T (automatic dynamic shapes)
 SHAPE_MODES = ("static", "dynamic", "mark_dynamic", "automatic")
@@ -452,17 +456,18 @@ def synthetic_experts(is_transposed: bool, has_bias: bool) -> type:
 
 def _own_experts(case: Case) -> nn.Module:
     """MiniMax-M3's, DeepSeek-V4's or Nemotron-H's experts class, from its own tiny config."""
-    import transformers
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as deepseek_v4
-    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as minimax_m3
-    from transformers.models.nemotron_h import modeling_nemotron_h as nemotron_h
+    import importlib
 
+    import transformers
+
+    model_type = HF_MODEL_TYPE[case.family]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     sizes = dict(hidden_size=case.H, num_experts_per_tok=case.k, num_hidden_layers=1)
     if case.family == "minimax_m3":
         cfg = transformers.MiniMaxM3VLTextConfig(
             **sizes, intermediate_size=case.I, num_local_experts=case.E, swiglu_limit=case.limit
         )
-        cls = minimax_m3.MiniMaxM3VLExperts
+        cls = module.MiniMaxM3VLExperts
     elif case.family == "deepseek_v4":
         cfg = transformers.DeepseekV4Config(
             **sizes,
@@ -471,12 +476,12 @@ def _own_experts(case: Case) -> nn.Module:
             mlp_layer_types=["moe"],
             swiglu_limit=case.limit,
         )
-        cls = deepseek_v4.DeepseekV4Experts
+        cls = module.DeepseekV4Experts
     else:
         cfg = transformers.NemotronHConfig(
             **sizes, moe_intermediate_size=case.I, n_routed_experts=case.E, mlp_hidden_act=UNGATED_ACTS[case.act]
         )
-        cls = nemotron_h.NemotronHExperts
+        cls = module.NemotronHExperts
     cfg._experts_implementation = case.impl
     return cls(cfg)
 

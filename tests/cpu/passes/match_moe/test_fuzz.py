@@ -46,7 +46,9 @@ from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.conftest import RubinRun, assert_close_to_eager, count_ops  # noqa: E402
+from tests.cpu.passes.match_moe.families import require  # noqa: E402
 from tests.cpu.passes.match_moe.fuzz_blocks import (  # noqa: E402
+    HF_MODEL_TYPE,
     HF_FAMILIES,
     LOOP_ROUTINGS,
     Case,
@@ -242,6 +244,7 @@ def test_fuzz_loop_low_precision_against_inductor(routing, data):
 @fuzz_settings("hf-fp32")
 @given(data=st.data())
 def test_fuzz_hf_fp32_against_eager(family, data):
+    require(HF_MODEL_TYPE[family])
     check_case(data.draw(hf_cases(family, ("fp32",)), label="case"))
 
 
@@ -249,6 +252,7 @@ def test_fuzz_hf_fp32_against_eager(family, data):
 @fuzz_settings("hf-lowp")
 @given(data=st.data())
 def test_fuzz_hf_low_precision_against_inductor(family, data):
+    require(HF_MODEL_TYPE[family])
     check_case(data.draw(hf_cases(family, ("bf16", "fp16")), label="case"))
 
 

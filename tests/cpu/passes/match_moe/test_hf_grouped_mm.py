@@ -18,6 +18,8 @@ import functools
 from typing import Optional
 
 import pytest
+import re
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -414,7 +416,8 @@ def test_one_token_top1_rewritten(rubin_run):
     with torch.no_grad():
         got, want = rubin_run.compile(block)(x), block(x)
     assert_close_to_eager(got, want)
-    assert "torch.ops.aten.reshape.default(iota, [])" in input_code(rubin_run)  # the form this test is about
+    # the form this test is about (iota_1 in 5.4-5.16, whose token index is an earlier arange)
+    assert re.search(r"torch\.ops\.aten\.reshape\.default\(iota(_\d+)?, \[\]\)", input_code(rubin_run))
     (rewrite,) = hf_rewrites(rubin_run)
     assert (rewrite["details"]["T"], rewrite["details"]["k"]) == (1, 1)
     assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0

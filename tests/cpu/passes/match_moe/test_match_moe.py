@@ -116,16 +116,17 @@ def test_ernie_routing(rubin_run, model_type):
 
 
 def test_mistral4_routing(rubin_run):
-    block, _ = compile_family_block(rubin_run, "mistral4")
+    _, config = compile_family_block(rubin_run, "mistral4")
     (rewrite,) = moe_rewrites(rubin_run)
-    routing, gate = rewrite["details"]["routing"], block.gate
-    # Mistral4TopkRouter masks the groups it did not choose with 0.0 whatever n_group (one group: a mask of ones)
-    want = dict(recognised=True, order="softmax_then_topk", renormalize=gate.norm_topk_prob)
+    routing = rewrite["details"]["routing"]
+    # the router (5.17 on: Mistral4TopkRouter; before, the block's route_tokens_to_experts) masks the groups it did not
+    # choose with 0.0 whatever n_group (one group: a mask of ones)
+    want = dict(recognised=True, order="softmax_then_topk", renormalize=config.norm_topk_prob)
     want.update(group_limited=True, group_fill="0")
     assert {key: routing.get(key) for key in want} == want, routing
-    scale = gate.routed_scaling_factor  # a scale of 1.0 may be folded away (torch 2.15 removes the * 1)
+    scale = config.routed_scaling_factor  # a scale of 1.0 may be folded away (torch 2.15 removes the * 1)
     assert routing["scale"] == scale or (scale == 1.0 and routing["scale"] is None), routing
-    assert (routing["num_experts"], routing["top_k"]) == (gate.num_experts, gate.top_k), routing
+    assert (routing["num_experts"], routing["top_k"]) == (config.n_routed_experts, config.num_experts_per_tok), routing
 
 
 def test_zaya_routing(rubin_run):
