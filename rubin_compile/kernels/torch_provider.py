@@ -22,6 +22,7 @@ from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec
 from rubin_compile.target import Target
 
 _HALF = ("bfloat16", "float16")
+_FP8_ACTS = ("float8_e4m3fn", "float8_e5m2")  # W8A8: torch._scaled_mm
 _GEMM_ENTRY = {"none": "torch.mm (cuBLAS)", "fp8_tensor": "torch._scaled_mm (cuBLASLt FP8)"}
 
 
@@ -32,10 +33,10 @@ def _runnable(target: Target) -> Optional[str]:
 def _gemm_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     if not target.is_cuda:
         return f"target {target.name} has no CUDA GPU"
-    if spec.act_dtype not in _HALF:
-        return f"activations in {spec.act_dtype} are not supported ({', '.join(_HALF)})"
+    if spec.act_dtype not in _HALF + _FP8_ACTS:
+        return f"activations in {spec.act_dtype} are not supported ({', '.join(_HALF + _FP8_ACTS)})"
     if spec.quant == "none":
-        return None
+        return None if spec.act_dtype in _HALF else f"FP8 activations with {spec.weight_dtype} weights"
     if spec.quant in ("fp8_tensor", "fp8_rowwise") and not spec.act_dtype.startswith("float8"):
         return (
             f"weight-only FP8 ({spec.act_dtype} activations): torch has no such GEMM (torch._scaled_mm takes FP8 "

@@ -6,6 +6,8 @@
     gemm.py        rubin.gemm       (GemmArgs, the reference, the ATen form, the spec builder)
     attention.py   rubin.attention  (AttentionArgs, the reference, the ATen form, the spec builder)
     weights.py     rubin.stacked_weights (expert weights concatenated once, not per call)
+    quantized.py   rubin.dequantize (a quantised weight as a plain PyTorch model holds it; matchers fold it)
+    fp4.py         NVFP4 / MXFP4: packing, dequantisation, a quantiser for examples and tests
     nodes.py       reading calls of ops in FX graphs (arguments by name, fake values, dtype names)
 
 Every canonical op lives in one module; adding one is docs/contributing.md's recipe.
@@ -16,3 +18,4 @@ from rubin_compile.ops import moe  # noqa: F401
 from rubin_compile.ops import gemm  # noqa: F401
 from rubin_compile.ops import attention  # noqa: F401
 from rubin_compile.ops import weights  # noqa: F401
+from rubin_compile.ops import quantized  # noqa: F401

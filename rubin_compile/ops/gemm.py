@@ -27,7 +27,8 @@ Schema::
                                           #   128 x 128 block [ceil(K/128), ceil(N/128)]
                 ScalarType? out_dtype=None,  # W8A8: required (bf16 / fp16 / fp32); otherwise None or a's dtype
                 bool pdl=False,           # launch with Programmatic Dependent Launch; set by chain_pdl
-                str impl="reference")     # which kernel runs it; chosen by select_kernels
+                str impl="reference",     # which kernel runs it; chosen by select_kernels
+                Tensor? b_scale_2=None)   # NVFP4 b only: its global scale, float32 [] (ModelOpt's weight_scale_2)
       -> Tensor                           # [M, N], or [M, N / 2] for the gated epilogues
 
 Semantics::
@@ -41,6 +42,13 @@ Semantics::
                                                    #   MergedColumnParallelLinear + SiluAndMul, HF chunk(2))
     out = gelu_tanh(y[:, :N/2]) * y[:, N/2:]       # "gelu_tanh_and_mul" (vLLM GeluAndMul("tanh"), Gemma)
     out = y + residual                             # "residual_add"
+
+FP4 weights (NVFP4 / MXFP4, packed two e2m1 values per byte along K: ops/fp4.py) take bf16 / fp16 (or fp32) ``a``: ``b`` is
+``torch.uint8`` ``[K / 2, N]`` (the stored ``[N, K / 2]`` weight's ``.t()``), ``b_scale`` its block scales as stored
+``[N, K / block]`` seen as ``[K / block, N]`` (NVFP4: ``float8_e4m3fn`` per 16, with ``b_scale_2``; MXFP4: uint8 E8M0
+per 32). The semantics is weight-only: ``y = (a.float() @ dequantize(b).float() + bias).to(a.dtype)``. ``a_scale``
+(float32 ``[]``) may carry the static input scale a checkpoint calibrated (ModelOpt's ``input_scale``) for W4A4
+kernels that quantise ``a``; the reference ignores it.
 
 Why ``b`` is ``[K, N]`` and not the stored ``[N, K]`` weight: it is what ``aten.mm`` / ``aten._scaled_mm`` take
 in the graph (``mm(x, permute(W, [1, 0]))``), so the rewrite passes the very node on and copies nothing, and it
@@ -61,6 +69,7 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.errors import RubinError
+from rubin_compile.ops import fp4
 from rubin_compile.ops.moe import apply_activation
 from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
@@ -123,6 +132,7 @@ class GemmArgs:
     a_scale: Optional[torch.Tensor] = None
     b_scale: Optional[torch.Tensor] = None
     out_dtype: Optional[torch.dtype] = None
+    b_scale_2: Optional[torch.Tensor] = None
     M: Any = field(init=False)
     N: Any = field(init=False)
     K: Any = field(init=False)
@@ -137,6 +147,11 @@ class GemmArgs:
     def fp8(self) -> bool:
         """Any FP8 operand (W8A8, or weight-only FP8 with ``b`` FP8 and ``a`` bf16 / fp16)."""
         return self.b.dtype in FP8_DTYPES
+
+    @property
+    def fp4(self) -> Optional[str]:
+        """``"nvfp4"`` / ``"mxfp4"`` for FP4 b, else ``None``."""
+        return fp4.kind_of(self.b_scale) if self.b.dtype == torch.uint8 else None
 
     @property
     def w8a8(self) -> bool:
@@ -162,6 +177,10 @@ def _validate(g: GemmArgs) -> tuple:
         _fail(f"a must be [M, K] and b [K, N]; got {tuple(a.shape)} and {tuple(b.shape)} (flatten leading dims)")
     M, K = a.shape
     Kb, N = b.shape
+    if b.dtype == torch.uint8:
+        return _validate_fp4(g, M, K, N)
+    if g.b_scale_2 is not None:
+        _fail("b_scale_2 is the global scale of NVFP4 weights; b is not FP4")
     if _known(K, Kb) and K != Kb:
         _fail(f"a is [M, K={K}] but b is [K={Kb}, N]; an nn.Linear weight [N, K] is passed as weight.t()")
     quantized = a.dtype in FP8_DTYPES
@@ -233,6 +252,51 @@ def _validate(g: GemmArgs) -> tuple:
     return M, N, K, n_out, result_dtype
 
 
+def _validate_fp4(g: GemmArgs, M: Any, K: Any, N: Any) -> tuple:
+    a, b = g.a, g.b
+    if _known(K, b.shape[0]) and K != 2 * b.shape[0]:
+        _fail(
+            f"FP4 b packs two values per byte along K: a is [M, K={K}], so b must be [K/2={K // 2}, N]; got {tuple(b.shape)}"
+        )
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        _fail(f"FP4 weights take bf16 / fp16 / fp32 a, got {a.dtype}")
+    kind = fp4.kind_of(g.b_scale)
+    if kind is None:
+        _fail(
+            "FP4 (uint8) b needs b_scale: float8_e4m3fn per 16 elements of K (NVFP4) or uint8 E8M0 per 32 (MXFP4); "
+            f"got {None if g.b_scale is None else g.b_scale.dtype}"
+        )
+    block = fp4.block_size(kind)
+    if _known(K) and K % block:
+        _fail(f"{kind.upper()} needs K ({K}) to be a multiple of {block}")
+    want = (K // block if _known(K) else None, N)
+    if g.b_scale.dim() != 2 or not all(not _known(h, w) or w is None or h == w for h, w in zip(g.b_scale.shape, want)):
+        _fail(
+            f"b_scale must be [K/{block}, N] = {want} (the stored [N, K/{block}] scales' .t()), got {tuple(g.b_scale.shape)}"
+        )
+    if kind == "nvfp4" and (g.b_scale_2 is None or g.b_scale_2.dtype != torch.float32 or g.b_scale_2.numel() != 1):
+        _fail("NVFP4 b needs b_scale_2, one float32 element (ModelOpt's weight_scale_2)")
+    if kind == "mxfp4" and g.b_scale_2 is not None:
+        _fail("b_scale_2 is for NVFP4; MXFP4 has no global scale")
+    if g.a_scale is not None and (g.a_scale.dtype != torch.float32 or g.a_scale.numel() != 1):
+        _fail("with FP4 b, a_scale is the static input scale: one float32 element")
+    if g.out_dtype not in (None, a.dtype):
+        _fail(f"FP4 GEMMs return a's dtype {a.dtype}, not out_dtype={g.out_dtype}")
+    if g.bias is not None and (g.bias.dim() != 1 or g.bias.dtype != a.dtype):
+        _fail(f"bias must be [N={N}] in {a.dtype}, got {g.bias.dtype} {tuple(g.bias.shape)}")
+    n_out = N
+    if g.epilogue in GATED:
+        n_out = N // 2
+    if (g.residual is not None) != (g.epilogue == "residual_add"):
+        _fail("residual is given exactly when epilogue='residual_add'")
+    return M, N, K, n_out, a.dtype
+
+
+def dequantized_fp4(args: GemmArgs) -> torch.Tensor:
+    """FP4 ``b`` as float32 ``[K, N]``."""
+    return fp4.dequantize(args.b.t(), args.b_scale.t(), args.b_scale_2, torch.float32).t()
+
+
 # ------------------------------------------------------------------------------------------------
 # the semantics, and the ATen form
 # ------------------------------------------------------------------------------------------------
@@ -276,6 +340,11 @@ def reference(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     and it runs on every device), then rounded once to the output dtype.
     """
     a, b, bias = args.a, args.b, args.bias
+    if args.fp4:
+        acc = a.to(torch.float32) @ dequantized_fp4(args)
+        if bias is not None:
+            acc = acc + bias.to(torch.float32)
+        return apply_epilogue(acc.to(args.result_dtype), args.epilogue, args.residual)
     if args.fp8:
         fa, fb = dequantized(args)
         acc = fa @ fb
@@ -300,7 +369,7 @@ def aten(args: GemmArgs, launch: Launch = Launch()) -> torch.Tensor:
     of the float32 reference). Block scales and weight-only FP8 have no ATen GEMM: they run the reference's
     float32 dequantise-and-multiply, which Inductor fuses as it can."""
     a, b, bias = args.a, args.b, args.bias
-    if args.fp8 and (not args.w8a8 or "block" == args.b_scale_kind):
+    if args.fp4 or (args.fp8 and (not args.w8a8 or "block" == args.b_scale_kind)):
         return reference(args)
     if args.fp8:
         y = torch._scaled_mm(a, b, scale_a=args.a_scale, scale_b=args.b_scale, bias=bias, out_dtype=args.result_dtype)
@@ -331,10 +400,12 @@ def gemm(
     out_dtype: Optional[torch.dtype] = None,
     pdl: bool = False,
     impl: str = "reference",
+    b_scale_2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Canonical GEMM; see the module docstring. ``impl`` names the kernel (ops/registry.py); ``pdl`` says how
     it is launched, never what it computes."""
-    return GEMM.run(impl, GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype), Launch(pdl=pdl))
+    args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype, b_scale_2)
+    return GEMM.run(impl, args, Launch(pdl=pdl))
 
 
 @gemm.register_fake
@@ -349,8 +420,9 @@ def _gemm_fake(
     out_dtype=None,
     pdl=False,
     impl="reference",
+    b_scale_2=None,
 ):
-    args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype)
+    args = GemmArgs(a, b, bias, epilogue, residual, a_scale, b_scale, out_dtype, b_scale_2)
     return a.new_empty((args.M, args.n_out), dtype=args.result_dtype)
 
 
@@ -365,6 +437,8 @@ def quantization(node: torch.fx.Node) -> str:
     node, W8A8 or weight-only alike (``act_dtype`` tells them apart)."""
     args = bound_arguments(node)
     a, b, sa, sb = (tensor_val(args[n]) for n in ("a", "b", "a_scale", "b_scale"))
+    if b is not None and b.dtype == torch.uint8:
+        return fp4.kind_of(sb) or "nvfp4"
     if b is None or b.dtype not in FP8_DTYPES or sb is None:
         return "none"
     b_kind = scale_kind(sb, b.shape[1], "b", b.shape[0])
@@ -391,15 +465,19 @@ def gemm_spec(node: torch.fx.Node) -> KernelSpec:
     }
     epilogue = args.get("epilogue", "none")
     quant = quantization(node)
+    fp4_b = quant in ("nvfp4", "mxfp4")
+    if fp4_b and isinstance(sizes["K"], int):
+        sizes["K"] *= 2  # b is packed two values per byte along K
     return KernelSpec(
         op="gemm",
         quant=quant,
         block_shape=(SCALE_BLOCK, SCALE_BLOCK) if quant == "fp8_block" else None,
         act_dtype=val_dtype(args["a"]),
-        weight_dtype=val_dtype(args["b"]),
+        weight_dtype="float4_e2m1fn_x2" if fp4_b else val_dtype(args["b"]),
         shape=tuple((k, v) for k, v in sizes.items() if isinstance(v, int)),
         activation=None if epilogue == "none" else epilogue,
         node=node.name,
+        static_input_scales=fp4_b and args.get("a_scale") is not None,
     )
 
 

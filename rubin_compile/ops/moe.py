@@ -26,7 +26,11 @@ Schema::
                str placement="",          # "" or "split_n:<mode>:<domains>:<max_tokens>" (Placement); set by
                                           # place_locality
                bool apply_router_weight_on_input=False,  # scale each expert's input, not its output (Llama 4)
-               Tensor? activation_constants=None)         # the activation's constants as run-time values
+               Tensor? activation_constants=None,         # the activation's constants as run-time values
+               Tensor? w13_scale_2=None,  # NVFP4 only: the global scales of w13 / w2, float32 [E]
+               Tensor? w2_scale_2=None,   #   (ModelOpt's weight_scale_2)
+               Tensor? a13_scale=None,    # optional static scales of FC1's / FC2's inputs, float32 [] (ModelOpt's
+               Tensor? a2_scale=None)     #   input_scale), for kernels that quantise activations; see below
       -> Tensor                           # [T, H] in hidden_states' dtype
 
 Semantics, for every token t::
@@ -73,6 +77,16 @@ scale is per tensor (shape ``[]``) or per expert (``[E]``, ``[E, 1]`` or ``[E, 1
 ``[E, ceil(H/bn), ceil(I/bk)]`` (the DeepSeek / Qwen FP8 checkpoint layout). The reference keeps
 activations in their own dtype; a kernel that quantises activations states its tolerance.
 
+FP4 weights (NVFP4, MXFP4; ops/fp4.py says how they are packed) are ``torch.uint8``, two e2m1 values per byte
+along the reduction dim: w13 ``[E, N, H / 2]``, w2 ``[E, H, I / 2]``. NVFP4: ``w13_scale`` ``[E, N, H / 16]`` and
+``w2_scale`` ``[E, H, I / 16]`` in ``float8_e4m3fn``, with ``w13_scale_2`` / ``w2_scale_2`` ``[E]`` float32;
+MXFP4: ``w13_scale`` ``[E, N, H / 32]`` and ``w2_scale`` ``[E, H, I / 32]`` as uint8 E8M0 exponents, no
+``*_scale_2``. They are dequantised (``fp4.dequantize``) before use, like FP8. ``a13_scale`` / ``a2_scale``
+(FP8 per-tensor and FP4 weights) are the static activation scales a checkpoint calibrated (amax / 448 for FP8,
+amax / (448 * 6) for NVFP4): the reference ignores them (activations stay in their dtype); kernels that quantise
+activations with static scales (W8A8 / W4A4) read them, and selection rejects those kernels for a call without
+them (``KernelSpec.static_input_scales``).
+
 A kernel implements ``apply_router_weight_on_input`` and ``activation_constants`` only where it declares the
 feature (``MoEArgs.features``, ``KernelSpec.features``, ``Kernel.features``); selection rejects the others with
 that reason, so a kernel never computes a different op silently.
@@ -105,6 +119,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.errors import RubinError
+from rubin_compile.ops import fp4
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 
@@ -144,6 +159,7 @@ ACTIVATION_KINDS: dict[str, Activation] = {
     )
 }
 ACTIVATIONS = tuple(ACTIVATION_KINDS)  # the kinds; those with constants may carry them ("swigluoai:<a>:<l>")
+WEIGHT_FP4_DTYPE = torch.uint8  # FP4 weights, two e2m1 values per byte (ops/fp4.py)
 WEIGHT_FP8_DTYPES = (torch.float8_e4m3fn,)  # rubin.moe's FP8 weights: e4m3, as the checkpoints store them
 CPU_PACK_ROWS = 16  # vLLM's CPU MoE weight packing: 16 output rows interleaved along K
 
@@ -238,6 +254,10 @@ class MoEArgs:
     weight_layout: WeightLayout = PLAIN
     apply_router_weight_on_input: bool = False
     activation_constants: Optional[torch.Tensor] = None
+    w13_scale_2: Optional[torch.Tensor] = None
+    w2_scale_2: Optional[torch.Tensor] = None
+    a13_scale: Optional[torch.Tensor] = None
+    a2_scale: Optional[torch.Tensor] = None
     T: int = field(init=False)
     H: int = field(init=False)
     E: int = field(init=False)
@@ -256,6 +276,11 @@ class MoEArgs:
     @property
     def fp8(self) -> bool:
         return self.w13.dtype in WEIGHT_FP8_DTYPES
+
+    @property
+    def fp4(self) -> Optional[str]:
+        """``"nvfp4"`` / ``"mxfp4"`` for FP4 weights, else ``None``."""
+        return fp4.kind_of(self.w13_scale) if self.w13.dtype == WEIGHT_FP4_DTYPE else None
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -296,12 +321,15 @@ def _validate(a: MoEArgs) -> tuple:
     if w13.dim() != 3 or w2.dim() != 3:
         _fail(f"w13 must be [E, N, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
     E, two_i, h13 = w13.shape  # two_i: N, 2I for a gated activation, I for a _no_mul one
+    packed = w13.dtype == WEIGHT_FP4_DTYPE  # FP4: two values per byte along H (w13) and I (w2)
+    if packed:
+        h13 *= 2
     if h13 != H or (act.gated and two_i % 2):
         _fail(f"w13 shape {tuple(w13.shape)} does not match [E, 2I, H={H}] with an even 2I ({a.activation} is gated)")
     inter = two_i // 2 if act.gated else two_i
     if tuple(w2.shape[:2]) != (E, H):
         _fail(f"w2 shape {tuple(w2.shape)} does not match [E={E}, H={H}, I]")
-    if w2.shape[2] != inter:
+    if w2.shape[2] * (2 if packed else 1) != inter:
         rows = (
             f"2I={2 * w2.shape[2]}, H={H}] (gate rows, then up rows)"
             if act.gated
@@ -312,11 +340,16 @@ def _validate(a: MoEArgs) -> tuple:
             f"be [E={E}, {rows}; w13 has {two_i} rows"
         )
     quantized = w13.dtype in WEIGHT_FP8_DTYPES
-    if (w2.dtype in WEIGHT_FP8_DTYPES) != quantized:
-        _fail(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be FP8 or both unquantised")
-    if quantized:
+    if (w2.dtype in WEIGHT_FP8_DTYPES) != quantized or (w2.dtype == WEIGHT_FP4_DTYPE) != packed:
+        _fail(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be FP8, both FP4 (uint8) or both unquantised")
+    if packed:
+        _validate_fp4(a, E, H, two_i, inter)
+    elif quantized:
         _validate_scales(a, E, H, two_i, inter)
-    else:
+    if not packed and (a.w13_scale_2 is not None or a.w2_scale_2 is not None):
+        _fail("w13_scale_2 / w2_scale_2 are the global scales of NVFP4 weights; these weights are not FP4")
+    _validate_input_scales(a, quantized or packed)
+    if not (quantized or packed):
         if w13.dtype != x.dtype or w2.dtype != x.dtype:
             _fail(
                 f"weights ({w13.dtype}, {w2.dtype}) must have hidden_states' dtype {x.dtype} "
@@ -351,6 +384,44 @@ def _validate_constants(a: MoEArgs, act: Activation) -> None:
             f"activation_constants must be a 1-D float tensor of {len(act.constants)} values "
             f"({', '.join(act.constants)}) for {act.kind}; got {c.dtype} of shape {tuple(c.shape)}"
         )
+
+
+def _validate_fp4(a: MoEArgs, E: int, H: int, two_i: int, inter: int) -> None:
+    kind = fp4.kind_of(a.w13_scale)
+    if kind is None or fp4.kind_of(a.w2_scale) != kind:
+        _fail(
+            "FP4 (uint8) weights need w13_scale and w2_scale in one format: float8_e4m3fn per 16 elements (NVFP4) or "
+            f"uint8 E8M0 per 32 (MXFP4); got {getattr(a.w13_scale, 'dtype', None)} and {getattr(a.w2_scale, 'dtype', None)}"
+        )
+    if a.block_shape is not None:
+        _fail("block_shape is for FP8 block scales; FP4 weights have their format's blocks (16 or 32)")
+    block = fp4.block_size(kind)
+    for name, s, rows, cols in (("w13_scale", a.w13_scale, two_i, H), ("w2_scale", a.w2_scale, H, inter)):
+        if cols % block:
+            _fail(f"{kind.upper()} needs the reduction dim of {name[:-6]} ({cols}) to be a multiple of {block}")
+        if tuple(s.shape) != (E, rows, cols // block):
+            _fail(f"{name} must be [E, {rows}, {cols} / {block}] = {(E, rows, cols // block)}, got {tuple(s.shape)}")
+    for name in ("w13_scale_2", "w2_scale_2"):
+        g = getattr(a, name)
+        if kind == "mxfp4" and g is not None:
+            _fail(f"{name} is for NVFP4; MXFP4 has no global scale")
+        if kind == "nvfp4" and (g is None or g.dtype != torch.float32 or g.numel() not in (1, E)):
+            _fail(f"NVFP4 weights need {name}, float32 [E={E}] (ModelOpt's weight_scale_2); got {_describe(g)}")
+
+
+def _describe(t: Optional[torch.Tensor]) -> str:
+    return "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+
+
+def _validate_input_scales(a: MoEArgs, quantized: bool) -> None:
+    for name in ("a13_scale", "a2_scale"):
+        s = getattr(a, name)
+        if s is None:
+            continue
+        if not quantized or a.block_shape is not None:
+            _fail(f"{name} (a static activation scale) is for FP8 per-tensor and FP4 weights; drop it")
+        if s.dtype != torch.float32 or s.numel() != 1:
+            _fail(f"{name} must be one float32 element (a per-tensor scale), got {_describe(s)}")
 
 
 def _validate_scales(a: MoEArgs, E: int, H: int, two_i: int, inter: int) -> None:
@@ -562,8 +633,12 @@ def _reference_in_capture(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, ou
 def _expert(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, e: int, xe: torch.Tensor) -> torch.Tensor:
     """Expert ``e``'s FFN on the rows ``xe``, in the input dtype: ``act(xe @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``."""
     dtype, E = xe.dtype, args.E
-    w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
-    w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
+    if args.fp4:
+        w13_e = fp4.dequantize(w13[e], args.w13_scale[e], _global(args.w13_scale_2, e), dtype)
+        w2_e = fp4.dequantize(w2[e], args.w2_scale[e], _global(args.w2_scale_2, e), dtype)
+    else:
+        w13_e = dequantize_weight(w13[e : e + 1], _expert_scale(args.w13_scale, e, E), args.block_shape, dtype)[0]
+        w2_e = dequantize_weight(w2[e : e + 1], _expert_scale(args.w2_scale, e, E), args.block_shape, dtype)[0]
     gate_up = xe @ w13_e.t()
     if args.w13_bias is not None:
         gate_up = gate_up + args.w13_bias[e].to(dtype)
@@ -571,6 +646,12 @@ def _expert(args: MoEArgs, w13: torch.Tensor, w2: torch.Tensor, e: int, xe: torc
     if args.w2_bias is not None:
         y = y + args.w2_bias[e].to(dtype)
     return y
+
+
+def _global(scale_2: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
+    if scale_2 is None:
+        return None
+    return scale_2.reshape(-1)[e if scale_2.numel() > 1 else 0]
 
 
 def moe_reference(*args, **kwargs) -> torch.Tensor:
@@ -602,6 +683,10 @@ def moe(
     placement: str = "",
     apply_router_weight_on_input: bool = False,
     activation_constants: Optional[torch.Tensor] = None,
+    w13_scale_2: Optional[torch.Tensor] = None,
+    w2_scale_2: Optional[torch.Tensor] = None,
+    a13_scale: Optional[torch.Tensor] = None,
+    a2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Canonical MoE; see the module docstring. ``impl`` names the kernel that runs it (ops/registry.py)."""
     args = MoEArgs(
@@ -619,6 +704,10 @@ def moe(
         WeightLayout.decode(weight_layout),
         apply_router_weight_on_input,
         activation_constants,
+        w13_scale_2,
+        w2_scale_2,
+        a13_scale,
+        a2_scale,
     )
     return MOE.run(impl, args, Launch.decode(pdl, placement))
 
@@ -642,6 +731,10 @@ def _moe_fake(
     placement="",
     apply_router_weight_on_input=False,
     activation_constants=None,
+    w13_scale_2=None,
+    w2_scale_2=None,
+    a13_scale=None,
+    a2_scale=None,
 ):
     MoEArgs(
         hidden_states,
@@ -658,6 +751,10 @@ def _moe_fake(
         WeightLayout.decode(weight_layout),
         apply_router_weight_on_input,
         activation_constants,
+        w13_scale_2,
+        w2_scale_2,
+        a13_scale,
+        a2_scale,
     )
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
@@ -676,8 +773,11 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
     block = args.get("block_shape")
     if weight_dtype.startswith("float8"):
         quant = "fp8_block" if block else "fp8_tensor"
+    elif weight_dtype == "uint8":  # FP4, two values per byte; the scales' dtype says which format
+        quant = fp4.kind_of(node_val(args.get("w13_scale"))) or "nvfp4"
+        weight_dtype = "float4_e2m1fn_x2"
     else:
-        quant = "none"  # rubin.moe has no FP4 weights yet; its schema will say how they are marked
+        quant = "none"
     two_i = static_size(w13, 1)
     runtime = args.get("activation_constants") is not None
     gated = activation_info(args.get("activation", "silu"), runtime_constants=runtime)[0].gated
@@ -701,6 +801,8 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
         features=call_features(
             bool(args.get("apply_router_weight_on_input")), args.get("activation_constants") is not None
         ),
+        static_input_scales=args.get("a13_scale") is not None and args.get("a2_scale") is not None,
+        has_bias=args.get("w13_bias") is not None or args.get("w2_bias") is not None,
     )
 
 

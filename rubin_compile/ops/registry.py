@@ -86,6 +86,11 @@ class KernelSpec:
     features:
         Optional semantics the node uses that only kernels declaring them implement (``rubin.moe``:
         ``"router_weight_on_input"``, ``"runtime_activation_constants"``; ``Kernel.features``).
+    static_input_scales:
+        The node carries static activation scales (``rubin.moe``'s ``a13_scale`` / ``a2_scale``, ``rubin.gemm``'s
+        ``a_scale`` with FP4 weights): what W8A8 / W4A4 kernels that quantise activations statically need.
+    has_bias:
+        The node adds biases (``rubin.moe``'s ``w13_bias`` / ``w2_bias``), which some kernels do not take.
     """
 
     op: str
@@ -98,6 +103,8 @@ class KernelSpec:
     node: str = ""
     weight_layout: str = "plain"
     features: tuple[str, ...] = ()
+    static_input_scales: bool = False
+    has_bias: bool = False
 
     def dim(self, name: str) -> Optional[int]:
         return dict(self.shape).get(name)
@@ -427,7 +434,8 @@ class CanonicalOp:
             ) from None
 
     def example_spec(self, quant: str) -> KernelSpec:
-        """A representative spec of the op in ``quant`` (bf16 activations): a row of the selection table."""
+        """A representative spec of the op in ``quant`` (bf16 activations; NVFP4 with a checkpoint's static activation
+        scales): a row of the selection table."""
         block = (128, 128) if quant == "fp8_block" else None
         return KernelSpec(
             self.name,
@@ -437,6 +445,8 @@ class CanonicalOp:
             block,
             self.example_shape,
             self.example_activation,
+            # NVFP4 checkpoints (ModelOpt) carry static activation scales, which W4A4 kernels need
+            static_input_scales=quant == "nvfp4" and self.name != "attention",
         )
 
     # selection ---------------------------------------------------------------------------------

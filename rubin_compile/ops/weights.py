@@ -12,7 +12,8 @@ weights (and biases) of linears that share an input the same way (q / k / v, gat
 
 Schema::
 
-    rubin::stacked_weights(Tensor[] parts) -> Tensor        # torch.cat(parts, dim=0)
+    rubin::stacked_weights(Tensor[] parts) -> Tensor        # torch.cat(parts, dim=0); torch.stack for 0-d parts
+                                                             # (per-expert scales)
 
 Why hand-rolled: Inductor's constant folding would do this only with ``freezing`` on (parameters as
 constants), which is off by default and runs before post-grad passes, where the rewrite inserts the cat.
@@ -103,12 +104,16 @@ _CACHE = VersionedCache()
 @torch.library.custom_op("rubin::stacked_weights", mutates_args=())
 def stacked_weights(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``, reused across calls while the parts are the same, unchanged tensors."""
-    return _CACHE.get(parts, None, lambda: torch.cat(parts, dim=0))
+    return _CACHE.get(parts, None, lambda: _stack(parts))
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts, dim=0)
 
 
 @stacked_weights.register_fake
 def _stacked_weights_fake(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, dim=0)
+    return _stack(parts)
 
 
 def cache_info() -> dict[str, Any]:

@@ -199,8 +199,29 @@ class _Gemm:
     missed: Optional[str] = None  # an epilogue seen but not folded, and why
 
 
+def _dequantized_weight(b: torch.fx.Node) -> Optional[dict]:
+    """For ``b = rubin.dequantize(W, ...).t()`` with ``W`` a graph input (a quantised nn.Linear weight, ops/quantized.py):
+    the dequantise call's arguments by name; None otherwise."""
+    if not (is_call(b, aten.permute.default) and list(b.args[1]) == [1, 0]) and not is_call(b, aten.t.default):
+        return None
+    dq = b.args[0]
+    if not is_call(dq, torch.ops.rubin.dequantize.default):
+        return None
+    names = ("weight", "scale", "scale_2", "input_scale", "format", "dtype")
+    args = dict(zip(names, (None, None, None, None, "nvfp4", torch.bfloat16)))
+    args.update(zip(names, dq.args))
+    args.update(dq.kwargs)
+    w = args["weight"]
+    if not isinstance(w, torch.fx.Node) or w.op not in ("placeholder", "get_attr"):
+        return None
+    return args
+
+
 def _weight_of(b: torch.fx.Node) -> tuple[Optional[torch.fx.Node], str]:
     """The graph input ``b`` reads (through views), and how ``b`` lays it out; (None, "") if none."""
+    dq = _dequantized_weight(b)
+    if dq is not None:
+        return dq["weight"], f"rubin.dequantize({dq['format']} weight).t(): read as stored"
     node, views = b, []
     while is_call(node, *_WEIGHT_VIEWS):
         views.append(node)
@@ -306,11 +327,19 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
     g.weight, g.b_layout = _weight_of(g.b)
     if g.weight is None:
         raise _Policy("activations")
+    dq = _dequantized_weight(g.b)
+    if dq is not None:
+        if g.form == "aten._scaled_mm" or av.dtype not in (torch.bfloat16, torch.float16):
+            raise _NoMatch(
+                f"a dequantised {dq['format']} weight times {av.dtype} activations (rubin.gemm takes bf16 / fp16)"
+            )
+        g.extras["dequantize"] = dq
+        g.flow += [g.b, g.b.args[0]]  # the transpose and the dequantise, erased when nothing else reads them
     routing = _feeds_routing(node)
     if routing is not None:
         raise _Policy(f"router:{routing}")
     g.final = node
-    g.flow = [node]
+    g.flow = [node] + g.flow
     return g
 
 
@@ -455,7 +484,17 @@ def _rewrite(graph: torch.fx.Graph, g: _Gemm) -> Rewrite:
     av, bv = tensor_val(g.a), tensor_val(g.b)
     N = bv.shape[1]
     kwargs: dict[str, Any] = {}
+    dq = g.extras.pop("dequantize", None)
     with graph.inserting_before(g.final):
+        if dq is not None:  # the quantised weight as stored, its scales in rubin.gemm's [K, N] orientation
+            g.b = call(graph, aten.permute.default, (dq["weight"], [1, 0]))
+            scale = dq["scale"]
+            g.b_scale = scale if dq["format"] == "fp8_tensor" else call(graph, aten.permute.default, (scale, [1, 0]))
+            if dq["scale_2"] is not None:
+                kwargs["b_scale_2"] = dq["scale_2"]
+            if dq["format"] in ("nvfp4", "mxfp4") and dq["input_scale"] is not None:
+                kwargs["a_scale"] = dq["input_scale"]  # FP4: the static input scale (W4A4 kernels read it)
+            g.extras["weights"] = f"{dq['format']} read as stored (rubin.dequantize folded)"
         bias = g.bias
         if bias is not None and g.extras.get("bias_view"):
             bias = call(graph, aten.reshape.default, (bias, [N]))

@@ -29,6 +29,7 @@ def emit_moe(
     weight_layout: str = "plain",
     apply_router_weight_on_input: bool = False,
     activation_constants: Optional[torch.fx.Node] = None,
+    **quantised: Optional[torch.fx.Node],
 ) -> torch.fx.Node:
     """Insert a ``rubin.moe`` node (kernel "reference" until select_kernels binds one); arguments that are
     their defaults are left out, so the dump reads like the call a person would write."""
@@ -44,6 +45,11 @@ def emit_moe(
         kwargs["apply_router_weight_on_input"] = True
     if activation_constants is not None:
         kwargs["activation_constants"] = activation_constants
+    for name in ("w13_scale_2", "w2_scale_2", "a13_scale", "a2_scale"):  # FP4 global / static activation scales
+        if quantised.get(name) is not None:
+            kwargs[name] = quantised.pop(name)
+    if quantised:
+        raise TypeError(f"emit_moe: unknown arguments {sorted(quantised)}")
     return call(graph, torch.ops.rubin.moe.default, (hidden_states, w13, w2, topk_weights, topk_ids), kwargs)
 
 

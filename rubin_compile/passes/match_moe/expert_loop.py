@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
-from rubin_compile.passes.fx import call, dtype_name, inherit_source, report_value, single_user, tensor_val
+from rubin_compile.passes.fx import call, dtype_name, inherit_source, is_call, report_value, single_user, tensor_val
 from rubin_compile.passes.match_moe.emit import emit_moe
 from rubin_compile.passes.match_moe.routing import describe_routing
 
@@ -261,20 +261,30 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
         return why
     num_inter = tensor_val(ordered[0].w_gate).shape[0]
     hidden = x_val.shape[1]
+    quantised = _dequantized_experts(ordered, num_inter)
+    if isinstance(quantised, str):
+        return quantised
+    before = set(graph.nodes)
     with graph.inserting_before(root):
         # One concatenation per stacked weight ([g0, u0, g1, u1, ...] rows, then a view), made once and
         # reused while the expert weights stay the same tensors (ops/weights.py: a cat on every call would
         # copy all experts per call, more bytes than the loop it replaces).
-        rows13 = [w for ex in ordered for w in (ex.w_gate, ex.w_up)]
         stack = torch.ops.rubin.stacked_weights.default
-        w13 = call(graph, aten.view.default, (call(graph, stack, (rows13,)), [num_experts, 2 * num_inter, hidden]))
-        w2 = call(
-            graph,
-            aten.view.default,
-            (call(graph, stack, ([ex.w_down for ex in ordered],)), [num_experts, hidden, num_inter]),
-        )
-        moe = emit_moe(graph, x_common, w13, w2, topk_weights, ids, activation=acts.pop())
-    inherit_source([w13.args[0], w13, w2.args[0], w2, moe], root)
+
+        def stacked(parts, shape=None):
+            out = call(graph, stack, (parts,))
+            return out if shape is None else call(graph, aten.view.default, (out, shape))
+
+        extra: dict = {}
+        if quantised is None:
+            rows13 = [w for ex in ordered for w in (ex.w_gate, ex.w_up)]
+            w13 = stacked(rows13, [num_experts, 2 * num_inter, hidden])
+            w2 = stacked([ex.w_down for ex in ordered], [num_experts, hidden, num_inter])
+        else:
+            w13, w2, extra = _emit_quantised(graph, stacked, quantised, num_experts, num_inter, hidden)
+        moe = emit_moe(graph, x_common, w13, w2, topk_weights, ids, activation=acts.pop(), **extra)
+    added = [n for n in graph.nodes if n not in before]
+    inherit_source(added, root)
     root.replace_all_uses_with(moe)
     replaced = []
     for n in reversed(list(graph.nodes)):  # erase the old loop, users before producers
@@ -307,11 +317,92 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
             "weights": (
                 f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
                 f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)"
-            ),
+            )
+            + (f"; {quantised['format']} weights read as stored (rubin.dequantize folded)" if quantised else ""),
         },
     )
 
 
 def _mb(ordered, num_inter: int, hidden: int) -> str:
-    elt = tensor_val(ordered[0].w_gate).element_size()
-    return f"{len(ordered) * 3 * num_inter * hidden * elt / 1e6:.3g}"
+    dq = _dequantize_args(ordered[0].w_gate)
+    elt = tensor_val(ordered[0].w_gate).element_size() if dq is None else tensor_val(dq["weight"]).element_size()
+    per = 0.5 if dq is not None and dq["format"] in ("nvfp4", "mxfp4") else 1  # FP4: two values per byte
+    return f"{len(ordered) * 3 * num_inter * hidden * elt * per / 1e6:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# quantised experts: rubin.dequantize (ops/quantized.py) feeding each expert's gate / up / down
+# ------------------------------------------------------------------------------------------------
+
+
+def _dequantize_args(node: torch.fx.Node) -> Optional[dict]:
+    """The arguments of a ``rubin.dequantize`` call by name (defaults filled), or None for any other node."""
+    if not is_call(node, torch.ops.rubin.dequantize.default):
+        return None
+    names = ("weight", "scale", "scale_2", "input_scale", "format", "dtype")
+    args = dict(zip(names, (None, None, None, None, "nvfp4", torch.bfloat16)))
+    args.update(zip(names, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _dequantized_experts(ordered: list, num_inter: int):
+    """None when every expert weight is a plain tensor; the dequantise calls (by expert) and their format when every
+    one is a ``rubin.dequantize``; else the reason the loop stays as written. rubin.moe has one global (NVFP4) or
+    per-tensor (FP8) scale per expert for w13, so an expert's gate and up must share theirs (the same tensor), and
+    FP8 block scales of gate and up stack into w13's only when I is a multiple of 128."""
+    calls = [[_dequantize_args(w) for w in (ex.w_gate, ex.w_up, ex.w_down)] for ex in ordered]
+    flat = [c for row in calls for c in row]
+    if all(c is None for c in flat):
+        return None
+    if any(c is None for c in flat):
+        return "some expert weights are dequantised in the graph (rubin.dequantize) and others are not"
+    formats = {c["format"] for c in flat}
+    if len(formats) != 1:
+        return f"the experts' weights are in several formats {sorted(formats)}"
+    fmt = formats.pop()
+    for ex, (gate, up, _) in zip(ordered, calls):
+        shared = "scale" if fmt == "fp8_tensor" else "scale_2" if fmt == "nvfp4" else None
+        if shared and gate[shared] is not up[shared]:
+            return (
+                f"expert {ex.index}: its gate and up projections have different {fmt} {shared}s; rubin.moe takes one "
+                "per expert for w13 (quantise the two with one shared scale)"
+            )
+        if gate["input_scale"] is not up["input_scale"]:
+            return f"expert {ex.index}: gate and up read the same input but carry different input_scales"
+    if fmt == "fp8_block" and num_inter % 128:
+        return f"FP8 block scales of gate and up stack into w13's only when I ({num_inter}) is a multiple of 128"
+    return {"format": fmt, "calls": calls}
+
+
+def _emit_quantised(graph, stacked, quantised: dict, E: int, I: int, H: int):  # noqa: E741
+    """w13, w2 and rubin.moe's scale arguments from the experts' quantised weights (stacked once, like the plain
+    ones); the static activation scales, when every expert has them, as their maximum (what vLLM does with a
+    checkpoint's per-expert input_scales: one scale that covers them all)."""
+    fmt, calls = quantised["format"], quantised["calls"]
+    gate_up = [c for row in calls for c in row[:2]]
+    down = [row[2] for row in calls]
+    fp4_kind = fmt in ("nvfp4", "mxfp4")
+    pack = 2 if fp4_kind else 1
+    w13 = stacked([c["weight"] for c in gate_up], [E, 2 * I, H // pack])
+    w2 = stacked([c["weight"] for c in down], [E, H, I // pack])
+    extra: dict = {}
+    if fp4_kind:
+        block = 16 if fmt == "nvfp4" else 32
+        extra["w13_scale"] = stacked([c["scale"] for c in gate_up], [E, 2 * I, H // block])
+        extra["w2_scale"] = stacked([c["scale"] for c in down], [E, H, I // block])
+        if fmt == "nvfp4":
+            extra["w13_scale_2"] = stacked([row[0]["scale_2"] for row in calls])
+            extra["w2_scale_2"] = stacked([c["scale_2"] for c in down])
+    elif fmt == "fp8_block":
+        extra["w13_scale"] = stacked([c["scale"] for c in gate_up], [E, 2 * I // 128, -(-H // 128)])
+        extra["w2_scale"] = stacked([c["scale"] for c in down], [E, -(-H // 128), -(-I // 128)])
+        extra["block_shape"] = [128, 128]
+    else:  # fp8_tensor: one scale per expert
+        extra["w13_scale"] = stacked([row[0]["scale"] for row in calls])
+        extra["w2_scale"] = stacked([c["scale"] for c in down])
+    if fmt != "fp8_block" and all(c["input_scale"] is not None for c in gate_up + down):
+        amax = torch.ops.aten.amax.default
+        extra["a13_scale"] = call(graph, amax, (stacked([row[0]["input_scale"] for row in calls]),))
+        extra["a2_scale"] = call(graph, amax, (stacked([c["input_scale"] for c in down]),))
+    return w13, w2, extra

@@ -1,4 +1,4 @@
-"""The ``flashinfer`` provider: FlashInfer 0.7.2 MoE, GEMM and attention entry points as kernel candidates.
+"""Which FlashInfer 0.7.2 entry point runs each (canonical op, quantisation) of each FlashInfer kernel, and where.
 
 Each candidate (``flashinfer_cutlass``, ``flashinfer_trtllm``, ``flashinfer_cutedsl``, ``flashinfer_cudnn``,
 ``flashinfer_fa2``, ``flashinfer_fa3``; vLLM's ``--moe-backend`` / ``--linear-backend`` spellings) maps
@@ -16,23 +16,20 @@ capability declarations, read without running anything:
   tests/cpu/ops/test_registry.py checks that those functions still exist in the installed FlashInfer.
 
 A missing package (flashinfer-python; nvidia-cutlass-dsl for CuTe-DSL kernels; nvidia-cudnn-frontend for
-cuDNN ones) rejects the candidate with that reason. Adapters from the canonical ops' argument layout to
-these entry points (weight shuffles, scale layouts, activation quantisation) are not written yet: the
-kernels are registered without one (``run=None``, plans only), so executing a plan that chose one raises
-``KernelUnavailableError`` with that reason instead of calling FlashInfer with the wrong layout.
+cuDNN ones) rejects the candidate with that reason. The adapters from the canonical ops to these entry points
+are in moe.py, gemm.py and attention.py beside this module; __init__.py registers the kernels.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import importlib
 import importlib.util
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rubin_compile.ops.registry import CANONICAL_OPS, QUANT_LABELS, Kernel, KernelSpec
+from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.target import Target
 
 # Python module -> pip package, for "package missing" reasons.
@@ -205,16 +202,30 @@ _CUTLASS_MOE_SRC = "flashinfer/fused_moe/core.py:get_cutlass_fused_moe_module"
 _BINDING = "data/csrc/fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu"
 # TMA needs 128-bit aligned rows: hidden and inter sizes divisible by 128 / (bits of the narrower
 # operand) elements; MXFP4 weights need 128 (the same binding, FusedMoeRunner::runMoe).
-_cutlass_align = {"none": 8, "fp8_tensor": 16, "fp8_block": 16, "nvfp4": 32, "mxfp4": 128}
+# FP8 block: 128 (prepare.py:prepare_cutlass_fp8_block_weights: "hidden_size and intermediate_size must be
+# divisible by 128"; the adapter swaps GEMM1's halves by whole 128-row scale blocks).
+_cutlass_align = {"none": 8, "fp8_tensor": 16, "fp8_block": 128, "nvfp4": 32, "mxfp4": 128}
 
 # flashinfer/fused_moe/core.py:is_trtllm_moe_supported returns False for cc major < 10; the trtllm-gen
 # module (jit/fused_moe.py:gen_trtllm_gen_fused_moe_sm100_module) ships Blackwell and Rubin cubins
 # (sm_107 gets -DTLLM_RUBIN_FEATURES). Of our targets: sm_100, sm_103, sm_107.
 TRTLLM_MOE_CCS = frozenset({100, 103, 107})
 _TRTLLM_MOE_SRC = "flashinfer/fused_moe/core.py:is_trtllm_moe_supported"
+
+
 # trtllm_fused_moe_kernel_launcher.cu: "intermediate_size must be a multiple of 128"; the routing
-# kernel "expects that num_experts must be divisible by 4".
-_trtllm_shape = _divisible(I=128, E=4)
+# kernel "expects that num_experts must be divisible by 4", "num_experts must be greater than top_k" and,
+# without expert groups (the routed adapters pass RoutingMethodType.Renormalize), "only supports top_k<=32".
+def _trtllm_routing(target: Target, spec: KernelSpec) -> Optional[str]:
+    E, k = spec.dim("E"), spec.dim("k")
+    if k is not None and not 0 < k <= 32:
+        return f"shape limit: k={k}: the trtllm-gen routing kernel (no groups) supports top_k <= 32"
+    if E is not None and k is not None and E <= k:
+        return f"shape limit: E={E} must be greater than k={k}"
+    return None
+
+
+_trtllm_shape = _all(_divisible(I=128, E=4), _trtllm_routing)
 
 
 def _cutlass_moe(quant: str, ccs: frozenset[int], source: str, *extra: Callable) -> EntryPoint:
@@ -226,6 +237,17 @@ def _cutlass_moe(quant: str, ccs: frozenset[int], source: str, *extra: Callable)
         source,
         rule=_all(_silu_only, _divisible(H=size, I=size), *extra),
     )
+
+
+def _silu_or_swigluoai(target: Target, spec: KernelSpec) -> Optional[str]:
+    # The MXFP4 adapters (GPT-OSS) map swigluoai[_uninterleave][:<alpha>:<limit>] to FlashInfer's SwiGLU with
+    # alpha / beta = 1 / limit (fused_moe/api.py:SwiGLU), silu to the plain Swiglu (kernels/flashinfer/moe.py).
+    if spec.activation not in (None, "silu") and spec.activation.split(":")[0] not in (
+        "swigluoai",
+        "swigluoai_uninterleave",
+    ):
+        return f"activation {spec.activation} is not mapped for this FlashInfer kernel (silu, swigluoai)"
+    return None
 
 
 MOE: dict[str, dict[str, EntryPoint]] = {
@@ -252,53 +274,64 @@ MOE: dict[str, dict[str, EntryPoint]] = {
             CUTLASS_MOE_CCS,
             f"{_CUTLASS_MOE_SRC}; {_BINDING} (isNvfp4Quant)",
             _feature("nvfp4", "NVFP4 tensor cores"),
+            _acts("bfloat16", "float16"),
+            # prepare.py:prepare_cutlass_nvfp4_weights: the expand kernel reads the linear input_sf with rows
+            # padded to 64 ("hidden_size divisible by 64").
+            _divisible(H=64),
         ),
         # sm_90: isWFP4A16Quant ("SM90 MXFP4 W4A16 supports BF16 activations only"); sm_100+: MXFP4 x MXFP8
         # (isWMxfp4AMxfp8Quant, "sm >= 100").
-        "mxfp4": _cutlass_moe(
-            "mxfp4",
+        # H and I need 128 (FusedMoeRunner::runMoe, prepare_cutlass_w4a16_weights): the adapter zero-pads them
+        # (GPT-OSS: 2880), so the rule asks for the format's 32 only.
+        "mxfp4": EntryPoint(
+            ("flashinfer.fused_moe.cutlass_fused_moe",),
+            None,
             CUTLASS_MOE_CCS,
             f"{_CUTLASS_MOE_SRC}; {_BINDING} (isWFP4A16Quant on sm_90, isWMxfp4AMxfp8Quant on sm >= 100)",
-            _acts("bfloat16"),
+            rule=_all(_silu_or_swigluoai, _divisible(H=32, I=32), _acts("bfloat16")),
         ),
     },
     "flashinfer_trtllm": {
         # is_trtllm_moe_supported: Bfloat16 weights need Bfloat16 activations.
         "none": EntryPoint(
-            ("flashinfer.fused_moe.trtllm_bf16_moe",),
+            ("flashinfer.fused_moe.trtllm_bf16_routed_moe",),
             None,
             TRTLLM_MOE_CCS,
             _TRTLLM_MOE_SRC,
             rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape),
         ),
         "fp8_tensor": EntryPoint(
-            ("flashinfer.fused_moe.trtllm_fp8_per_tensor_scale_moe",),
+            ("flashinfer.fused_moe.trtllm_fp8_per_tensor_scale_routed_moe",),
             None,
             TRTLLM_MOE_CCS,
             _TRTLLM_MOE_SRC,
             rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape),
         ),
+        # DeepSeek FP8: activations in 1x128 groups, the scales [H / 128, T] (the launcher's checks).
         "fp8_block": EntryPoint(
-            ("flashinfer.fused_moe.trtllm_fp8_block_scale_moe",),
+            ("flashinfer.fused_moe.trtllm_fp8_block_scale_routed_moe",),
             None,
             TRTLLM_MOE_CCS,
             _TRTLLM_MOE_SRC,
-            rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape, _block((128, 128))),
+            rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape, _divisible(H=128), _block((128, 128))),
         ),
+        # E2m1 weights take E2m1 activations (quantised by the adapter); the block scales' 128x4 swizzle is
+        # unpadded for H % 128 == 0 (fused_moe/prepare.py:prepare_trtllm_fp4_weights reshapes it back).
         "nvfp4": EntryPoint(
-            ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",),
+            ("flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe",),
             None,
             TRTLLM_MOE_CCS,
             _TRTLLM_MOE_SRC,
-            rule=_all(_silu_only, _trtllm_shape),
+            rule=_all(_silu_only, _acts("bfloat16", "float16"), _trtllm_shape, _divisible(H=128)),
         ),
-        # MxE2m1 weights take MxE2m1, MxE4m3 or Bfloat16 activations.
+        # MxE2m1 weights take MxE2m1, MxE4m3 or Bfloat16 activations. The adapter zero-pads H and I to 128
+        # (prepare_trtllm_fp4_weights' MXFP4 alignment; GPT-OSS's 2880 is not), so I % 128 is not asked.
         "mxfp4": EntryPoint(
-            ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe",),
+            ("flashinfer.fused_moe.trtllm_fp4_block_scale_routed_moe",),
             None,
             TRTLLM_MOE_CCS,
             _TRTLLM_MOE_SRC,
-            rule=_all(_silu_only, _acts("bfloat16"), _trtllm_shape),
+            rule=_all(_silu_or_swigluoai, _acts("bfloat16"), _divisible(E=4), _trtllm_routing),
         ),
     },
     "flashinfer_cutedsl": {
@@ -309,7 +342,8 @@ MOE: dict[str, dict[str, EntryPoint]] = {
             "declared",
             "flashinfer/fused_moe/cute_dsl/sm90_fused_moe.py:cute_dsl_fused_moe_bf16",
             ("flashinfer", "cutlass"),
-            _all(_silu_only, _acts("bfloat16")),
+            # its docstring: "hidden % 8 == 0; I % 32 == 0 for gated activations (32-column up/gate interleave)"
+            _all(_silu_only, _acts("bfloat16", "float16"), _divisible(H=8, I=32)),
         ),
         # @supported_compute_capability([100, 103, 107]), quant_mode="w4a4"
         "nvfp4": EntryPoint(
@@ -318,7 +352,10 @@ MOE: dict[str, dict[str, EntryPoint]] = {
             "declared",
             "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe",
             ("flashinfer", "cutlass"),
-            _silu_only,
+            # GEMM1's up / gate rows interleave in groups of 64 (prepare.py:_interleave_linear_and_gate), so
+            # 2I % 128; the 128x4-swizzled scales are unpadded for H % 128 (cute_dsl/utils.py:
+            # convert_sf_to_mma_layout: "M and K dimensions must be multiples of 128 and 64").
+            _all(_silu_only, _acts("bfloat16", "float16"), _divisible(I=64, H=128)),
         ),
         # @supported_compute_capability([100, 103])
         "mxfp4": EntryPoint(
@@ -327,7 +364,9 @@ MOE: dict[str, dict[str, EntryPoint]] = {
             "declared",
             "flashinfer/fused_moe/cute_dsl/fused_moe.py:cute_dsl_fused_moe_mxfp8_mxfp4",
             ("flashinfer", "cutlass"),
-            _silu_only,
+            # prepare.py:prepare_cute_dsl_weights: "CuTe-DSL MXFP4 requires hidden and intermediate sizes
+            # divisible by 128"; BF16 in (quantised to MXFP8 by the adapter).
+            _all(_silu_or_swigluoai, _acts("bfloat16"), _divisible(H=128, I=128)),
         ),
     },
 }
@@ -377,12 +416,13 @@ GEMM: dict[str, dict[str, EntryPoint]] = {
     },
     "flashinfer_cutedsl": {
         "none": _gemm("mm_bf16", "cute-dsl", "_cute_dsl_mm_bf16_requirement", needs=("flashinfer", "cutlass")),
-        # The Rubin FP8 BMM (the vLLM-on-Rubin announcement); _heuristic_func_bmm_fp8 wants M, N, K multiples of 16.
+        # The Rubin FP8 BMM (the vLLM-on-Rubin announcement); _cute_dsl_bmm_fp8_requirement wants M, N, K
+        # multiples of 16: the adapter pads M (gemm.py:CuteDslBmmFp8), N and K are this rule.
         "fp8_tensor": _gemm(
             "bmm_fp8",
             "cute-dsl",
             "_cute_dsl_bmm_fp8_requirement",
-            _divisible(M=16, N=16, K=16),
+            _divisible(N=16, K=16),
             needs=("flashinfer", "cutlass"),
         ),
         # _cute_dsl_gemm_fp4_requirement: "CuTe-DSL FP4 GEMM requires N % 8 == 0".
@@ -393,16 +433,33 @@ GEMM: dict[str, dict[str, EntryPoint]] = {
             "mm_fp4", "cute-dsl", "_cute_dsl_gemm_fp4_requirement", _divisible(N=8), needs=("flashinfer", "cutlass")
         ),
     },
+    # cuBLASLt FP8 (sm_89+): the per-tensor W8A8 GEMM that runs on Hopper.
+    "flashinfer_cublas": {
+        "fp8_tensor": _gemm("bmm_fp8", "cublas", "_cublas_bmm_fp8_requirement"),
+    },
+    # TensorRT-LLM's DeepGEMM block-scaled FP8 GEMM; it decides its arch in code (fp8_blockscale_gemm_sm90:
+    # _match_sm_version(input.device, ["90", "90a"])), and checks K % 128 == 0, N % 64 == 0.
+    "flashinfer_deepgemm": {
+        "fp8_block": EntryPoint(
+            ("flashinfer.gemm.fp8_blockscale_gemm_sm90",),
+            None,
+            frozenset({90}),
+            f"{_GEMM_SRC}:fp8_blockscale_gemm_sm90 (_match_sm_version: sm_90 only)",
+            rule=_all(_block((128, 128)), _divisible(K=128, N=64)),
+        ),
+    },
 }
 
 # ------------------------------------------------------------------------------------------------
 # attention: flashinfer/decode.py, flashinfer/prefill.py (backend rules in code)
 # ------------------------------------------------------------------------------------------------
 
-_WRAPPERS = (
-    "flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper",
-    "flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper",
-)
+# FA2 / FA3: one plan-free call per node, prefill and decode alike, the batch folded into the heads
+# (attention.py says why this and not the batch wrappers, whose plan() runs host code per shape).
+_SINGLE_PREFILL = ("flashinfer.prefill.single_prefill_with_kv_cache",)
+# trtllm-gen: the adapter (attention.py:TrtllmGenAttention) calls the decode kernel for S = 1 (or up to 16
+# causal rows) and the context kernel otherwise, both with backend="trtllm-gen"; its supports() adds the
+# limits (no explicit mask, Dv == D, head dims 64 / 128 / 256, FP8 decode with a bf16 query and e4m3 KV).
 _TRTLLM_ATTN = (
     "flashinfer.decode.trtllm_batch_decode_with_kv_cache",
     "flashinfer.prefill.trtllm_batch_context_with_kv_cache",
@@ -415,6 +472,17 @@ _TRTLLM_ATTN_SRC = (
     "flashinfer/decode.py:trtllm_batch_decode_with_kv_cache (backend='auto': trtllm-gen iff cc major == 10)"
 )
 
+
+def _fa3_head_dims(target: Target, spec: KernelSpec) -> Optional[str]:
+    # flashinfer/utils.py:is_fa3_prefill_head_dim_supported: the Hopper kernels instantiated (backend="auto"
+    # falls back to fa2 for the rest; an explicit backend="fa3" would fail to build).
+    d, dv = spec.dim("D"), spec.dim("Dv")
+    dv = d if dv is None else dv
+    if d is not None and not ((d == dv and d in (64, 128, 256)) or (d, dv) == (192, 128)):
+        return f"shape limit: FA3 has head dims (64|128|256 equal, or 192/128), not D={d} Dv={dv}"
+    return None
+
+
 ATTENTION: dict[str, dict[str, EntryPoint]] = {
     "flashinfer_trtllm": {
         q: EntryPoint(_TRTLLM_ATTN, "trtllm-gen", TRTLLM_MOE_CCS, _TRTLLM_ATTN_SRC, rule=_acts("bfloat16", "float16"))
@@ -422,16 +490,16 @@ ATTENTION: dict[str, dict[str, EntryPoint]] = {
     },
     "flashinfer_fa3": {
         q: EntryPoint(
-            _WRAPPERS,
+            _SINGLE_PREFILL,
             "fa3",
             frozenset({90}),
             f"{_FA_SRC}; flashinfer/utils.py:is_sm90a_supported",
-            rule=_all(_acts("bfloat16", "float16"), _fa3_fp8),
+            rule=_all(_acts("bfloat16", "float16"), _fa3_fp8, _fa3_head_dims),
         )
         for q in ("none", "fp8_tensor")
     },
     "flashinfer_fa2": {
-        q: EntryPoint(_WRAPPERS, "fa2", ANY_CUDA, _FA_SRC, rule=_acts("bfloat16", "float16"))
+        q: EntryPoint(_SINGLE_PREFILL, "fa2", ANY_CUDA, _FA_SRC, rule=_acts("bfloat16", "float16"))
         for q in ("none", "fp8_tensor")
     },
 }
@@ -454,6 +522,9 @@ PRIORITIES: dict[tuple[str, str], dict[str, int]] = {
     ("gemm", "flashinfer_trtllm"): {"*": 35},
     ("gemm", "flashinfer_cudnn"): {"*": 20},
     ("gemm", "flashinfer_cutedsl"): {"*": 10, "sm107:fp8_tensor": 60, "sm107:nvfp4": 60},
+    # The sm_90 FP8 GEMMs below torch (30) until the lead measures them on the H200.
+    ("gemm", "flashinfer_cublas"): {"*": 15},
+    ("gemm", "flashinfer_deepgemm"): {"*": 25},
     # Attention: trtllm-gen on Blackwell (FlashInfer's auto choice, and the Rubin FP8 attention kernel),
     # FA3 on Hopper, SDPA (torch, 30), FA2 anywhere.
     ("attention", "flashinfer_trtllm"): {"*": 40},
@@ -464,70 +535,3 @@ PRIORITIES: dict[tuple[str, str], dict[str, int]] = {
 
 def entry_point(op: str, kernel: str, quant: str) -> Optional[EntryPoint]:
     return TABLES[op].get(kernel, {}).get(quant)
-
-
-def _supports(op: str, kernel: str) -> Callable[[Target, KernelSpec], Optional[str]]:
-    def supports(target: Target, spec: KernelSpec) -> Optional[str]:
-        entry = entry_point(op, kernel, spec.quant)
-        if entry is None:
-            have = [QUANT_LABELS[q] for q in TABLES[op][kernel]]
-            what = QUANT_LABELS[spec.quant] if spec.quant != "none" else f"unquantised {spec.act_dtype}"
-            return f"FlashInfer has no {kernel} {op} kernel for {what} (only {', '.join(have)})"
-        return check_entry(entry, target, spec)
-
-    return supports
-
-
-def _runnable(op: str, kernel: str) -> Callable[[Target], Optional[str]]:
-    """Whether this machine can run ``kernel`` for ``op`` at all: a CUDA GPU whose cc one of its entry
-    points is declared for (dtype and shape were checked for the plan's target at compile time)."""
-
-    def runnable(target: Target) -> Optional[str]:
-        reasons = [check_target(e, target) for e in TABLES[op][kernel].values()]
-        return None if None in reasons else reasons[0]
-
-    return runnable
-
-
-def _entry(op: str, kernel: str) -> Callable[[KernelSpec], str]:
-    def entry(spec: KernelSpec) -> str:
-        e = entry_point(op, kernel, spec.quant)
-        return e.describe() if e else ""
-
-    return entry
-
-
-def _pdl(op: str, kernel: str) -> Callable[[KernelSpec], Optional[str]]:
-    """FlashInfer's own declaration: the entry function takes ``enable_pdl`` (read from its signature)."""
-
-    def pdl(spec: KernelSpec) -> Optional[str]:
-        entry = entry_point(op, kernel, spec.quant)
-        if entry is None:
-            return f"no {kernel} entry point for this spec"
-        missing = _missing(entry)
-        if missing:
-            return f"cannot read whether {entry.describe()} takes enable_pdl: {missing}"
-        for name in entry.functions:
-            params = inspect.signature(resolve(name)).parameters
-            if "enable_pdl" not in params:
-                return f"{name} takes no enable_pdl argument"
-        return None
-
-    return pdl
-
-
-for _op, _table in TABLES.items():
-    for _kernel in _table:
-        CANONICAL_OPS[_op].add_kernel(
-            Kernel(
-                _op,
-                _kernel,
-                _supports(_op, _kernel),
-                PRIORITIES[(_op, _kernel)],
-                run=None,
-                runnable=_runnable(_op, _kernel),
-                entry=_entry(_op, _kernel),
-                pdl=_pdl(_op, _kernel),
-                module=__name__,
-            )
-        )

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 15, H200 step 1: FlashInfer 0.7.2.post1 from the carried bundle (../shared/tools/flashinfer-bundle .devcache)
+# and the cuDNN frontend wheel beside it (.devcache/nvidia_cudnn_frontend-*.whl); the FlashInfer GPU tests, then
+# benchmarks/flashinfer.py. FlashInfer's JIT output goes to .ficache (kept while the machine stays warm).
+#   bash benchmarks/h200/flashinfer-1.sh            (run with carry [".devcache"])
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+[ -d /tmp/site/flashinfer ] || xz -dc .devcache/flashinfer.tar.xz | tar xf - -C /tmp/site
+[ -d /tmp/site/cudnn ] || python3 -m zipfile -e .devcache/nvidia_cudnn_frontend-*.whl /tmp/site
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+uncommitted')"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "
+import torch, triton, flashinfer
+print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)
+try:
+    import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())
+except Exception as e: print('cudnn frontend:', type(e).__name__, e)
+"
+TESTS="tests/gpu/test_flashinfer_gemm.py tests/gpu/test_flashinfer_attention.py tests/gpu/test_flashinfer_moe.py"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest $TESTS -q -p no:cacheprovider -n 4 -rfEs > "$OUT/flashinfer-h200.log" 2>&1
+echo "pytest exit $?"; grep -E "FAILED|ERROR|passed|failed|SKIPPED" "$OUT/flashinfer-h200.log" | tail -40
+timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/flashinfer.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+echo "benchmark exit $?"; tail -5 "$OUT/bench.log"; cat "$OUT/flashinfer-h200.md" 2>/dev/null | head -150
