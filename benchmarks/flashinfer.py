@@ -185,11 +185,13 @@ def shape_label(group: Group, s: dict[str, int]) -> str:
     return f"B={s['B']} Skv={s['Skv']}"
 
 
+SKIP: set[str] = set()  # --skip: kernels not run (e.g. one that aborts the process on this machine)
+
+
 def candidates(group: Group) -> list[str]:
-    """Every FlashInfer kernel of the op (the registry's order), then the group's alternatives."""
-    return [k.name for k in CANONICAL_OPS[group.op].kernels() if k.name.startswith("flashinfer_")] + list(
-        group.alternatives
-    )
+    """Every FlashInfer kernel of the op (the registry's order), then the group's alternatives; without --skip's."""
+    names = [k.name for k in CANONICAL_OPS[group.op].kernels() if k.name.startswith("flashinfer_")]
+    return [n for n in names + list(group.alternatives) if n not in SKIP]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -818,7 +820,9 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="build every call on meta tensors, time nothing (no GPU)")
     ap.add_argument("--serial-jit", action="store_true", help="build each FlashInfer variant at its first row")
     ap.add_argument("--commit", default=None, help="the commit to report (default: git rev-parse --short HEAD)")
+    ap.add_argument("--skip", default="", help="comma-separated kernels not to run (they are left out of the tables)")
     a = ap.parse_args()
+    SKIP.update(k.strip() for k in a.skip.split(",") if k.strip())
     ops = [o.strip() for o in a.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in GROUPS]
     if unknown:

@@ -18,7 +18,8 @@ pytest.importorskip("flashinfer")
 
 from rubin_compile.kernels.flashinfer import adapter as fa  # noqa: E402
 from rubin_compile.ops.attention import AttentionArgs, reference  # noqa: E402
-from rubin_compile.ops.registry import Launch  # noqa: E402
+from rubin_compile import target as T  # noqa: E402
+from rubin_compile.ops.registry import KernelSpec, Launch  # noqa: E402
 
 import rubin_compile.kernels.flashinfer  # noqa: E402, F401  (registers the adapters)
 
@@ -68,6 +69,10 @@ CASES = [
 @pytest.mark.parametrize("Hq,Hkv", [(8, 8), (32, 8)], ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("kind,S,Skv,causal", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference_bf16(kernel, Hq, Hkv, kind, S, Skv, causal):
+    if kernel == "flashinfer_fa3" and kind == "decode":  # FA3 declines decode (attention.py: FA3Prefill)
+        spec = KernelSpec(op="attention", shape=(("S", S), ("D", 128)))
+        assert "decode" in fa.adapter_for("attention", kernel, "none").supports(T.resolve("sm90"), spec)
+        return
     q, k, v = _inputs(2, Hq, Hkv, S, Skv, kind)
     args = AttentionArgs(q, k, v, is_causal=causal)
     got = fa.run(fa.adapter_for("attention", kernel, "none"), args, Launch())
@@ -175,3 +180,22 @@ def test_trtllm_decode_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), _fp32_reference(args), atol=1e-2, rtol=1e-2)
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,layout", [(1, "hf"), (1, "static"), (2, "hf")])
+def test_fa3_prefill_reads_every_kv_layout(B, layout):
+    """FA3 in NHD from the layouts rubin.attention receives: Hugging Face's [B, S, H, D] seen as [B, H, S, D] (a view
+    for B = 1) and a static cache [B, Hkv, L, D] sliced to the prompt (copied to NHD)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    S, Hq, Hkv = 300, 32, 4
+    q = torch.randn((B, S, Hq, D), generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    if layout == "hf":
+        k = torch.randn((B, S, Hkv, D), generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        v = torch.randn((B, S, Hkv, D), generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    else:
+        k = torch.randn((B, Hkv, 1024, D), generator=g, device="cuda").to(torch.bfloat16)[:, :, :S]
+        v = torch.randn((B, Hkv, 1024, D), generator=g, device="cuda").to(torch.bfloat16)[:, :, :S]
+    args = AttentionArgs(q, k, v, is_causal=True)
+    got = fa.run(fa.adapter_for("attention", "flashinfer_fa3", "none"), args, Launch())
+    torch.testing.assert_close(got.float(), _fp32_reference(args), atol=1e-2, rtol=1e-2)

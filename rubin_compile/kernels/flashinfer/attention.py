@@ -87,6 +87,7 @@ class _SinglePrefill(Adapter):
 
     function = "flashinfer.prefill.single_prefill_with_kv_cache"
     backend = ""
+    kv_layout = "HND"
 
     def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
         if spec.activation == "mask":
@@ -109,8 +110,12 @@ class _SinglePrefill(Adapter):
         if args.k_scale is not None:
             query = (query.float() * args.k_scale.reshape(())).to(query.dtype)
         q = _last_dim_unit(query.permute(2, 0, 1, 3).reshape(S, B * Hq, args.D))
-        k = _last_dim_unit(key.reshape(B * Hkv, Skv, args.D))
-        v = _last_dim_unit(value.reshape(B * Hkv, Skv, Dv))
+        if self.kv_layout == "HND":
+            k = _last_dim_unit(key.reshape(B * Hkv, Skv, args.D))
+            v = _last_dim_unit(value.reshape(B * Hkv, Skv, Dv))
+        else:  # NHD [Skv, B*Hkv, D], tokens outermost (a copy unless the memory already is)
+            k = _natural_nhd(key.permute(2, 0, 1, 3).reshape(Skv, B * Hkv, args.D))
+            v = _natural_nhd(value.permute(2, 0, 1, 3).reshape(Skv, B * Hkv, Dv))
         v_scale = args.v_scale
 
         def finish(out: torch.Tensor) -> torch.Tensor:
@@ -124,14 +129,17 @@ class _SinglePrefill(Adapter):
                 result.mul_(v_scale.reshape(()))
             return result
 
-        kwargs = dict(causal=bool(args.is_causal), kv_layout="HND", sm_scale=args.scale, backend=self.backend)
+        kwargs = dict(causal=bool(args.is_causal), kv_layout=self.kv_layout, sm_scale=args.scale, backend=self.backend)
         return Call(self.function, (q, k, v), kwargs, finish)
 
     def check(self, call: Call) -> None:
         bound = call.bound().arguments
         q, k, v = bound["q"], bound["k"], bound["v"]
         require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, self, "q, k, v must be 3-D ([tokens, heads, dim])")
-        require(bound["kv_layout"] == "HND", self, "k / v are built as HND [heads, tokens, dim]")
+        require(bound["kv_layout"] == self.kv_layout, self, f"k / v are built as {self.kv_layout}")
+        if self.kv_layout == "NHD":
+            for name, t in (("k", k), ("v", v)):
+                require(t.stride(0) >= t.stride(1) >= t.stride(2) == 1, self, f"{name} must be NHD, tokens outermost")
         require(bound["backend"] == self.backend, self, f"backend must be {self.backend!r}")
         require(q.dtype in _HALF, self, f"the query must be bf16 / fp16, got {q.dtype}")
         require(k.dtype == v.dtype, self, f"key and value dtypes differ: {k.dtype}, {v.dtype}")
@@ -139,11 +147,12 @@ class _SinglePrefill(Adapter):
         require(k.dtype in kv_ok, self, f"key / value dtype {k.dtype} with a {q.dtype} query (allowed: {kv_ok})")
         require(k.shape[:2] == v.shape[:2], self, f"key {tuple(k.shape)} and value {tuple(v.shape)} differ")
         require(q.shape[2] == k.shape[2], self, f"query head dim {q.shape[2]} != key head dim {k.shape[2]}")
-        require(k.shape[0] > 0 and q.shape[1] % k.shape[0] == 0, self, "query heads must be a multiple of KV heads")
+        heads, tokens = (k.shape[0], k.shape[1]) if self.kv_layout == "HND" else (k.shape[1], k.shape[0])
+        require(heads > 0 and q.shape[1] % heads == 0, self, "query heads must be a multiple of KV heads")
         for name, t in (("q", q), ("k", k), ("v", v)):
             require(t.stride(-1) == 1, self, f"{name}'s head dim must have stride 1, got strides {t.stride()}")
         if bound["causal"]:
-            require(q.shape[0] == k.shape[1], self, "causal needs as many keys as queries (bottom-right alignment)")
+            require(q.shape[0] == tokens, self, "causal needs as many keys as queries (bottom-right alignment)")
         require(bound["custom_mask"] is None and bound["packed_custom_mask"] is None, self, "no custom mask is passed")
         require(
             bound["k_scale"] is None and bound["v_scale"] is None, self, "scales are applied on the GPU, not as floats"
@@ -166,6 +175,7 @@ def _spec_of(args: AttentionArgs) -> KernelSpec:
 @register("attention", "flashinfer_fa2", "none", "fp8_tensor")
 class FA2Prefill(_SinglePrefill):
     name = "flashinfer_fa2.single_prefill"
+    tested_on = ("H200",)  # tests/gpu/test_flashinfer_*.py passed there (benchmarks/results/flashinfer-h200.log)
     backend = "fa2"
 
 
@@ -174,8 +184,35 @@ class FA2Prefill(_SinglePrefill):
 # rubin.attention's query is bf16 / fp16 (tables.py's _fa3_fp8 rejects it before the adapter is asked).
 @register("attention", "flashinfer_fa3", "none")
 class FA3Prefill(_SinglePrefill):
+    """FA3 for prefill only, K / V in NHD. On the H200 (FlashInfer 0.7.2.post1) FA3's single-request kernel with
+    ``kv_layout="HND"`` aborted the process (a TMA descriptor it builds with the head and token strides swapped:
+    "Failed to initialize the TMA descriptor", then SIGFPE; benchmarks/results/flashinfer-h200.log), for the
+    Hugging Face layout and the static cache alike; NHD with tokens outermost is the layout its own tests use.
+    Decode is left to our split-KV kernel / FA2: this kernel does not split the KV length, so one query token
+    runs B * Hkv blocks."""
+
     name = "flashinfer_fa3.single_prefill"
     backend = "fa3"
+    kv_layout = "NHD"
+
+    def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
+        S = spec.dim("S")
+        if S is not None and S <= _DECODE_QUERIES:
+            return f"{S} query positions: decode (FA3's single-request kernel does not split the KV length)"
+        return super().supports(target, spec)
+
+    def call(self, args: AttentionArgs, prepared: dict[str, torch.Tensor], launch: Launch) -> Call:
+        if args.S <= _DECODE_QUERIES:  # a symbolic S planned for prefill, run at decode
+            raise AdapterCheckError(f"{self.name}: {args.S} query positions are decode; FA3 runs prefill here")
+        return super().call(args, prepared, launch)
+
+
+_DECODE_QUERIES = 4  # kernels/triton/__init__.py's DECODE_MAX_QUERIES
+
+
+def _natural_nhd(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [tokens, heads, dim] with tokens outermost in memory (what FA3's TMA descriptors take), copied if not."""
+    return t if t.stride(0) >= t.stride(1) >= t.stride(2) == 1 else t.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -219,6 +219,7 @@ class CudnnMmBf16(_MmBf16):
     cuDNN graph with it (bias_is_not_none); ``pdl`` is not honoured by cuDNN (mm_bf16's docstring)."""
 
     name = "mm_bf16[cudnn]"
+    tested_on = ("H200",)  # tests/gpu/test_flashinfer_*.py passed there (benchmarks/results/flashinfer-h200.log)
     backend = "cudnn"
     fused_bias = True
 
@@ -308,6 +309,7 @@ class CublasBmmFp8(_BmmFp8):
     """cuBLASLt FP8 GEMM (sm_89+): the W8A8 per-tensor GEMM that runs on the H200."""
 
     name = "bmm_fp8[cublas]"
+    tested_on = ("H200",)  # tests/gpu/test_flashinfer_*.py passed there (benchmarks/results/flashinfer-h200.log)
     backend = "cublas"
 
 
@@ -388,6 +390,7 @@ class CudnnMmFp8(_MmFp8):
     """cuDNN FP8 GEMM (sm_89+; needs nvidia-cudnn-frontend)."""
 
     name = "mm_fp8[cudnn]"
+    tested_on = ("H200",)  # tests/gpu/test_flashinfer_*.py passed there (benchmarks/results/flashinfer-h200.log)
     backend = "cudnn"
 
 
@@ -454,6 +457,30 @@ class TrtllmMmFp8(_MmFp8):
 # ------------------------------------------------------------------------------------------------
 
 
+# Where DeepGEMM is chosen over our Triton GEMM (kernels/triton/gemm.py) for weight-only FP8 block weights, from
+# benchmarks/results/flashinfer-h200.md (H200, both through rubin.gemm, CUDA-graph replays): at M >= 128 DeepGEMM
+# took 8.5-52 us where ours took 28-301 us (3.3-6.6x); at M = 1 and 16 it was faster on the two weights of >= 12M
+# elements (N=6144 K=4096: 11.7 vs 14.1 us; N=7168 K=2048: 8.8 vs 11.3) and slower on the two of 8.4M (N=4096
+# K=2048: 7.84 vs 7.63; N=2048 K=4096: 10.1 vs 8.0). A symbolic M (prefill and decode in one graph) takes DeepGEMM:
+# at most 1.26x slower at decode, 3-6x faster at prefill. W8A8 block was not measured against ours: not chosen.
+DEEPGEMM_MIN_SMALL_M_WEIGHT = 12_000_000  # N * K elements from which DeepGEMM beats ours at M <= 64
+
+
+def _deepgemm_measured(spec: KernelSpec) -> Optional[str]:
+    if spec.act_dtype != "bfloat16":
+        return (
+            "W8A8 block FP8 on DeepGEMM is not measured against our Triton W8A8 GEMM on the H200, so selection does "
+            "not choose it (force it with options={'kernels': {'gemm': 'flashinfer_deepgemm'}})"
+        )
+    M, N, K = spec.dim("M"), spec.dim("N"), spec.dim("K")
+    if M is not None and M <= 64 and N is not None and K is not None and N * K < DEEPGEMM_MIN_SMALL_M_WEIGHT:
+        return (
+            f"M={M} with a weight of {N * K / 1e6:.1f}M elements: our Triton GEMM measured faster here on the H200 "
+            "(benchmarks/results/flashinfer-h200.md)"
+        )
+    return None
+
+
 @register("gemm", "flashinfer_deepgemm", "fp8_block")
 class DeepGemmFp8Block(Adapter):
     """``fp8_blockscale_gemm_sm90(input [M, K], weight [N, K], input_scale, weight_scale, out_dtype=bf16)``:
@@ -474,13 +501,17 @@ class DeepGemmFp8Block(Adapter):
 
     name = "fp8_blockscale_gemm_sm90"
     function = "flashinfer.gemm.fp8_blockscale_gemm_sm90"
+    tested_on = ("H200",)
 
     def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
         if spec.act_dtype not in ("bfloat16", "float8_e4m3fn"):
             return f"fp8_blockscale_gemm_sm90 takes bf16 or e4m3 activations, not {spec.act_dtype}"
         if spec.weight_dtype != "float8_e4m3fn":
             return f"fp8_blockscale_gemm_sm90 takes e4m3 weights, not {spec.weight_dtype}"
-        return _shape(spec, K=SCALE_BLOCK, N=64)
+        reason = _shape(spec, K=SCALE_BLOCK, N=64)
+        if reason:
+            return reason
+        return _deepgemm_measured(spec)
 
     def sources(self, args: GemmArgs):
         return (args.b, args.b_scale)

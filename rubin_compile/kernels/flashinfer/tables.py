@@ -524,11 +524,13 @@ PRIORITIES: dict[tuple[str, str], dict[str, int]] = {
     ("gemm", "flashinfer_cutedsl"): {"*": 10, "sm107:fp8_tensor": 60, "sm107:nvfp4": 60},
     # The sm_90 FP8 GEMMs below torch (30) until the lead measures them on the H200.
     ("gemm", "flashinfer_cublas"): {"*": 15},
-    ("gemm", "flashinfer_deepgemm"): {"*": 25},
+    # above our Triton GEMM (35) on sm_90 where its adapter's measured rule (gemm.py: _deepgemm_measured) lets it
+    ("gemm", "flashinfer_deepgemm"): {"*": 40},
     # Attention: trtllm-gen on Blackwell (FlashInfer's auto choice, and the Rubin FP8 attention kernel),
     # FA3 on Hopper, SDPA (torch, 30), FA2 anywhere.
     ("attention", "flashinfer_trtllm"): {"*": 40},
-    ("attention", "flashinfer_fa3"): {"*": 35},
+    # FA3 below SDPA (30) until it is measured faster than it on the H200 (benchmarks/results/flashinfer-h200.md)
+    ("attention", "flashinfer_fa3"): {"*": 25},
     ("attention", "flashinfer_fa2"): {"*": 20},
 }
 

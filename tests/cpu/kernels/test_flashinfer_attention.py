@@ -116,12 +116,17 @@ def test_call_builds_binds_and_checks_on_meta(kernel, quant, name, opts):
     adapter = _adapter(kernel, quant)
     args = _meta_args(SHAPES[name], **opts)
     assert fa.quant_of("attention", args) == quant
+    B, Hq, Hkv, S, Skv, D, Dv = SHAPES[name]
+    if kernel == "flashinfer_fa3" and S <= 4:  # FA3 declines decode (FA3Prefill)
+        with pytest.raises(AdapterCheckError, match="decode"):
+            fa.build(adapter, args, Launch())
+        return
     call = fa.build(adapter, args, Launch())
     assert call.function in tables.entry_point("attention", kernel, quant).functions
     _flashinfer_checks(call, adapter.backend)
-    B, Hq, Hkv, S, Skv, D, Dv = SHAPES[name]
     q, k, v = call.args
-    assert tuple(q.shape) == (S, B * Hq, D) and tuple(k.shape) == (B * Hkv, Skv, D) and tuple(v.shape[1:]) == (Skv, Dv)
+    kv = (B * Hkv, Skv) if adapter.kv_layout == "HND" else (Skv, B * Hkv)  # FA3: NHD (FA3Prefill)
+    assert tuple(q.shape) == (S, B * Hq, D) and tuple(k.shape) == (*kv, D) and tuple(v.shape) == (*kv, Dv)
     out = call.finish(torch.empty(S, B * Hq, Dv, dtype=torch.bfloat16, device="meta"))
     want = attn._output_like(args.query, Dv)
     assert out.shape == want.shape and out.stride() == want.stride() and out.dtype == torch.bfloat16

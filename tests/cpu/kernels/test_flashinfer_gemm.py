@@ -396,8 +396,33 @@ def test_mm_fp4_check_and_supports_reject():
 def test_sm90_entries_are_declared_for_sm90():
     assert 90 in tables.declared_ccs(tables.GEMM["flashinfer_cublas"]["fp8_tensor"])
     assert tables.declared_ccs(tables.GEMM["flashinfer_deepgemm"]["fp8_block"]) == frozenset({90})
-    for kernel in ("flashinfer_cublas", "flashinfer_deepgemm"):
-        assert max(tables.PRIORITIES[("gemm", kernel)].values()) < 30
+    assert max(tables.PRIORITIES[("gemm", "flashinfer_cublas")].values()) < 30  # below torch._scaled_mm
+
+
+def test_deepgemm_is_chosen_where_it_measured_faster():
+    """sm_90, weight-only FP8 block: DeepGEMM above our Triton GEMM at M > 64, at a symbolic M and for weights of
+    >= 12M elements; ours below that; W8A8 block (not measured against ours) not chosen."""
+    from rubin_compile.ops.gemm import GEMM
+
+    def chosen(act, **shape):
+        spec = KernelSpec(
+            op="gemm",
+            quant="fp8_block",
+            act_dtype=act,
+            weight_dtype="float8_e4m3fn",
+            block_shape=(128, 128),
+            shape=tuple(shape.items()),
+        )
+        return GEMM.select(spec, TARGETS["sm90"])
+
+    assert chosen("bfloat16", M=128, N=4096, K=2048).chosen.name == "flashinfer_deepgemm"
+    assert chosen("bfloat16", N=4096, K=2048).chosen.name == "flashinfer_deepgemm"  # symbolic M
+    assert chosen("bfloat16", M=1, N=6144, K=4096).chosen.name == "flashinfer_deepgemm"
+    small = chosen("bfloat16", M=1, N=4096, K=2048)
+    assert small.chosen.name != "flashinfer_deepgemm"
+    assert "our Triton GEMM measured faster" in dict(small.rejected)["flashinfer_deepgemm"]
+    w8a8 = chosen("float8_e4m3fn", M=128, N=4096, K=2048)
+    assert "not measured" in dict(w8a8.rejected)["flashinfer_deepgemm"]
 
 
 @pytest.mark.parametrize(
