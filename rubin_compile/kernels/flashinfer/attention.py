@@ -189,11 +189,17 @@ class FA3Prefill(_SinglePrefill):
     "Failed to initialize the TMA descriptor", then SIGFPE; benchmarks/results/flashinfer-h200.log), for the
     Hugging Face layout and the static cache alike; NHD with tokens outermost is the layout its own tests use.
     Decode is left to our split-KV kernel / FA2: this kernel does not split the KV length, so one query token
-    runs B * Hkv blocks."""
+    runs B * Hkv blocks. Its host code builds TMA descriptors with the driver API, which needs the calling thread's
+    CUDA context current: called first from a fresh thread (benchmarks/flashinfer.py's threaded warm-up) it failed
+    with error 201 (invalid context) and then an illegal instruction; from the thread that runs the model (where
+    torch has made a CUDA call) it ran."""
 
     name = "flashinfer_fa3.single_prefill"
     backend = "fa3"
     kv_layout = "NHD"
+    tested_on = (
+        "H200",
+    )  # tests/gpu/test_flashinfer_attention.py passed there (benchmarks/results/flashinfer-h200.log)
 
     def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
         S = spec.dim("S")
