@@ -3,15 +3,7 @@
 # and the cuDNN frontend wheel beside it (.devcache/nvidia_cudnn_frontend-*.whl); the FlashInfer GPU tests, then
 # benchmarks/flashinfer.py. FlashInfer's JIT output goes to .ficache (kept while the machine stays warm).
 #   bash benchmarks/h200/flashinfer-1.sh            (run with carry [".devcache"])
-set -uo pipefail
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
-[ -d /tmp/site/flashinfer ] || xz -dc .devcache/flashinfer.tar.xz | tar xf - -C /tmp/site
-[ -d /tmp/site/cudnn ] || python3 -m zipfile -e .devcache/nvidia_cudnn_frontend-*.whl /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
-export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+uncommitted')"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. "$(dirname "$0")/flashinfer-common.sh"
 python3 -c "
 import torch, triton, flashinfer
 print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)

@@ -3,14 +3,7 @@
 # end-to-end test (a model compiled with rubin runs FA3 and DeepGEMM where its plan chose them) and the GPU tests of
 # the compiled-model paths those choices touch.
 #   bash benchmarks/h200/flashinfer-3-final.sh      (run with carry [".devcache"])
-set -uo pipefail
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
-[ -d /tmp/site/flashinfer ] || xz -dc .devcache/flashinfer.tar.xz | tar xf - -C /tmp/site
-[ -d /tmp/site/cudnn ] || python3 -m zipfile -e .devcache/nvidia_cudnn_frontend-*.whl /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
-export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache
-echo "tree of commit ${RUBIN_COMMIT:-?}"
+. "$(dirname "$0")/flashinfer-common.sh"
 TESTS="tests/gpu/test_flashinfer_end_to_end.py tests/gpu/test_flashinfer_attention.py tests/gpu/test_flashinfer_gemm.py
  tests/gpu/test_flashinfer_moe.py tests/gpu/test_end_to_end_gpu.py tests/gpu/test_select_kernels_gpu.py"
 timeout ${TEST_TIMEOUT:-330} python3 -m pytest $TESTS -q -p no:cacheprovider -n 6 -rfE > "$OUT/flashinfer-h200-final.log" 2>&1

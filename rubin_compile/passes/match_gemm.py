@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.ops.gemm import FP8_OUT_DTYPES, GATED, GemmArgs, GemmArgumentError, scale_kind
+from rubin_compile.ops.nodes import bound_arguments
 from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
 from rubin_compile.passes.fx import (
     FLOAT_DTYPES,
@@ -207,10 +208,7 @@ def _dequantized_weight(b: torch.fx.Node) -> Optional[dict]:
     dq = b.args[0]
     if not is_call(dq, torch.ops.rubin.dequantize.default):
         return None
-    names = ("weight", "scale", "scale_2", "input_scale", "format", "dtype")
-    args = dict(zip(names, (None, None, None, None, "nvfp4", torch.bfloat16)))
-    args.update(zip(names, dq.args))
-    args.update(dq.kwargs)
+    args = bound_arguments(dq)
     w = args["weight"]
     if not isinstance(w, torch.fx.Node) or w.op not in ("placeholder", "get_attr"):
         return None
@@ -329,9 +327,12 @@ def _read_core(node: torch.fx.Node) -> _Gemm:
         raise _Policy("activations")
     dq = _dequantized_weight(g.b)
     if dq is not None:
-        if g.form == "aten._scaled_mm" or av.dtype not in (torch.bfloat16, torch.float16):
+        fp4_weight = dq["format"] in ("nvfp4", "mxfp4")
+        takes = (torch.bfloat16, torch.float16) + ((torch.float32,) if fp4_weight else ())
+        if g.form == "aten._scaled_mm" or av.dtype not in takes:
             raise _NoMatch(
-                f"a dequantised {dq['format']} weight times {av.dtype} activations (rubin.gemm takes bf16 / fp16)"
+                f"a dequantised {dq['format']} weight times {av.dtype} activations (rubin.gemm takes "
+                f"{' / '.join(str(t).removeprefix('torch.') for t in takes)} for it)"
             )
         g.extras["dequantize"] = dq
         g.flow += [g.b, g.b.args[0]]  # the transpose and the dequantise, erased when nothing else reads them

@@ -163,7 +163,20 @@ def _group_scales(args: GemmArgs, rows: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-class _MmBf16(Adapter):
+class _ColumnMajorB(Adapter):
+    """An entry point that takes ``b`` [K, N] column-major: ``W.t()`` itself; any other ``b`` is copied once."""
+
+    def sources(self, args: GemmArgs):
+        return (args.b,) if _needs_copy(args.b) else ()
+
+    def prepare(self, args: GemmArgs) -> dict[str, torch.Tensor]:
+        return {"b": _column_major(args.b)}
+
+    def prepared_bytes(self, args: GemmArgs) -> int:
+        return args.b.numel() * args.b.element_size() if _needs_copy(args.b) else 0
+
+
+class _MmBf16(_ColumnMajorB):
     """``mm_bf16(a, b, bias, pdl, out_dtype=bf16, backend=...)``: ``a`` [M, K] bf16, ``b`` [K, N] bf16
     (its docstring: column-major). _check_mm_bf16_problem_size takes bf16 only (fp16 / fp32 go elsewhere)."""
 
@@ -174,15 +187,6 @@ class _MmBf16(Adapter):
 
     def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
         return _acts(spec, "bfloat16")
-
-    def sources(self, args: GemmArgs):
-        return (args.b,) if _needs_copy(args.b) else ()
-
-    def prepare(self, args: GemmArgs) -> dict[str, torch.Tensor]:
-        return {"b": _column_major(args.b)}
-
-    def prepared_bytes(self, args: GemmArgs) -> int:
-        return args.b.numel() * args.b.element_size() if _needs_copy(args.b) else 0
 
     def call(self, args: GemmArgs, prepared: dict[str, torch.Tensor], launch: Launch) -> Call:
         b = prepared.get("b", args.b)
@@ -253,7 +257,7 @@ class CuteDslMmBf16(_MmBf16):
 # ------------------------------------------------------------------------------------------------
 
 
-class _BmmFp8(Adapter):
+class _BmmFp8(_ColumnMajorB):
     """``bmm_fp8(A [1, M, K], B [1, K, N] column-major, A_scale, B_scale, dtype, backend=...)``: per-tensor
     W8A8 (one fp32 scale per operand, read by pointer: flashinfer/data/csrc/bmm_fp8.cu), bf16 / fp16 out
     (_check_bmm_fp8_problem_size). The batch of one is a view."""
@@ -264,15 +268,6 @@ class _BmmFp8(Adapter):
 
     def supports(self, target: Target, spec: KernelSpec) -> Optional[str]:
         return _w8a8(spec, f"bmm_fp8(backend={self.backend!r})")
-
-    def sources(self, args: GemmArgs):
-        return (args.b,) if _needs_copy(args.b) else ()
-
-    def prepare(self, args: GemmArgs) -> dict[str, torch.Tensor]:
-        return {"b": _column_major(args.b)}
-
-    def prepared_bytes(self, args: GemmArgs) -> int:
-        return args.b.numel() * args.b.element_size() if _needs_copy(args.b) else 0
 
     def call(self, args: GemmArgs, prepared: dict[str, torch.Tensor], launch: Launch) -> Call:
         b = prepared.get("b", args.b)

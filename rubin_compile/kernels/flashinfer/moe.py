@@ -143,6 +143,18 @@ def _need(adapter: Adapter, call: Call, name: str, dtype, shape=None, value=None
     return t
 
 
+def _fp8_per_tensor_activation(hidden_states: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The hidden states in e4m3 with the static FC1 input scale (its reciprocal), as FlashInfer's per-tensor FP8 MoE
+    preparation quantises them (``TrtllmFp8PerTensorConfig.prepare_activations``); on meta tensors, the shape."""
+    x = hidden_states.to(torch.bfloat16)
+    if x.is_meta:
+        return torch.empty(x.shape, dtype=FP8, device="meta")
+    from flashinfer.fused_moe.api import TrtllmFp8PerTensorConfig
+
+    xq, _ = TrtllmFp8PerTensorConfig.prepare_activations(x, hidden_states_scale_global=scale_inv)
+    return xq
+
+
 class _MoEAdapter(Adapter):
     """What every adapter here shares: the weights' sources, the prepared bytes (prepare on meta tensors),
     the limits that no FlashInfer MoE entry point we call has (biases, packed CPU layouts, the op's optional
@@ -393,13 +405,7 @@ class TrtllmFp8PerTensor(_TrtllmAdapter):
     def call(self, args: MoEArgs, prepared: dict[str, torch.Tensor], launch: Launch) -> Call:
         self._plain(args)
         p = prepared
-        x = args.hidden_states.to(torch.bfloat16)
-        if x.is_meta:
-            xq = torch.empty(x.shape, dtype=FP8, device="meta")
-        else:
-            from flashinfer.fused_moe.api import TrtllmFp8PerTensorConfig
-
-            xq, _ = TrtllmFp8PerTensorConfig.prepare_activations(x, hidden_states_scale_global=p["a13_scale_inv"])
+        xq = _fp8_per_tensor_activation(args.hidden_states, p["a13_scale_inv"])
         return Call(
             self.function,
             (
@@ -730,13 +736,7 @@ class CutlassFp8PerTensor(_CutlassAdapter):
     def call(self, args: MoEArgs, prepared: dict[str, torch.Tensor], launch: Launch) -> Call:
         self._plain(args)
         p = prepared
-        x = args.hidden_states.to(torch.bfloat16)
-        if x.is_meta:
-            xq = torch.empty(x.shape, dtype=FP8, device="meta")
-        else:
-            from flashinfer.fused_moe.api import TrtllmFp8PerTensorConfig
-
-            xq, _ = TrtllmFp8PerTensorConfig.prepare_activations(x, hidden_states_scale_global=p["a13_scale_inv"])
+        xq = _fp8_per_tensor_activation(args.hidden_states, p["a13_scale_inv"])
         ids, weights = _routing(args)
         scales = [p["fc1_dequant"], p["fc2_act_quant"], p["fc2_dequant"], p["fc1_act_dequant"]]
         return Call(

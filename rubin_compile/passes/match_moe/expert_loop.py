@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rubin_compile.ops.nodes import bound_arguments
 from rubin_compile.passes.base import GRADIENTS_REASON, PassContext, Rewrite, Unchanged
 from rubin_compile.passes.fx import call, dtype_name, inherit_source, is_call, report_value, single_user, tensor_val
 from rubin_compile.passes.match_moe.emit import emit_moe
@@ -286,11 +287,14 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
     added = [n for n in graph.nodes if n not in before]
     inherit_source(added, root)
     root.replace_all_uses_with(moe)
+    weights_mb = _mb(ordered, num_inter, hidden)  # before the erase below, which takes the dequantise calls
     replaced = []
+    dequantised = {w for ex in ordered for w in (ex.w_gate, ex.w_up, ex.w_down)} if quantised else set()
     for n in reversed(list(graph.nodes)):  # erase the old loop, users before producers
         if (
             n is root
             or n in adds
+            or n in dequantised  # the rubin.dequantize calls the op now reads the weights of as stored
             or any(
                 n is ex.term or n is ex.weight or n is ex.masked or n is ex.eq or n in ex.body_nodes for ex in ordered
             )
@@ -316,7 +320,7 @@ def _match_loop(graph: torch.fx.Graph, ids: torch.fx.Node, eqs: list[torch.fx.No
             "routing": routing,
             "weights": (
                 f"stacked into w13 / w2 once and reused while the expert parameters are unchanged "
-                f"(rubin.stacked_weights; keeps a copy of {_mb(ordered, num_inter, hidden)} MB)"
+                f"(rubin.stacked_weights; keeps a copy of {weights_mb} MB)"
             )
             + (f"; {quantised['format']} weights read as stored (rubin.dequantize folded)" if quantised else ""),
         },
@@ -339,11 +343,7 @@ def _dequantize_args(node: torch.fx.Node) -> Optional[dict]:
     """The arguments of a ``rubin.dequantize`` call by name (defaults filled), or None for any other node."""
     if not is_call(node, torch.ops.rubin.dequantize.default):
         return None
-    names = ("weight", "scale", "scale_2", "input_scale", "format", "dtype")
-    args = dict(zip(names, (None, None, None, None, "nvfp4", torch.bfloat16)))
-    args.update(zip(names, node.args))
-    args.update(node.kwargs)
-    return args
+    return bound_arguments(node)
 
 
 def _dequantized_experts(ordered: list, num_inter: int):
