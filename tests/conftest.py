@@ -25,6 +25,8 @@ SLOW_FIRST = (
     "tests/cpu/passes/match_moe/test_hf_grouped_mm.py",
     "tests/cpu/test_examples.py",
     "tests/cpu/passes/match_moe/test_hf_batched_mm.py",
+    "tests/cpu/kernels/test_flashinfer_plans.py",
+    "tests/cpu/ops/test_fp4_and_dequantize.py",
 )
 
 

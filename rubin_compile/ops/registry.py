@@ -220,6 +220,9 @@ class Kernel:
     module: str = ""
     graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None
     features: tuple[str, ...] = ()
+    # bytes the kernel keeps for a node's weights in its own layout (prepared once, like rubin.stacked_weights), for
+    # the plan; None: none, or unknown
+    prepared_bytes: Optional[Callable[[torch.fx.Node], Optional[int]]] = None
 
     def rank(self, target: Target, spec: KernelSpec) -> int:
         for key in (f"{target.name}:{spec.quant}", target.name, f"*:{spec.quant}", "*"):

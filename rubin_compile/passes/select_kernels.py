@@ -105,7 +105,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             target=target.name,
             kernel=selection.chosen.name,
             impl=impl,
-            entry=selection.chosen.entry(spec),
+            entry=selection.chosen.entry(spec) + _prepared(selection.chosen, node),
             spec=spec.to_json(),
             rejected=[{"kernel": k, "reason": r} for k, r in selection.rejected],
             outranked=selection.outranked,
@@ -143,6 +143,20 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 
 
 _MISSING = re.compile(r"package (\S+) is not installed")
+
+
+def _prepared(kernel, node: torch.fx.Node) -> str:
+    """``"; keeps N MB of weights in its layout"`` for a kernel that prepares the node's weights once (the memory
+    cost the plan shows, like the matchers' stacked-weights note); ``""`` otherwise."""
+    if kernel.prepared_bytes is None:
+        return ""
+    try:
+        size = kernel.prepared_bytes(node)
+    except Exception as exc:  # informative only: never fail selection over it
+        return f"; prepared weights: not computed ({type(exc).__name__})"
+    if not size:
+        return ""
+    return f"; keeps {size / 1e6:.3g} MB of weights in its layout (prepared once, reused while unchanged)"
 
 
 @functools.lru_cache(maxsize=None)

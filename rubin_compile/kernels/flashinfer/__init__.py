@@ -16,6 +16,7 @@ without an adapter is rejected with that reason, so no plan chooses a kernel tha
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, Optional
 
@@ -160,5 +161,6 @@ for _op, _table in TABLES.items():
                 entry=_entry(_op, _kernel),
                 pdl=_pdl(_op, _kernel),
                 module=__name__,
+                prepared_bytes=functools.partial(adapters.prepared_bytes_of, _op, _kernel),
             )
         )

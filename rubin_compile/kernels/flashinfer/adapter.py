@@ -22,6 +22,7 @@ without one stay plans only, and selection says so.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -31,7 +32,10 @@ import torch
 
 from rubin_compile.errors import RubinError
 from rubin_compile.kernels.flashinfer.tables import resolve
-from rubin_compile.ops.gemm import scale_kind
+from rubin_compile.ops.attention import AttentionArgs
+from rubin_compile.ops.gemm import GemmArgs, scale_kind
+from rubin_compile.ops.moe import MoEArgs
+from rubin_compile.ops.nodes import bound_arguments
 from rubin_compile.ops.registry import KernelSpec, Launch
 from rubin_compile.ops.weights import VersionedCache
 from rubin_compile.target import Target
@@ -233,6 +237,30 @@ def buffer(key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -
     if full not in _BUFFERS:
         _BUFFERS[full] = _made_outside_cudagraph_pools(make) if device.type == "cuda" else make()
     return _BUFFERS[full]
+
+
+def meta_args(op: str, node: torch.fx.Node) -> Any:
+    """The op's argument dataclass for a canonical ``node``, its tensors as meta tensors of the node's fake values'
+    shapes, strides and dtypes: what the plan test builds calls from, and what ``prepared_bytes`` is asked with."""
+    cls = {"moe": MoEArgs, "gemm": GemmArgs, "attention": AttentionArgs}[op]
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+
+    def meta(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            v = value.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"{value.name} has no fake tensor")
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+        return value
+
+    return cls(**{k: meta(v) for k, v in bound_arguments(node).items() if k in fields})
+
+
+def prepared_bytes_of(op: str, kernel: str, node: torch.fx.Node) -> Optional[int]:
+    """The bytes the adapter that runs ``node`` on ``kernel`` keeps prepared (its ``prepared_bytes``), or None."""
+    args = meta_args(op, node)
+    adapter = adapter_for(op, kernel, quant_of(op, args))
+    return adapter.prepared_bytes(args) if adapter is not None else None
 
 
 def cache_info() -> dict[str, Any]:

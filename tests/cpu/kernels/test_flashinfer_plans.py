@@ -40,14 +40,6 @@ def _example():
     return module
 
 
-def _meta(value):
-    if isinstance(value, torch.fx.Node):
-        v = value.meta.get("val")
-        assert isinstance(v, torch.Tensor), value
-        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
-    return value
-
-
 def _plan(weights: str, target: str, tmp_path: Path, monkeypatch) -> tuple[list[torch.fx.Node], dict]:
     """Compile the example for ``target`` (on this CPU: the plan is made, running it raises), keeping the graph the
     pipeline ends with; return its FlashInfer-bound canonical nodes and the report."""
@@ -100,11 +92,10 @@ def test_every_flashinfer_node_of_the_plan_binds(weights, target, tmp_path, monk
     entries = json.dumps(report)
     seen = set()
     for node in nodes:
-        op, cls = ARGS[schema_name(node.target)]
+        op, _ = ARGS[schema_name(node.target)]
         bound = bound_arguments(node)
         kernel, _ = parse_impl(bound["impl"])
-        fields = {f.name for f in dataclasses.fields(cls) if f.init}
-        args = cls(**{k: _meta(v) for k, v in bound.items() if k in fields})
+        args = A.meta_args(op, node)
         quant = A.quant_of(op, args)
         adapter = A.adapter_for(op, kernel, quant)
         assert adapter is not None, (node.name, kernel, quant)
