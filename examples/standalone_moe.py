@@ -102,11 +102,12 @@ class QuantExpert(nn.Module):
         shared = None
         if fmt == "nvfp4":
             shared = shared_global_scale(g, u)
-        gate, up = quantize_weight(g, fmt, shared), quantize_weight(u, fmt, shared)
         if fmt == "fp8_tensor":  # one scale over both
             both = quantize_weight(torch.cat([g, u]), fmt)
             gate = {"weight": both["weight"][: g.shape[0]].contiguous(), "scale": both["scale"]}
             up = {"weight": both["weight"][g.shape[0] :].contiguous(), "scale": both["scale"]}
+        else:
+            gate, up = quantize_weight(g, fmt, shared), quantize_weight(u, fmt, shared)
         for name, parts in (("gate", gate), ("up", up)):
             self.register_buffer(f"{name}_w", parts["weight"])
             self.register_buffer(f"{name}_s", parts["scale"] if fmt not in ("fp8_tensor",) or name == "gate" else None)

@@ -112,13 +112,15 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    w: torch.Tensor, kind: str, per_leading_dim: bool = False
+    w: torch.Tensor, kind: str, per_leading_dim: bool = False, scale_2: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``w`` ``[..., K]`` (K a multiple of the block) -> ``(packed, block_scales, scale_2)`` in ``kind``.
 
     NVFP4: ``scale_2 = amax / (448 * 6)`` over the tensor (over each ``w[e]`` with ``per_leading_dim``: the
     per-expert global scales of a MoE), block scales ``block_amax / 6 / scale_2`` rounded to e4m3. MXFP4:
-    ``scale_2`` is ``None``, block scales the power of two ``2 ** ceil(log2(block_amax / 6))`` as E8M0."""
+    ``scale_2`` is ``None``, block scales the power of two ``2 ** ceil(log2(block_amax / 6))`` as E8M0. A given NVFP4
+    ``scale_2`` is used as the global scale (and returned) instead of the tensor's own: one global scale shared by
+    weights that are stacked together, such as an expert's gate and up projections."""
     if kind not in ("nvfp4", "mxfp4"):
         raise ValueError(f"kind must be 'nvfp4' or 'mxfp4', got {kind!r}")
     block = block_size(kind)
@@ -128,17 +130,18 @@ def quantize(
     wf = w.to(torch.float32)
     blocks = wf.reshape(*w.shape[:-1], K // block, block)
     amax = blocks.abs().amax(dim=-1)  # [..., K / block]
-    scale_2 = None
-    if kind == "nvfp4":
+    if kind == "nvfp4" and scale_2 is None:
         if per_leading_dim:
             g = wf.abs().reshape(w.shape[0], -1).amax(dim=1) / (E4M3_MAX * E2M1_MAX)
         else:
             g = wf.abs().amax() / (E4M3_MAX * E2M1_MAX)
         scale_2 = torch.where(g > 0, g, torch.ones_like(g)).to(torch.float32)
-        g_b = scale_2.reshape(scale_2.shape + (1,) * (amax.dim() - scale_2.dim()))
+    if kind == "nvfp4":
+        g_b = scale_2.to(torch.float32).reshape(scale_2.shape + (1,) * (amax.dim() - scale_2.dim()))
         scale = (amax / E2M1_MAX / g_b).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         s = scale.to(torch.float32) * g_b
     else:
+        scale_2 = None
         exponent = torch.ceil(torch.log2((amax / E2M1_MAX).clamp(min=2.0**-127))).clamp(-127, 127)
         scale = (exponent + 127).to(torch.uint8)
         s = torch.exp2(exponent)

@@ -132,10 +132,7 @@ def quantize_weight(w: torch.Tensor, format: str, scale_2: Optional[torch.Tensor
     "scale_2"?}`` (the examples and tests use it; ``scale_2`` may be given, to share one NVFP4 global scale
     between layers that ``rubin.moe`` stacks, such as an expert's gate and up projections)."""
     if format in ("nvfp4", "mxfp4"):
-        if scale_2 is not None and format == "nvfp4":
-            packed, scale, _ = _nvfp4_with_global(w, scale_2)
-            return {"weight": packed, "scale": scale, "scale_2": scale_2}
-        packed, scale, g = fp4.quantize(w, format)
+        packed, scale, g = fp4.quantize(w, format, scale_2=scale_2 if format == "nvfp4" else None)
         out = {"weight": packed, "scale": scale}
         if g is not None:
             out["scale_2"] = g
@@ -153,18 +150,6 @@ def quantize_weight(w: torch.Tensor, format: str, scale_2: Optional[torch.Tensor
     s = (blocks.abs().amax(dim=(1, 3)) / fmax).clamp(min=1e-12)
     q = (blocks / s[:, None, :, None]).clamp(-fmax, fmax).reshape(pn, pk)[:N, :K]
     return {"weight": q.to(torch.float8_e4m3fn), "scale": s}
-
-
-def _nvfp4_with_global(w: torch.Tensor, scale_2: torch.Tensor):
-    """NVFP4 with a given global scale (block scales fitted to it)."""
-    wf = w.to(torch.float32)
-    K = wf.shape[-1]
-    blocks = wf.reshape(*wf.shape[:-1], K // fp4.NVFP4_BLOCK, fp4.NVFP4_BLOCK)
-    g = scale_2.to(torch.float32).reshape(())
-    scale = (blocks.abs().amax(dim=-1) / fp4.E2M1_MAX / g).clamp(max=fp4.E4M3_MAX).to(torch.float8_e4m3fn)
-    s = scale.to(torch.float32) * g
-    codes = fp4._round_e2m1(blocks / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)).reshape(wf.shape)
-    return fp4.pack(codes), scale, scale_2
 
 
 def shared_global_scale(*weights: torch.Tensor) -> torch.Tensor:
