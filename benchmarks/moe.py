@@ -225,7 +225,7 @@ def write_outputs(result, out: Path, tag: str):
     shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2), squeeze=False)
     for ax, s in zip(axes[0], shapes):
-        for wf, style in (("bf16", "-"), ("fp8_block", "--")):
+        for wf, style in (("bf16", "-"), ("fp8_block", "--"), ("fp8_tensor", ":")):
             rs = [r for r in result["rows"] if r["shape"] == s and r["wfmt"] == wf]
             if not rs:
                 continue

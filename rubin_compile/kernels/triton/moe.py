@@ -284,6 +284,12 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def _and_lt(mask, a, b):
+    """mask & (a < b) for scalars a, b (as a tensor op: the interpreter cannot mask with a Python bool)."""
+    return mask & ((tl.zeros_like(mask.to(tl.int32)) + a) < b)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -352,26 +358,47 @@ def _group_rows(
 
 
 @triton.jit
-def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _mma_step(
+    x,
+    w,
+    acc,
+    sw,
+    xs,
+    W_SCALE: tl.constexpr,
+    A_FP8: tl.constexpr,
+    A_PRE: tl.constexpr,
+    SWAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """acc + x . w over one K tile.
 
     Plain: x [BM, BK], w [BK, BN], acc [BM, BN]. Swapped (``SWAP``): w [BN, BK], x [BK, BM], acc [BN, BM],
     so the weight tile is the MMA's M side (wgmma from BN = 64, FP8 wgmma with ``A_FP8``) and a few
     tokens are its N side. ``sw`` [BN]: the weight rows' block scales for this K tile (W_SCALE == 2).
-    With ``A_FP8`` each token's K tile is quantised to e4m3 with its own scale (amax / 448).
+    With ``A_FP8`` each token's K tile is e4m3 with its own scale: ``A_PRE``: ``x`` is already e4m3 and ``xs``
+    [BM] its scales (quantised once, before the kernel, or by FC1's epilogue); else this step quantises the
+    tile (amax / 448), a reduction and a shared-memory store per K step (FC2 after a K-split FC1 only).
     """
     if A_FP8:
-        xf = x.to(tl.float32)
+        if A_PRE:
+            xq = x
+            xsc = xs
+        else:
+            xf = x.to(tl.float32)
+            if SWAP:
+                xsc = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12) / 448.0
+                xq = (xf / xsc[None, :]).to(tl.float8e4nv)
+            else:
+                xsc = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
+                xq = (xf / xsc[:, None]).to(tl.float8e4nv)
         if SWAP:
-            xs = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12) / 448.0
-            d = tl.dot(w, (xf / xs[None, :]).to(tl.float8e4nv))
-            scale = xs[None, :]
+            d = tl.dot(w, xq)
+            scale = xsc[None, :]
             if W_SCALE == 2:
                 scale = scale * sw[:, None]
         else:
-            xs = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
-            d = tl.dot((xf / xs[:, None]).to(tl.float8e4nv), w)
-            scale = xs[:, None]
+            d = tl.dot(xq, w)
+            scale = xsc[:, None]
             if W_SCALE == 2:
                 scale = scale * sw[None, :]
         out = acc + d * scale
@@ -388,6 +415,37 @@ def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: t
     return out
 
 
+@triton.jit(do_not_specialize=["H"])
+def _quant_fp8_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """Activations to e4m3 once per call, for FC1: q[t, j] = e4m3(x[t, j] / s[t, j // G]) with s = max(amax of
+    the G-wide group, 1e-12) / 448, G = FC1's K tile, the same numbers FC1 used to compute in every program
+    and K step. Program (t, b) does groups [b * NG, (b + 1) * NG) of token t."""
+    t = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * NG + tl.arange(0, NG)
+    offs = gi[:, None] * G + tl.arange(0, G)[None, :]
+    mask = offs < H
+    if GDC:
+        gdc_wait()  # the hidden states are the previous kernel's output
+    x = tl.load(x_ptr + t * stride_xt + offs * stride_xh, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_launch_dependents()
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    tl.store(q_ptr + t * stride_qt + offs, (x / s[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t * stride_st + gi, s, mask=gi * G < H)
+
+
 @triton.jit(
     do_not_specialize=[
         "S",
@@ -401,10 +459,13 @@ def _mma_step(x, w, acc, sw, W_SCALE: tl.constexpr, A_FP8: tl.constexpr, SWAP: t
         "KCH",
         "stride_is",
         "stride_w2e",
+        "stride_xst",
+        "stride_ist",
     ]
 )
 def _moe_fc1_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     b_ptr,
     ws_ptr,
@@ -414,6 +475,7 @@ def _moe_fc1_kernel(
     gstart_ptr,
     gcount_ptr,
     inter_ptr,
+    isc_ptr,
     cnt_ptr,
     w2_ptr,
     S,
@@ -436,12 +498,16 @@ def _moe_fc1_kernel(
     stride_it,
     stride_is,
     stride_w2e,
+    stride_xst,
+    stride_ist,
     SCALE_BN,
     SCALE_BK,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     W_SCALE: tl.constexpr,
     A_FP8: tl.constexpr,
+    A_PRE: tl.constexpr,
+    Q_OUT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ROUTE: tl.constexpr,
     SLOT_P2: tl.constexpr,
@@ -469,6 +535,11 @@ def _moe_fc1_kernel(
     partials in order and applies the activation as it loads them (deterministic, no atomics).
     ``W2_L2`` > 0: each program also asks L2 for its share (W2_L2 bytes) of its expert's w2, so FC2
     finds its weights in L2 instead of waiting on HBM after the kernel boundary.
+
+    FP8 activations (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK] (``A_PRE``, see _quant_fp8_kernel);
+    ``Q_OUT``: the epilogue writes the intermediate as e4m3 with one scale per (slot, BN columns) into
+    ``isc`` [S, I / BN], which FC2 reads with its K tile equal to our BN. The scales of the next K step are
+    loaded one step ahead, so their latency hides behind this step's copies and MMAs.
     """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -533,7 +604,35 @@ def _moe_fc1_kernel(
             acc_g = tl.zeros([BM, BN], tl.float32)
             acc_u = tl.zeros([BM, BN], tl.float32)
         wu_ptrs = wg_ptrs + N_UP * stride_wn
+        # the scales of the first K step; each step then loads the next step's (one step ahead)
+        sg_nxt = 1.0
+        su_nxt = 1.0
+        xs_nxt = 1.0
+        if W_SCALE == 2:
+            sg_nxt = tl.load(
+                s_base + (offs_n // SCALE_BN) * stride_sn + (k_lo // SCALE_BK) * stride_sk, mask=n_mask, other=0.0
+            )
+            su_nxt = tl.load(
+                s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + (k_lo // SCALE_BK) * stride_sk,
+                mask=n_mask,
+                other=0.0,
+            )
+        if A_PRE:
+            xs_nxt = tl.load(xs_ptr + tok * stride_xst + k_lo // BK, mask=valid, other=1.0)
         for k0 in range(k_lo, k_hi, BK):
+            sg = sg_nxt
+            su = su_nxt
+            xs = xs_nxt
+            k1 = k0 + BK
+            if W_SCALE == 2:
+                more = _and_lt(n_mask, k1, k_hi)
+                kb = k1 // SCALE_BK
+                sg_nxt = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=more, other=0.0)
+                su_nxt = tl.load(
+                    s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=more, other=0.0
+                )
+            if A_PRE:
+                xs_nxt = tl.load(xs_ptr + tok * stride_xst + k1 // BK, mask=_and_lt(valid, k1, k_hi), other=1.0)
             k_mask = (offs_k < H - k0) | EVEN_K
             if SWAP:
                 x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
@@ -543,16 +642,8 @@ def _moe_fc1_kernel(
                 x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
                 wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            sg = 1.0
-            su = 1.0
-            if W_SCALE == 2:
-                kb = k0 // SCALE_BK
-                sg = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-                su = tl.load(
-                    s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0
-                )
-            acc_g = _mma_step(x, wg, acc_g, sg, W_SCALE, A_FP8, SWAP, DOT_PREC)
-            acc_u = _mma_step(x, wu, acc_u, su, W_SCALE, A_FP8, SWAP, DOT_PREC)
+            acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
+            acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             x_ptrs += BK * stride_xh
             wg_ptrs += BK * stride_wk
             wu_ptrs += BK * stride_wk
@@ -578,6 +669,10 @@ def _moe_fc1_kernel(
                 h = _silu(acc_g) * acc_u
             else:
                 h = _gelu_tanh(acc_g) * acc_u
+            if Q_OUT:  # e4m3 with a scale per (slot, our BN columns): FC2's FP8 A tile, quantised once
+                hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
+                h = h / hs[:, None]
+                tl.store(isc_ptr + slot * stride_ist + pid_n, hs, mask=valid)
             tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
         else:
             tl.store(i_ptrs, acc_g, mask=i_mask)
@@ -585,10 +680,21 @@ def _moe_fc1_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["S", "K_TOP", "stride_be", "stride_bn", "stride_se", "stride_sn", "stride_sk", "stride_as"]
+    do_not_specialize=[
+        "S",
+        "K_TOP",
+        "stride_be",
+        "stride_bn",
+        "stride_se",
+        "stride_sn",
+        "stride_sk",
+        "stride_as",
+        "stride_ast",
+    ]
 )
 def _moe_fc2_kernel(
     a_ptr,
+    as_ptr,
     w_ptr,
     b_ptr,
     ws_ptr,
@@ -617,11 +723,13 @@ def _moe_fc2_kernel(
     stride_sk,
     stride_pt,
     stride_ot,
+    stride_ast,
     SCALE_BN,
     SCALE_BK,
     HAS_BIAS: tl.constexpr,
     W_SCALE: tl.constexpr,
     A_FP8: tl.constexpr,
+    A_PRE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ROUTE: tl.constexpr,
     SLOT_P2: tl.constexpr,
@@ -642,6 +750,7 @@ def _moe_fc2_kernel(
     ``SPLIT1`` > 1: FC1 split its K range and left float32 partial gate / up products (see FC1); each A
     tile is then sum_s gate_s, sum_s up_s (in s order), activated and rounded to the activations' dtype,
     the same rounding the unsplit FC1 applies before it stores the intermediate.
+    ``A_PRE``: the intermediate is e4m3 with a scale per (slot, BK columns) in ``as_ptr`` (FC1's ``Q_OUT``).
     """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -674,7 +783,24 @@ def _moe_fc2_kernel(
             a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
             w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
             acc = tl.zeros([BM, BN], tl.float32)
+        sw_nxt = 1.0
+        as_nxt = 1.0
+        if W_SCALE == 2:  # scales one K step ahead (see FC1)
+            sw_nxt = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn, mask=n_mask, other=0.0)
+        if A_PRE:
+            as_nxt = tl.load(as_ptr + slot * stride_ast, mask=valid, other=1.0)
         for k0 in range(0, I, BK):
+            sw = sw_nxt
+            a_s = as_nxt
+            k1 = k0 + BK
+            if W_SCALE == 2:
+                sw_nxt = tl.load(
+                    s_base + (offs_n // SCALE_BN) * stride_sn + (k1 // SCALE_BK) * stride_sk,
+                    mask=_and_lt(n_mask, k1, I),
+                    other=0.0,
+                )
+            if A_PRE:
+                as_nxt = tl.load(as_ptr + slot * stride_ast + k1 // BK, mask=_and_lt(valid, k1, I), other=1.0)
             k_mask = (offs_k < I - k0) | EVEN_K
             if SWAP:
                 a_mask = valid[None, :] & k_mask[:, None]
@@ -694,12 +820,7 @@ def _moe_fc2_kernel(
                     a = (_silu(ag) * au).to(out_ptr.dtype.element_ty)
                 else:
                     a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
-            sw = 1.0
-            if W_SCALE == 2:
-                sw = tl.load(
-                    s_base + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask, other=0.0
-                )
-            acc = _mma_step(a, w, acc, sw, W_SCALE, A_FP8, SWAP, DOT_PREC)
+            acc = _mma_step(a, w, acc, sw, a_s, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             a_ptrs += BK
             w_ptrs += BK * stride_wk
         if SWAP:
@@ -895,7 +1016,9 @@ class MoEPlan:
     gdc: bool  # the kernels contain the PDL instructions (sm_90+, Triton >= 3.4, not the interpreter)
     first_pdl: bool  # the call's first kernel is launched with PDL (Launch.pdl)
     chain_pdl: bool  # our later kernels are launched with PDL (Launch.pdl or config.chain)
-    a_fp8: bool
+    a_fp8: bool  # FP8 activations: the hidden states quantised once per call (quantise()) for FC1
+    q_inter: bool  # ... and FC1's epilogue writes FC2's intermediate in e4m3 (fc2.BK == fc1.BN); not after a
+    # K-split FC1 or over locality domains, where FC2 quantises its A tiles itself
     dot_prec: str
     x_dtype: torch.dtype
 
@@ -956,7 +1079,41 @@ class MoEPlan:
         [split, S, 2I] when FC1 is split over K."""
         if self.split > 1:
             return torch.empty((self.split, self.S, 2 * self.I), dtype=torch.float32, device=dev)
+        if self.q_inter:
+            return torch.empty((1, self.S, self.I), dtype=torch.float8_e4m3fn, device=dev)
         return torch.empty((1, self.S, self.I), dtype=self.x_dtype, device=dev)
+
+    def inter_scales(self, dev: torch.device) -> Optional[torch.Tensor]:
+        """The e4m3 intermediate's scales [S, I / fc1.BN] (``q_inter``), else None."""
+        if not self.q_inter:
+            return None
+        return torch.empty((self.S, triton.cdiv(self.I, self.fc1.BN)), dtype=torch.float32, device=dev)
+
+    def quantise(self, x: torch.Tensor, pdl: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(activations for FC1, their scales): with ``a_fp8`` the hidden states in e4m3 with one scale per
+        (token, FC1 K tile), made by one small kernel; else ``x`` itself and None."""
+        if not self.a_fp8:
+            return x, None
+        G = self.fc1.BK
+        ng = max(1, 2048 // G)
+        q = torch.empty((self.T, self.H), dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty((self.T, triton.cdiv(self.H, G)), dtype=torch.float32, device=x.device)
+        _quant_fp8_kernel[(self.T, triton.cdiv(triton.cdiv(self.H, G), ng))](
+            x,
+            q,
+            xs,
+            self.H,
+            x.stride(0),
+            x.stride(1),
+            q.stride(0),
+            xs.stride(0),
+            G=G,
+            NG=ng,
+            GDC=self.gdc,
+            num_warps=4,
+            **self._pdl(pdl),
+        )
+        return q, xs
 
     # the two GEMMs -------------------------------------------------------------------------------
 
@@ -973,8 +1130,10 @@ class MoEPlan:
         cnt_numel: int,
         w2_l2: bool,
         pdl: bool,
+        q_out: bool = False,
     ) -> None:
-        """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v``."""
+        """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v`` (in e4m3, scales
+        into ``c.isc``, with ``q_out``)."""
         fc1, H, elt = self.fc1, self.H, w.element_size()
         pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
         if self.split > 1:
@@ -986,17 +1145,21 @@ class MoEPlan:
             threads = 32 * fc1.num_warps
             w2_chunk = triton.cdiv(triton.cdiv(H * self.I * elt, nt1 * self.split * threads), 16) * 16
             w2_l2_bytes = w2_chunk * threads
-        x, out = c.args.hidden_states, c.out
+        x, out = c.x, c.out
         bb = b if b is not None else out
         scale, s_e, s_n, s_k = sc
+        xs = c.xs if c.xs is not None else out
+        isc = c.isc if (c.isc is not None and q_out) else out
         _moe_fc1_kernel[(self.groups, nt1, self.split)](
             x,
+            xs,
             w,
             bb,
             scale if scale is not None else out,
             c.ids,
             *c.routes,
             inter_v,
+            isc,
             cnt,
             c.args.w2,
             self.S,
@@ -1019,9 +1182,13 @@ class MoEPlan:
             inter_v.stride(1),
             inter_v.stride(0),
             c.args.w2.stride(0),
+            xs.stride(0) if c.xs is not None else 0,
+            isc.stride(0) if isc is not out else 0,
             *self.block,
             ACT=self.act,
             HAS_BIAS=b is not None,
+            A_PRE=c.xs is not None,
+            Q_OUT=isc is not out,
             BM=fc1.BM,
             BN=fc1.BN,
             BK=fc1.BK,
@@ -1050,14 +1217,19 @@ class MoEPlan:
         out_v: torch.Tensor,
         cnt: torch.Tensor,
         pdl: bool,
+        q_in: bool = False,
     ) -> None:
-        """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first."""
+        """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first (reading
+        FC1's e4m3 intermediate and its scales, with ``q_in``)."""
         fc2, inter, I, elt = self.fc2, c.inter, self.I, w.element_size()
         pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
         bb = b if b is not None else c.out
         scale, s_e, s_n, s_k = sc
+        a_pre = c.isc is not None and q_in
+        isc = c.isc if a_pre else c.out
         _moe_fc2_kernel[(self.groups, triton.cdiv(h_len, fc2.BN))](
             inter,
+            isc,
             w,
             bb,
             scale if scale is not None else c.out,
@@ -1083,8 +1255,10 @@ class MoEPlan:
             s_k,
             part_v.stride(0),
             out_v.stride(0),
+            isc.stride(0) if a_pre else 0,
             *self.block,
             HAS_BIAS=b is not None,
+            A_PRE=a_pre,
             BM=fc2.BM,
             BN=fc2.BN,
             BK=fc2.BK,
@@ -1132,8 +1306,9 @@ class MoEPlan:
             self.T * nt2 if self.config.fused_sum else 0,
             w2_l2,
             c.fc1_pdl,
+            q_out=self.q_inter,
         )
-        self.launch_fc2(c, w2, self.H, args.w2_bias, c.s2, c.part, c.out, cnt, self.chain_pdl)
+        self.launch_fc2(c, w2, self.H, args.w2_bias, c.s2, c.part, c.out, cnt, self.chain_pdl, q_in=self.q_inter)
         if not self.config.fused_sum:
             block = min(1024, triton.next_power_of_2(self.H))
             _moe_sum_kernel[(self.T, triton.cdiv(self.H, block))](
@@ -1238,7 +1413,10 @@ class _Call:
     part: torch.Tensor
     s13: tuple
     s2: tuple
-    fc1_pdl: bool  # FC1's launch: the first kernel of the call unless the routing kernel ran before it
+    fc1_pdl: bool  # FC1's launch: the first kernel of the call unless routing or quantisation ran before it
+    x: torch.Tensor  # FC1's activations: the hidden states, or their e4m3 copy (plan.a_fp8)
+    xs: Optional[torch.Tensor]  # ... and its scales [T, H / fc1.BK]
+    isc: Optional[torch.Tensor]  # the e4m3 intermediate's scales (plan.q_inter)
 
 
 def _act_code(activation: str) -> int:
@@ -1297,6 +1475,12 @@ def plan_call(
     if split > 1:  # FC2 then pipelines 2 x split float32 tiles per K step: fewer stages where they would not fit
         fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
+    a_fp8 = bool(config.a_fp8 and fp8)
+    q_inter = a_fp8 and split == 1 and not split_n and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
+    if q_inter:  # FC2's K tile is FC1's N tile: one scale of the e4m3 intermediate per A tile row
+        fc2q = fit_smem(replace(fc2, BK=fc1.BN), "fc2", x_dtype.itemsize, w_dtype.itemsize)
+        q_inter = fc2q.BK == fc1.BN
+        fc2 = fc2q if q_inter else fc2
     return MoEPlan(
         T=T,
         H=H,
@@ -1318,7 +1502,8 @@ def plan_call(
         gdc=gdc,
         first_pdl=pdl and gdc,
         chain_pdl=(pdl or config.chain) and gdc,
-        a_fp8=bool(config.a_fp8 and fp8 and not interpret),
+        a_fp8=a_fp8,
+        q_inter=q_inter,
         dot_prec="ieee" if x_dtype == torch.float32 else "tf32",
         x_dtype=x_dtype,
     )
@@ -1393,6 +1578,7 @@ def run(
     tw = args.topk_weights.reshape(-1)
     tw = tw if tw.is_contiguous() else tw.contiguous()
     routes = plan.routing(ids)
+    xq, xs = plan.quantise(x, plan.chain_pdl if plan.route_kernel else plan.first_pdl)
     block_scaled = plan.w_scale == 2
     call = _Call(
         args,
@@ -1404,7 +1590,10 @@ def run(
         torch.empty((plan.S, H), dtype=dtype, device=dev),
         _scale_args(args.w13_scale, block_scaled),
         _scale_args(args.w2_scale, block_scaled),
-        fc1_pdl=plan.chain_pdl if plan.route_kernel else plan.first_pdl,
+        fc1_pdl=plan.chain_pdl if (plan.route_kernel or plan.a_fp8) else plan.first_pdl,
+        x=xq,
+        xs=xs,
+        isc=plan.inter_scales(dev),
     )
     if dom is not None:
         if not plan.config.fused_sum:

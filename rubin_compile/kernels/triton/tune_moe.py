@@ -36,7 +36,7 @@ SHAPES = {
     "minimax-m2": dict(E=256, k=8, H=3072, I=1536),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
-WEIGHT_FORMATS = ("bf16", "fp8_block")
+WEIGHT_FORMATS = ("bf16", "fp8_block", "fp8_tensor")  # fp8_tensor: one scale per expert and projection
 BLOCK = [128, 128]
 
 
@@ -71,6 +71,19 @@ def make_weights(E: int, H: int, I: int, wfmt: str, device="cuda", seed: int = 0
             out[name], out[name + "_scale"] = w, s + 1e-4 / math.sqrt(kdim)
         out["block_shape"] = list(BLOCK)
         return out
+    if wfmt == "fp8_tensor":
+        out = {}
+        for name, (n, kdim) in (("w13", (2 * I, H)), ("w2", (H, I))):
+            w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
+            for e in range(E):
+                w[e] = (
+                    (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+                )
+            out[name] = w
+            out[name + "_scale"] = torch.rand((E,), generator=g, device=device) / (
+                64 * math.sqrt(kdim)
+            ) + 1e-4 / math.sqrt(kdim)
+        return out
     raise ValueError(f"unknown weight format {wfmt!r}")
 
 
@@ -86,6 +99,8 @@ def expert_bytes(H: int, I: int, wfmt: str) -> int:
     """Bytes of one expert's weights (and scales) that a call must read if the expert is routed."""
     if wfmt == "bf16":
         return 3 * H * I * 2
+    if wfmt == "fp8_tensor":
+        return 3 * H * I + 8
     bn, bk = BLOCK
     return 3 * H * I + 4 * (-(-2 * I // bn) * -(-H // bk) + -(-H // bn) * -(-I // bk))
 

@@ -264,7 +264,19 @@ INTERP_CASES = [
     # rows, FC2 on each half of H; shards as views of the weights (uniform memory) and as copies (sm_107)
     (3, 5, 256, 256, 2, "slot", {"split_n": "views", "bias": True, "act": "gelu_tanh"}),
     (40, 6, 256, 384, 2, "grouped", {"split_n": "copies", "bias": True}),
+    # FP8 weights: 16 x 16 scale blocks, one per K tile (the scales loaded one K step ahead), W8A16 ...
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "bias": True}),
+    (40, 6, 48, 32, 2, "grouped", {"wfmt": "fp8_block", "swap": True}),
+    # ... and FP8 activations (within e4m3's error): the hidden states quantised once before FC1, FC1's
+    # epilogue writing the e4m3 intermediate FC2 reads (FC2's K tile = FC1's N tile); after a K-split FC1
+    # FC2 quantises its own A tiles; over locality domains FC1 reads the quantised copy, FC2 quantises
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "swap": True}),
+    (40, 6, 48, 40, 2, "grouped", {"wfmt": "fp8_block", "a_fp8": True, "act": "gelu_tanh"}),
+    (40, 6, 48, 32, 2, "prefill", {"wfmt": "fp8_tensor", "a_fp8": True, "cap": 16}),
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "split": 3}),
+    (3, 5, 256, 256, 2, "slot", {"split_n": "views", "wfmt": "fp8_block", "a_fp8": True}),
 ]
+FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
 
 def _interp_case(
@@ -284,6 +296,8 @@ def _interp_case(
     swap=False,
     split=1,
     split_n=None,
+    wfmt="fp32",
+    a_fp8=False,
 ):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
@@ -299,12 +313,23 @@ def _interp_case(
     tw = torch.softmax(torch.randn((T, k), generator=g), -1)
     b13 = torch.randn((E, 2 * I), generator=g) if bias else None
     b2 = torch.randn((E, H), generator=g) if bias else None
+    quant = {}
+    if wfmt != "fp32":  # e4m3 weights (x 32, so they use the format's range) with their scales
+        w13, w2 = (w13 * 32).to(torch.float8_e4m3fn), (w2 * 32).to(torch.float8_e4m3fn)
+        if wfmt == "fp8_block":
+            bn = bk = 128 if split_n else 16
+            quant["block_shape"] = [bn, bk]
+            quant["w13_scale"] = torch.rand((E, -(-2 * I // bn), -(-H // bk)), generator=g) / 32 + 1e-2
+            quant["w2_scale"] = torch.rand((E, -(-H // bn), -(-I // bk)), generator=g) / 32 + 1e-2
+        else:
+            quant["w13_scale"], quant["w2_scale"] = torch.tensor(1 / 32), torch.tensor(1 / 40)
     G = tmoe.GemmConfig
     tile = 64 if split_n else 16
     cfg = tmoe.MoEConfig(
         mode=mode,
         cap=cap,
         fused_sum=fused,
+        a_fp8=a_fp8,
         fc1=G(BM=16, BN=tile, BK=tile, swap=swap, split_k=split),
         fc2=G(BM=16, BN=tile, BK=tile, swap=swap),
     )
@@ -315,20 +340,61 @@ def _interp_case(
 
         placement = "split_n:default:2:64"
         domains = locality.sequential(2, x.device, localized_memory=split_n == "copies")
-    tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains)
+    tmoe.fused_moe(
+        x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains, **quant
+    )
     ref = moe_reference(
         x.double(),
-        w13.double(),
-        w2.double(),
+        w13 if quant else w13.double(),  # e4m3 weights stay e4m3: the reference dequantises them
+        w2 if quant else w2.double(),
         tw,
         ids,
         act,
         None if b13 is None else b13.double(),
         None if b2 is None else b2.double(),
+        **{n: (v if n == "block_shape" else v.double()) for n, v in quant.items()},
     )
     if T == 0:
-        return 0.0, False
-    return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any())
+        return 0.0, False, 0.0
+    emulated = 0.0
+    if a_fp8:  # the same computation with e4m3 activations in groups of the tiles' widths, in float64
+        emu = _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, group=tile)
+        emulated = ((out.double() - emu).norm() / emu.norm()).item()
+    return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any()), emulated
+
+
+def _dequantised(w, scale, block):
+    if block is None:
+        return w.double() * scale.double()
+    s = scale.double().repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
+    return w.double() * s[:, : w.shape[1], : w.shape[2]]
+
+
+def _e4m3_groups(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v [..., n] through e4m3 with one scale (amax / 448) per ``group`` consecutive elements, back in float64."""
+    n = v.shape[-1]
+    pad = torch.nn.functional.pad(v, (0, -n % group)).reshape(*v.shape[:-1], -1, group)
+    sc = (pad.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0).float()
+    q = (pad.float() / sc).to(torch.float8_e4m3fn).double() * sc.double()
+    return q.reshape(*v.shape[:-1], -1)[..., :n]
+
+
+def _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, group):
+    """rubin.moe as the FP8-activation path computes it: x in e4m3 groups of FC1's K tile, the activated
+    intermediate in e4m3 groups of FC1's N tile (= FC2's K tile), everything else in float64."""
+    block = quant.get("block_shape")
+    W13, W2 = _dequantised(w13, quant["w13_scale"], block), _dequantised(w2, quant["w2_scale"], block)
+    I = W2.shape[2]  # noqa: E741
+    xq = _e4m3_groups(x.double(), group)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    f = torch.nn.functional.silu if act == "silu" else (lambda v: torch.nn.functional.gelu(v, approximate="tanh"))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hh = W13[e] @ xq[t]
+            h = (f(hh[:I]) * hh[I:]).float().double()  # the kernels' float32 accumulators
+            out[t] += float(tw[t, j]) * (W2[e] @ _e4m3_groups(h, group))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -357,12 +423,40 @@ def _triton_version() -> tuple[int, ...]:
 )
 @pytest.mark.parametrize("i", range(len(INTERP_CASES)), ids=[f"{c[5]}-T{c[0]}-E{c[1]}-k{c[4]}" for c in INTERP_CASES])
 def test_kernels_match_reference_in_interpreter(interp_results, i):
-    err, has_nan = interp_results[i]
+    err, has_nan, emulated = interp_results[i]
     assert not has_nan, "an output element was not written"
-    assert err < 1e-5, f"relative error {err:.2e} (float32, ieee dots)"
+    if INTERP_CASES[i][6].get("a_fp8"):
+        # against the float64 reference within e4m3's error, and exactly what the e4m3 path should compute
+        assert err < FP8_ACT_TOL, f"relative error {err:.2e} >= {FP8_ACT_TOL} (e4m3 activations)"
+        assert emulated < 1e-5, f"relative error {emulated:.2e} against the emulated e4m3 computation"
+    else:
+        assert err < 1e-5, f"relative error {err:.2e} (float32, ieee dots)"
+
+
+def _gpu_rounding_for_e4m3() -> None:
+    """float32 -> e4m3 in the interpreter as the GPU does it (round to nearest even, as torch does).
+
+    Triton 3.9's interpreter (``interpreter._convert_float``) rounds half up and drops the carry when a
+    mantissa rounds up into the next binade (-31.98 becomes -16, not -32): up to 2x off on a few activations.
+    The kernels' FP8 activation paths are checked here for their indexing and scales, so the cast the GPU's
+    cvt.rn.satfinite does is what the interpreter must do too. Other conversions are left to Triton."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rne(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert_rne
 
 
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    _gpu_rounding_for_e4m3()
     mod = importlib.import_module(PKG + ".moe")
     print(json.dumps([_interp_case(mod, *c[:6], **c[6]) for c in INTERP_CASES]))

@@ -47,6 +47,9 @@ QWEN3_INTS = dict(
     stride_as=8 * 768,
     stride_pt=2048,
     stride_ot=2048,
+    stride_xst=16,
+    stride_ist=12,
+    stride_ast=12,
     SCALE_BN=1,
     SCALE_BK=1,
 )
@@ -54,6 +57,8 @@ QWEN3_INTS = dict(
 
 FC1_PTRS = {
     "x_ptr": BF,
+    "xs_ptr": "*fp32",
+    "isc_ptr": "*fp32",
     "w_ptr": BF,
     "b_ptr": BF,
     "w2_ptr": BF,
@@ -70,6 +75,8 @@ FC1 = dict(
     HAS_BIAS=False,
     W_SCALE=0,
     A_FP8=False,
+    A_PRE=False,
+    Q_OUT=False,
     DOT_PREC="tf32",
     ROUTE=0,
     SLOT_P2=64,
@@ -87,6 +94,7 @@ FC1 = dict(
     W2_CHUNK=16,
 )
 FC2_PTRS = {
+    "as_ptr": "*fp32",
     "w_ptr": BF,
     "b_ptr": BF,
     "part_ptr": BF,
@@ -104,6 +112,7 @@ FC2 = dict(
     HAS_BIAS=False,
     W_SCALE=0,
     A_FP8=False,
+    A_PRE=False,
     DOT_PREC="tf32",
     ROUTE=0,
     SLOT_P2=64,
@@ -187,3 +196,50 @@ def test_weight_tiles_stream_through_16_byte_async_copies(kernels, which, over):
     ptx = compile_like_a_launch(fn, consts, ptrs, QWEN3_INTS)
     assert async_copy_sizes(ptx) == {"0x10"}, async_copy_sizes(ptx)
     assert not re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)
+
+
+def _k_loop_body(ttgir: str) -> str:
+    """The TTGIR of the K loop: from the scf.for that holds the first MMA to its scf.yield."""
+    lines = ttgir.splitlines()
+    mma = next(i for i, ln in enumerate(lines) if "warp_group_dot " in ln or "tt.dot " in ln)
+    start = max(i for i in range(mma) if "scf.for" in lines[i])
+    end = next(i for i in range(mma, len(lines)) if "scf.yield" in lines[i])
+    return "\n".join(lines[start : end + 1])
+
+
+F8 = "*fp8e4nv"
+FP8_BLOCK_INTS = dict(QWEN3_INTS, SCALE_BN=128, SCALE_BK=128, stride_se=12 * 16, stride_sn=16, stride_sk=1)
+
+
+@pytest.mark.parametrize(
+    "which,over,pre",
+    [
+        ("fc1", {"BK": 128, "W_SCALE": 2}, True),
+        ("fc1", {"BK": 128, "W_SCALE": 1}, True),
+        ("fc2", {"BK": 64, "W_SCALE": 2}, True),
+        ("fc2", {"BK": 128, "W_SCALE": 2, "SPLIT1": 2}, False),
+    ],
+    ids=["fc1-block", "fc1-tensor", "fc2-block", "fc2-after-split-fc1"],
+)
+def test_fp8_activation_k_loop_has_no_quantisation_in_it(kernels, which, over, pre):
+    """With FP8 activations, the activations arrive in e4m3 (quantised once before FC1, FC2's intermediate by
+    FC1's epilogue): the K loop streams them through 16-byte async copies with the weights and runs FP8 wgmma
+    on them straight from shared memory -- no amax reduction and no register -> shared store per K step (what
+    kept FP8 at T = 1 slower than bf16 on the H200). Only FC2 after a K-split FC1 still quantises in the loop."""
+    common = dict(SWAP=True, BN=64, A_FP8=True, A_PRE=pre, **over)
+    if which == "fc1":
+        fn, consts = kernels._moe_fc1_kernel, dict(FC1, Q_OUT=True, **common)
+        ptrs = dict(FC1_PTRS, x_ptr=F8, w_ptr=F8, inter_ptr=F8, w2_ptr=F8)
+    else:
+        fn, consts = kernels._moe_fc2_kernel, dict(FC2, **common)
+        ptrs = dict(FC2_PTRS, a_ptr=F8 if pre else "*fp32", w_ptr=F8)
+    asm = {}
+    ptx = compile_like_a_launch(fn, consts, ptrs, FP8_BLOCK_INTS, num_stages=3, asm=asm)
+    body = _k_loop_body(asm["ttgir"])
+    assert "f8E4M3FN" in body and "warp_group_dot" in body
+    if pre:
+        assert "tt.reduce" not in body and not re.search(r"ttg\.local_alloc %", body), body
+        assert async_copy_sizes(ptx) <= {"0x10", "0x8", "0x4"}
+    else:
+        assert "tt.reduce" in body  # the in-loop quantisation this path keeps
+    assert ptx.count("griddepcontrol.wait") == 1
