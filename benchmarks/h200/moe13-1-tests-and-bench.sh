@@ -3,4 +3,4 @@
 source benchmarks/h200/moe13-common.sh
 { time python3 -m pytest tests/gpu/test_triton_moe.py -q -x -n 4 -p no:cacheprovider ; } 2>&1 | tail -15 | tee "$OUT/pytest-moe.log"
 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8 --tokens 1,2,4,8 --formats bf16,fp8_block,fp8_tensor \
-  --baselines none --reps 30 --out "$OUT" --tag -step1 2>&1 | tee "$OUT/moe-step1.log"
+  --baselines none --reps 30 --out "$OUT" --tag=-step1 2>&1 | tee "$OUT/moe-step1.log"

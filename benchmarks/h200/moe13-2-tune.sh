@@ -6,4 +6,4 @@ for s in qwen3-30b-a3b deepseek-v3-tp8; do
 done
 cp rubin_compile/kernels/triton/moe_configs/NVIDIA_H200.json "$OUT/"
 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8 --tokens 1,2,4,8 --formats bf16,fp8_block,fp8_tensor \
-  --baselines none --reps 30 --out "$OUT" --tag -step2 2>&1 | tee "$OUT/moe-step2.log"
+  --baselines none --reps 30 --out "$OUT" --tag=-step2 2>&1 | tee "$OUT/moe-step2.log"
