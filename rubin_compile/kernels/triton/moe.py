@@ -4,8 +4,9 @@ Contract: ``run(args, launch)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / f
 unquantised, FP8 per-tensor / per-expert or FP8 128x128 block-scaled weights, with no host synchronisation
 (capturable in a CUDA graph); ``launch.pdl`` launches every kernel with Programmatic Dependent Launch, bitwise
 identical to without; ``launch.placement`` runs decode-sized calls split-N over locality domains, also bitwise
-identical. FP8 weights with in-kernel FP8 activations (``a_fp8``, the default for FP8) are within 6e-2 of the
-float64 reference, everything else within the tolerances of tests/gpu/test_triton_moe.py.
+identical. FP8 weights with FP8 activations (``a_fp8``, the default for FP8: quantised once per call, see
+``MoEPlan.quantise`` and ``q_inter``) are within 6e-2 of the float64 reference, everything else within the
+tolerances of tests/gpu/test_triton_moe.py.
 
 Why this shape: decode is bound by reading the routed experts' weights, so the floor is (bytes of the distinct
 experts routed) / (HBM bandwidth), and every launch, pass over memory or host decision costs a fraction of it.

@@ -204,9 +204,16 @@ def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool 
                     BM=base.BM, BN=bn, BK=bk, num_warps=8 if (which == "fc2" and bn >= 128) else 4, num_stages=st
                 )
             )
+    # deeper pipelines at decode: a program streams one weight slice, and its bytes in flight (stages x tile) are
+    # what bounds its bandwidth; FP8 tiles are half the bytes, so they can have twice the stages
+    deep = ((128, 6), (128, 8), (256, 4)) if T <= 64 else ()
     for bn in (64, 128):  # swapped: the weight tile is the wgmma's M side
-        for bk, st in ((128, 3), (64, 4)):
+        for bk, st in ((128, 3), (64, 4), *deep):
             out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=4, num_stages=st, swap=True))
+    if T <= 64 and not a8:
+        for bn in (32, 64):  # mma.sync tiles, deeper
+            for bk, st in ((128, 6), (128, 8)):
+                out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=4, num_stages=st))
     return [g for g in out if _fits(g, which, wfmt)]
 
 
