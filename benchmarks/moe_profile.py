@@ -9,7 +9,8 @@ sm__warps_active.avg.pct_of_peak_sustained_active \
 Each case runs warm-up calls first (compiles, tuned config from the table), then exactly one call between
 ``cudaProfilerStart`` / ``cudaProfilerStop``, so the CSV holds that call's kernels in launch order (ncu
 serialises them and flushes caches between kernels: per-kernel times, not the overlap across kernels).
-``--summarise`` prints per kernel: time, DRAM bytes read, DRAM GB/s and % of peak, grid size.
+``--summarise`` prints per kernel: time, DRAM bytes read, DRAM GB/s and % of peak, grid size, and any other
+metric in the CSV (warp stall reasons, say) as name=value.
 """
 
 from __future__ import annotations
@@ -84,10 +85,24 @@ def summarise(path: str) -> None:
         mb = float(b) * {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(bu, 1e-6)
         pct = m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", ("0", ""))[0]
         warps = m.get("sm__warps_active.avg.pct_of_peak_sustained_active", ("0", ""))[0]
+        extra = " ".join(
+            f"{n.split('issue_stalled_')[-1].split('_per_')[0]}={v}"
+            for n, (v, _) in sorted(m.items())
+            if n not in KNOWN
+        )
         print(
             f"{kid:>4} {name:28s} {grid:>16s} {us:8.1f} {mb:8.1f} {mb / us * 1e3 if us else 0:7.0f} "
-            f"{float(pct):7.1f} {float(warps):7.1f}"
+            f"{float(pct):7.1f} {float(warps):7.1f} {extra}"
         )
+
+
+KNOWN = {
+    "gpu__time_duration.sum",
+    "dram__bytes_read.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "launch__grid_size",
+}
 
 
 if __name__ == "__main__":
