@@ -1,0 +1,643 @@
+"""Fused MoE routing for decode (T <= 64 tokens): router GEMM, scoring, (group-limited) top-k, renormalisation
+and scaling in two Triton kernels, for the routing idioms of rubin_compile/passes/match_moe/routing.py.
+
+Contract. ``route(hidden_states, router_weight, top_k=..., ...)`` returns ``(topk_weights float32 [T, k],
+topk_ids int32 [T, k])`` as ``route_reference`` defines them (below), for bf16 / fp16 / fp32 hidden states and
+router weights (mixed dtypes are multiplied in fp32), ``T <= 64``, ``E <= 512``, ``H <= 8192``,
+``k <= 16``, any E (60, 160: not a power of two) and H (not a multiple of the tile). No host synchronisation
+(every decision is taken from shapes, so the call is capturable in a CUDA graph), no atomics: deterministic,
+and bitwise the same with ``pdl`` on and off. Within float32 rounding of the reference: the logits are summed
+in another order (ids equal wherever no two selection values are within that rounding; weights within 1e-5 in
+float32, 1e-3 relative for bf16 inputs). Arguments that are not valid raise ``RouteArgumentError`` (a
+``ValueError``) naming the argument and the limit, before anything is launched.
+
+Semantics (``route_reference``, plain torch; the idioms of passes/match_moe/routing.py)::
+
+    logits = x.float() @ W.float().T (+ router_bias)                        # float32, [T, E]
+    order "score_then_topk" (default):
+        scores = softmax(logits) (Mixtral, Qwen3-MoE) | sigmoid(logits) (DeepSeek-V3)
+        sel = scores (+ correction_bias)                                     # DeepSeek's e_score_correction_bias
+        n_group > 1 (DeepSeek-V3: 8 groups of 32, keep 4): a group's score is the sum of its two largest
+            sel values; the topk_group best groups are kept; the other groups' experts get sel = -inf
+        ids = top-k of sel;  w = scores[ids]                                 # the unbiased scores
+    order "topk_then_softmax" (GPT-OSS): ids = top-k of logits;  w = softmax(logits[ids])
+    renormalize: w / (w.sum(-1) + 1e-20) with sigmoid scoring (DeepSeek-V3's code), w / w.sum(-1) otherwise
+    w = w * routed_scaling_factor                                            # a float, or a 0-d tensor
+
+Tie rule: equal values are resolved towards the LOWER id, for experts and for groups alike, and the k ids of a
+token are listed in descending value order (equal values: lower id first). ``torch.topk`` promises neither,
+so the reference sorts with ``torch.sort(stable=True)``. DeepSeek-V3's Hugging Face code fills the experts of
+dropped groups with 0.0 rather than -inf; the two agree whenever the kept experts' selection values are
+positive (sigmoid scores plus a small bias), and -inf is what vLLM's ``grouped_topk`` uses. NaN logits give
+unspecified (but in-range, distinct) ids.
+
+Why this shape. At decode the routing is a few microseconds of launches around a tiny amount of work (the
+DeepSeek-V3 router is 3.7 MB, 0.9 us of HBM; Qwen3-30B-A3B's 0.5 MB; Mixtral's 64 KB): cuBLAS's GEMM plus
+softmax / top-k / renormalisation kernels cost about 10 us per layer on an H200 (an estimate; benchmarks/route.py
+measures both). Two kernels, chained with PDL:
+
+- ``_router_logits_kernel``, grid (E / BE, H / BK): every program owns one [BE, BK] tile of the router weight,
+  loaded whole into registers *before* ``griddepcontrol.wait`` (weights never depend on the previous kernel,
+  so their DRAM round trip overlaps its tail), then reads the [T, BK] activations and writes float32 partial
+  logits [SPLIT, T, E] (SPLIT = H / BK): ``tl.dot`` when T pads to 16 or more, fp32 multiply-adds with
+  ``tl.sum`` for T <= 8 (a GEMV: no padding to the tensor cores' 16 rows). The tile is sized so the grid
+  covers the SMs about once or twice for the large routers (``heuristic``) and stays a handful of programs
+  for the small ones; splitting H rather than E is what gives a 256 x 7168 router 224 programs.
+- ``_route_topk_kernel``, one program per token: sums the SPLIT partials in split order (deterministic),
+  adds the router bias, scores, and selects with k rounds of argmax over the E experts held in registers as
+  [groups, experts per group] (padded to powers of two with dead lanes, which never win); group scores are
+  the row-wise top-2, the kept groups topk_group rounds of argmax; then the weights, renormalised, scaled.
+  Each choice is one max-reduction of (value, lower id) packed into an int64; one warp per token, so every
+  reduction is a warp ``redux.sync`` or shuffle, with no barrier and no shared memory.
+
+A single kernel in which the last program to finish its partial does the top-k would save the second launch
+but needs an arrival counter in memory that outlives the call (and its reset); with PDL the second launch is
+already hidden behind the first kernel (its programs are resident, waiting, before the first finishes).
+
+PDL. With sm_90+ and Triton's ``gdc_wait`` (not under TRITON_INTERPRET) both kernels hold the PDL
+instructions: kernel 1 waits before reading the hidden states (the previous kernel's output) and lets kernel 2
+launch right after its wait; kernel 2 is always launched with PDL on kernel 1 (our own pair: always safe), waits
+before reading the partials and lets the next kernel (the MoE's first GEMM) launch right after. ``pdl=True``
+launches kernel 1 with PDL too; the router weight is then read before the previous kernel has finished, so it
+must not be that kernel's output (it is a parameter). The biases are read before kernel 2's wait, which is safe:
+kernel 2 starts only once every program of kernel 1 has passed its wait, i.e. once everything before the call
+has finished.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.errors import RubinError
+
+try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gdc_wait = gdc_launch_dependents = None
+
+MAX_T = 64  # tokens per call: decode and small batches (the partials and per-token programs are sized for it)
+MAX_E = 512  # experts: the top-k kernel holds a token's E logits in registers
+MAX_H = 8192  # hidden size: at most 128 H slices, summed by unrolled loads in the top-k kernel
+MAX_K = 16  # experts per token: k unrolled rounds of argmax
+FMA_MAX_T = 8  # up to this many tokens, the logits kernel uses multiply-adds (T pads to 16 for tl.dot above)
+SCORINGS = ("softmax", "sigmoid")
+ORDERS = ("score_then_topk", "topk_then_softmax")
+SIGMOID_RENORM_EPS = 1e-20  # DeepSeek-V3's ``topk_weights.sum(-1, keepdim=True) + 1e-20``
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class RouteArgumentError(RubinError, ValueError):
+    """Raised when the arguments of a routing call are not valid (or exceed the kernel's limits)."""
+
+
+def _fail(msg: str) -> None:
+    raise RouteArgumentError(f"route: {msg}")
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments and the reference
+# ------------------------------------------------------------------------------------------------
+
+
+def _check(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    router_bias: Optional[torch.Tensor],
+    correction_bias: Optional[torch.Tensor],
+    n_group: int,
+    topk_group: int,
+    scale: Union[float, torch.Tensor],
+    order: str,
+) -> tuple[int, int, int]:
+    """(T, H, E) of a valid routing call; ``RouteArgumentError`` naming the problem otherwise."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _fail(f"hidden_states must be a 2-D [T, H] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        _fail(f"router_weight must be a 2-D [E, H] tensor, got {getattr(w, 'shape', type(w).__name__)}")
+    T, H = x.shape
+    E = w.shape[0]
+    if w.shape[1] != H:
+        _fail(f"router_weight is {tuple(w.shape)} but hidden_states has H={H} (router_weight must be [E, H])")
+    for name, t in (("hidden_states", x), ("router_weight", w)):
+        if t.dtype not in DTYPES:
+            _fail(f"{name} dtype {t.dtype} is not supported (bfloat16, float16 or float32)")
+    for name, b in (("router_bias", router_bias), ("correction_bias", correction_bias)):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (E,):
+            _fail(f"{name} must be a [E] = [{E}] tensor, got {getattr(b, 'shape', type(b).__name__)}")
+        if b.dtype not in DTYPES:
+            _fail(f"{name} dtype {b.dtype} is not supported (bfloat16, float16 or float32)")
+        if b.device != x.device:
+            _fail(f"{name} is on {b.device}, hidden_states on {x.device}")
+    if w.device != x.device:
+        _fail(f"router_weight is on {w.device}, hidden_states on {x.device}")
+    if scoring not in SCORINGS:
+        _fail(f"scoring={scoring!r} is not one of {SCORINGS}")
+    if order not in ORDERS:
+        _fail(f"order={order!r} is not one of {ORDERS}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        _fail(f"top_k must be a positive int, got {top_k!r}")
+    if top_k > E:
+        _fail(f"top_k={top_k} is larger than the number of experts E={E}")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
+        _fail(f"n_group must be a positive int, got {n_group!r}")
+    if E % n_group:
+        _fail(f"n_group={n_group} does not divide the number of experts E={E}")
+    if n_group > 1:
+        if E // n_group < 2:
+            _fail(f"n_group={n_group} leaves {E // n_group} expert per group; group scores sum the top 2 of each")
+        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+            _fail(f"topk_group={topk_group!r} must be an int in [1, n_group={n_group}]")
+        if top_k > topk_group * (E // n_group):
+            _fail(
+                f"top_k={top_k} is larger than the {topk_group * (E // n_group)} experts of the topk_group="
+                f"{topk_group} groups kept"
+            )
+    if order == "topk_then_softmax":
+        if scoring != "softmax":
+            _fail("order='topk_then_softmax' takes scoring='softmax' (the softmax over the k selected logits)")
+        if correction_bias is not None or n_group > 1:
+            _fail("order='topk_then_softmax' takes no correction_bias and n_group=1 (GPT-OSS's routing)")
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or not scale.is_floating_point():
+            _fail(
+                f"routed_scaling_factor as a tensor must be a 0-d float tensor, got {tuple(scale.shape)} {scale.dtype}"
+            )
+        if scale.device != x.device:
+            _fail(f"routed_scaling_factor is on {scale.device}, hidden_states on {x.device}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(f"routed_scaling_factor must be a float or a 0-d tensor, got {type(scale).__name__}")
+    return T, H, E
+
+
+def _topk_lower_id(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values along the last dim and their indices, descending; equal values: lower index first
+    (a stable sort keeps equal elements in index order, descending or not)."""
+    vals, idx = torch.sort(v, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def route_reference(
+    hidden_states: torch.Tensor,
+    router_weight: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    router_bias: Optional[torch.Tensor] = None,
+    correction_bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: Union[float, torch.Tensor] = 1.0,
+    order: str = "score_then_topk",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing's semantics in plain torch (the module docstring): ``(topk_weights float32 [T, k],
+    topk_ids int32 [T, k])``; any T, E, H, k (the kernel's limits do not apply), any device."""
+    T, H, E = _check(
+        hidden_states,
+        router_weight,
+        top_k,
+        scoring,
+        router_bias,
+        correction_bias,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        order,
+    )
+    logits = hidden_states.float() @ router_weight.float().t()
+    if router_bias is not None:
+        logits = logits + router_bias.float()
+    if order == "topk_then_softmax":
+        top, ids = _topk_lower_id(logits, top_k)
+        w = torch.softmax(top, dim=-1)
+    else:
+        scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+        sel = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            per = E // n_group
+            group_scores = _topk_lower_id(sel.view(T, n_group, per), 2)[0].sum(-1)
+            kept = _topk_lower_id(group_scores, topk_group)[1]
+            keep = torch.zeros((T, n_group), dtype=torch.bool, device=sel.device).scatter_(1, kept, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+        ids = _topk_lower_id(sel, top_k)[1]
+        w = scores.gather(1, ids)
+    if renormalize:
+        s = w.sum(-1, keepdim=True)
+        w = w / (s + SIGMOID_RENORM_EPS) if scoring == "sigmoid" else w / s
+    if isinstance(routed_scaling_factor, torch.Tensor):
+        w = w * routed_scaling_factor.float()
+    else:
+        w = w * float(routed_scaling_factor)
+    return w.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """The logits kernel's tile (each program holds one [block_e, block_k] weight tile) and the warps of both
+    kernels. ``heuristic`` chooses it; tests pass one to force H splits and E tiles at small shapes."""
+
+    block_e: int = 16  # experts per program (a power of two; >= 16 for the tl.dot form)
+    block_k: int = 512  # hidden positions per program (a power of two): SPLIT = cdiv(H, block_k) partials
+    num_warps: int = 4  # the logits kernel
+    topk_warps: int = 1  # the top-k kernel: one warp, so every reduction is a warp redux / shuffle, no barrier
+
+
+def heuristic(T: int, E: int, H: int, num_sms: int = 132) -> RouteConfig:
+    """A tile of 2048-8192 weight elements (4-16 KB in bf16, 16-64 fp32 registers a thread) such that the grid
+    holds about one program per SM for the large routers (DeepSeek-V3: 16 x 512 tiles, 16 x 14 = 224
+    programs); BK as long as that allows (fewer partials to sum; each expert row read in 1 KB runs)."""
+    lo = 8 if T <= FMA_MAX_T else 16
+    tile = max(2048, min(8192, triton.next_power_of_2(max(1, E * H // num_sms))))
+    bk = min(512, tile // lo, max(64, triton.next_power_of_2(H)))
+    be = max(lo, min(tile // bk, triton.next_power_of_2(E)))
+    return RouteConfig(block_e=be, block_k=bk)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["T"])  # one binary for every T (T == 1 would specialise)
+def _router_logits_kernel(
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    T,
+    E,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wh,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    T_PAD: tl.constexpr,
+    MMA: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """Partial logits ``part[s, t, e] = sum over h in slice s of x[t, h] * W[e, h]`` (float32) for the BE experts
+    of program 0's index and the BK hidden positions of program 1's index."""
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_e = pid_e * BE + tl.arange(0, BE)
+    e_ok = offs_e < E
+    rows = tl.where(e_ok, offs_e, 0)  # masked-off experts read row 0 (in bounds), never stored
+    offs_k = pid_s * BK + tl.arange(0, BK)
+    k_ok = offs_k < H
+    # The router weight never depends on the previous kernel: this program's whole tile is requested now, so its
+    # DRAM round trip overlaps the previous kernel's tail under PDL.
+    w = tl.load(w_ptr + rows[:, None] * stride_we + offs_k[None, :] * stride_wh, mask=k_ok[None, :], other=0.0)
+    if GDC:
+        gdc_wait()  # the hidden states are the previous kernel's output
+        gdc_launch_dependents()  # the top-k kernel's programs may take free SM slots now (they wait for us)
+    part = part_ptr + pid_s * T * E
+    if MMA:
+        offs_t = tl.arange(0, T_PAD)
+        t_ok = offs_t < T
+        x = tl.load(
+            x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xh,
+            mask=t_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if COMPUTE == tl.float32:  # fp32 inputs (and the interpreter): exact products, as the reference's
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # 16-bit products are exact in the fp32 accumulator
+            acc = tl.dot(x.to(COMPUTE), tl.trans(w.to(COMPUTE)))
+        tl.store(part + offs_t[:, None] * E + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+    else:
+        wf = w.to(tl.float32)
+        for t in range(T):
+            xt = tl.load(x_ptr + t * stride_xt + offs_k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+            tl.store(part + t * E + offs_e, tl.sum(wf * xt[None, :], axis=1), mask=e_ok)
+
+
+@triton.jit
+def _max2d(v):
+    return tl.max(tl.max(v, axis=1), axis=0)
+
+
+@triton.jit
+def _key(v, ids, BIG: tl.constexpr):
+    """(value, id) packed into one int64 whose order is the value's, then the LOWER id: one max-reduction is an
+    argmax with the tie rule. The float's bits map to an int32 of the same order (negative floats: magnitude
+    bits flipped; -0.0 taken as +0.0, which it equals); the low word is ``BIG - id``."""
+    bits = tl.where(v == 0.0, 0, v.to(tl.int32, bitcast=True))
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered.to(tl.int64) * 4294967296 + (BIG - ids).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 value of a ``_key`` (exact)."""
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_id(key, BIG: tl.constexpr):
+    return (BIG - (key & 4294967295)).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_topk_kernel(
+    part_ptr,
+    bias_ptr,
+    corr_ptr,
+    scale_ptr,
+    w_out_ptr,
+    id_out_ptr,
+    T,
+    scale,
+    stride_wt,
+    stride_it,
+    SPLIT: tl.constexpr,
+    NG: tl.constexpr,
+    GS: tl.constexpr,
+    NG_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    TOPK_FIRST: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_CORR: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """One token: logits from the partials, scores, (grouped) top-k, weights. The E = NG * GS experts are held
+    as [NG_PAD, GS_PAD] (expert ``g * GS + j``); lanes past GS or NG are dead and never selected. Each choice
+    is one max-reduction of packed (value, lower id) keys (``_key``): the chain of dependent reductions is k
+    long (plus topk_group), not 2k."""
+    E: tl.constexpr = NG * GS
+    BIG: tl.constexpr = 2 * NG_PAD * GS_PAD  # above every lane's id: BIG - id > 0
+    DEAD: tl.constexpr = -(2**63)  # the key of dead and taken lanes: below every value's (-inf's, NaN's too)
+    NEG = float("-inf")
+    t = tl.program_id(0)
+    g = tl.arange(0, NG_PAD)[:, None]
+    j = tl.arange(0, GS_PAD)[None, :]
+    valid = (g < NG) & (j < GS)
+    flat = g * GS + j  # the expert id (dead lanes alias other ids: always masked with ``valid``)
+    lane = tl.where(valid, flat, 0)
+    # Parameters, read before the wait: kernel 1 lets this grid launch only after its own wait, i.e. once every
+    # kernel before the call has finished.
+    bias = tl.zeros((NG_PAD, GS_PAD), tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + lane, mask=valid, other=0.0).to(tl.float32)
+    corr = tl.zeros((NG_PAD, GS_PAD), tl.float32)
+    if HAS_CORR:
+        corr = tl.load(corr_ptr + lane, mask=valid, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_wait()  # the partial logits are kernel 1's output
+        gdc_launch_dependents()
+    ptrs = part_ptr + t * E + lane
+    acc = tl.load(ptrs, mask=valid, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # in split order: deterministic
+        acc += tl.load(ptrs + s * T * E, mask=valid, other=0.0)
+    logits = acc
+    if HAS_BIAS:
+        logits = logits + bias
+    if TOPK_FIRST:
+        scores = logits
+    elif SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        ex = tl.where(valid, tl.exp(logits - _max2d(tl.where(valid, logits, NEG))), 0.0)
+        scores = ex / tl.sum(tl.sum(ex, axis=1), axis=0)
+    sel = scores
+    if HAS_CORR:
+        sel = scores + corr
+    key = tl.where(valid, _key(sel, flat, BIG), DEAD)
+    skey = key
+    if HAS_CORR:  # the weights are the unbiased scores: read back with the same integer max (warp redux)
+        skey = tl.where(valid, _key(scores, flat, BIG), DEAD)
+    if NG > 1:
+        # A group's score: its largest value plus the largest of the others (the first maximum's lane removed,
+        # so a group holding two equal maxima scores twice it, as the top-2 sum does).
+        k1 = tl.max(key, axis=1)
+        k2 = tl.max(tl.where(flat == _key_id(k1, BIG)[:, None], DEAD, key), axis=1)
+        gi = tl.arange(0, NG_PAD)
+        gkey = tl.where(gi < NG, _key(_key_value(k1) + _key_value(k2), gi, BIG), DEAD)
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):  # the best groups; equal scores: the lower group id
+            pick = _key_id(tl.max(gkey, axis=0), BIG)
+            keep = keep | (gi == pick)
+            gkey = tl.where(gi == pick, DEAD, gkey)
+        key = tl.where(keep[:, None], key, DEAD)
+    kk = tl.arange(0, K_PAD)
+    k_ok = kk < K
+    ids = tl.zeros((K_PAD,), tl.int32)
+    wts = tl.zeros((K_PAD,), tl.float32)
+    for i in tl.static_range(K):  # k rounds of argmax; equal values: the lower expert id
+        m = _max2d(key)
+        idx = _key_id(m, BIG)
+        ids = tl.where(kk == i, idx, ids)
+        if HAS_CORR:  # the score of the expert chosen (off the chain of maxima)
+            wts = tl.where(kk == i, _key_value(_max2d(tl.where(flat == idx, skey, DEAD))), wts)
+        else:  # the value chosen is the weight
+            wts = tl.where(kk == i, _key_value(m), wts)
+        key = tl.where(flat == idx, DEAD, key)
+    if TOPK_FIRST:  # softmax over the k selected logits (the first is the largest)
+        ex = tl.where(k_ok, tl.exp(wts - tl.max(tl.where(k_ok, wts, NEG), axis=0)), 0.0)
+        wts = ex / tl.sum(ex, axis=0)
+    if RENORM:
+        total = tl.sum(tl.where(k_ok, wts, 0.0), axis=0)
+        if SIGMOID:
+            total = total + 1e-20
+        wts = wts / total
+    if SCALE_PTR:
+        wts = wts * tl.load(scale_ptr).to(tl.float32)
+    else:
+        wts = wts * scale
+    tl.store(w_out_ptr + t * stride_wt + kk, wts, mask=k_ok)
+    tl.store(id_out_ptr + t * stride_it + kk, ids, mask=k_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, bool]:
+    """(SM count, has PDL: sm_90+) of a CUDA device."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major >= 9
+
+
+def _has_gdc(dev: torch.device) -> bool:
+    """Whether the kernels hold the PDL instructions: sm_90+, a Triton with them, not the interpreter."""
+    if gdc_wait is None or _INTERPRET or dev.type != "cuda":
+        return False
+    return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 132
+    return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0]
+
+
+def _check_limits(T: int, H: int, E: int, top_k: int) -> None:
+    if T > MAX_T:
+        _fail(f"T={T} tokens exceeds the kernel's limit of {MAX_T} (MAX_T): it is for decode; use the ATen routing")
+    if E > MAX_E:
+        _fail(f"E={E} experts exceeds the kernel's limit of {MAX_E} (MAX_E)")
+    if H > MAX_H:
+        _fail(f"H={H} exceeds the kernel's limit of {MAX_H} (MAX_H)")
+    if H < 1:
+        _fail("H=0: an empty hidden dimension")
+    if top_k > MAX_K:
+        _fail(f"top_k={top_k} exceeds the kernel's limit of {MAX_K} (MAX_K)")
+
+
+def _check_out(name: str, buf: Optional[torch.Tensor], T: int, k: int, dtype: torch.dtype, dev: torch.device):
+    if buf is None:
+        return torch.empty((T, k), dtype=dtype, device=dev)
+    if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != (T, k) or buf.dtype != dtype:
+        _fail(
+            f"{name} must be a [{T}, {k}] {dtype} tensor, got {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}"
+        )
+    if buf.device != dev:
+        _fail(f"{name} is on {buf.device}, hidden_states on {dev}")
+    if k > 1 and buf.stride(1) != 1:
+        _fail(f"{name} must have unit stride along k, got strides {buf.stride()}")
+    return buf
+
+
+def route(
+    hidden_states: torch.Tensor,
+    router_weight: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    router_bias: Optional[torch.Tensor] = None,
+    correction_bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: Union[float, torch.Tensor] = 1.0,
+    order: str = "score_then_topk",
+    pdl: bool = False,
+    out_weights: Optional[torch.Tensor] = None,
+    out_ids: Optional[torch.Tensor] = None,
+    config: Optional[RouteConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_reference``'s result from the two kernels (the module docstring): ``(out_weights float32 [T, k],
+    out_ids int32 [T, k])``, written into the given buffers when passed (unit stride along k). ``pdl``: launch
+    the first kernel with Programmatic Dependent Launch (sm_90+; no effect elsewhere). ``config``: the logits
+    kernel's tile (``heuristic`` when None)."""
+    x, w = hidden_states, router_weight
+    T, H, E = _check(
+        x, w, top_k, scoring, router_bias, correction_bias, n_group, topk_group, routed_scaling_factor, order
+    )
+    _check_limits(T, H, E, top_k)
+    dev = x.device
+    out_w = _check_out("out_weights", out_weights, T, top_k, torch.float32, dev)
+    out_i = _check_out("out_ids", out_ids, T, top_k, torch.int32, dev)
+    if dev.type != "cuda" and not _INTERPRET:
+        _fail(f"the kernels need CUDA tensors, got {dev} (TRITON_INTERPRET=1 runs them on the CPU, for tests)")
+    if T == 0:
+        return out_w, out_i
+    cfg = config or heuristic(T, E, H, _num_sms(dev))
+    for name in ("block_e", "block_k"):
+        v = getattr(cfg, name)
+        if v < 8 or v & (v - 1):
+            _fail(f"config.{name}={v} must be a power of two >= 8")
+    mma = T > FMA_MAX_T
+    if mma and cfg.block_e < 16:
+        cfg = RouteConfig(16, cfg.block_k, cfg.num_warps, cfg.topk_warps)  # tl.dot's smallest N
+    if _INTERPRET:
+        compute = tl.float32  # the interpreter's dot takes no bf16
+    elif x.dtype == w.dtype and x.dtype != torch.float32:
+        compute = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+    else:
+        compute = tl.float32
+    t_pad = max(16, triton.next_power_of_2(T)) if mma else 1
+    if mma:  # the dot's operands go through shared memory: at most 96 KB of it (fp32 at T = 64 would take 160)
+        esize = 4 if compute == tl.float32 else 2
+        bk = cfg.block_k
+        while (t_pad + cfg.block_e) * bk * esize > 96 * 1024 and bk > 64:
+            bk //= 2
+        cfg = RouteConfig(cfg.block_e, bk, cfg.num_warps, cfg.topk_warps)
+    split = triton.cdiv(H, cfg.block_k)
+    if split > MAX_H // 64:
+        _fail(f"config.block_k={cfg.block_k} cuts H={H} into {split} slices; at most {MAX_H // 64} are summed")
+    gdc = _has_gdc(dev)
+    part = torch.empty((split, T, E), dtype=torch.float32, device=dev)
+    _router_logits_kernel[(triton.cdiv(E, cfg.block_e), split)](
+        x,
+        w,
+        part,
+        T,
+        E,
+        H,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        BE=cfg.block_e,
+        BK=cfg.block_k,
+        T_PAD=t_pad,
+        MMA=mma,
+        COMPUTE=compute,
+        GDC=gdc,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        **({"launch_pdl": True} if pdl and gdc else {}),
+    )
+    ng = n_group if order == "score_then_topk" else 1
+    gs = E // ng
+    scale = routed_scaling_factor
+    scale_is_tensor = isinstance(scale, torch.Tensor)
+    _route_topk_kernel[(T,)](
+        part,
+        router_bias if router_bias is not None else part,
+        correction_bias if correction_bias is not None else part,
+        scale if scale_is_tensor else part,
+        out_w,
+        out_i,
+        T,
+        1.0 if scale_is_tensor else float(scale),
+        out_w.stride(0),
+        out_i.stride(0),
+        SPLIT=split,
+        NG=ng,
+        GS=gs,
+        NG_PAD=triton.next_power_of_2(ng),
+        GS_PAD=triton.next_power_of_2(gs),
+        K=top_k,
+        K_PAD=max(2, triton.next_power_of_2(top_k)),
+        TOPK_GROUP=topk_group if ng > 1 else 1,
+        SIGMOID=scoring == "sigmoid",
+        TOPK_FIRST=order == "topk_then_softmax",
+        RENORM=bool(renormalize),
+        HAS_BIAS=router_bias is not None,
+        HAS_CORR=correction_bias is not None,
+        SCALE_PTR=scale_is_tensor,
+        GDC=gdc,
+        num_warps=cfg.topk_warps,
+        num_stages=1,
+        **({"launch_pdl": True} if gdc else {}),  # our own second kernel: PDL on the first is always safe
+    )
+    return out_w, out_i
