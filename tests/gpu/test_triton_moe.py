@@ -240,6 +240,38 @@ def test_fc1_split_over_k(tmoe, wfmt, mode, T, split):
     _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8"])
 
 
+@pytest.mark.parametrize("wfmt", ["fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("mode,T", [("slot", 1), ("slot", 7), ("grouped", 60)])
+@pytest.mark.parametrize("split", [2, 3])
+def test_fc1_split_over_k_fp8_activations(tmoe, wfmt, mode, T, split):
+    """FP8 activations with FC1 split over K: FC1's last-arriving program of each (group, N tile) sums the
+    float32 partials in split order and writes the e4m3 intermediate (plan.split_sum). Right within e4m3's
+    error, bitwise the same with PDL on and off and from one call to the next (the tickets are re-zeroed)."""
+    x, tw, ids, kw = _inputs(T, 9, 512, 256, 2, torch.bfloat16, wfmt=wfmt, act="gelu_tanh", bias=True)
+    cfg = _cfg(tmoe, mode, bk=64, bn1=64, split=split, a_fp8=True, swap=True)
+    plan = tmoe.plan_call(
+        T,
+        512,
+        9,
+        256,
+        2,
+        x.dtype,
+        kw["w13"].dtype,
+        tuple(kw["block_shape"]) if "block_shape" in kw else None,
+        "gelu_tanh",
+        cfg,
+        True,
+        False,
+        False,
+        False,
+    )
+    assert plan.split == split and plan.split_sum, plan
+    off = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
+    _check(off, _reference(x, tw, ids, kw), TOL["fp8_a8"])
+    assert torch.equal(_run(tmoe, x, tw, ids, kw, config=cfg, pdl=True), off)
+    assert torch.equal(_run(tmoe, x, tw, ids, kw, config=cfg, pdl=True), off)
+
+
 @pytest.mark.parametrize("mode,T", [("slot", 1), ("slot", 9), ("grouped", 40)])
 @pytest.mark.parametrize("wfmt", ["16", "fp8_block"])
 def test_kernel_boundary_options_bitwise_identical(tmoe, mode, T, wfmt):

@@ -39,6 +39,8 @@ def _moe_supports(target: Target, spec: KernelSpec) -> Optional[str]:
         return f"{QUANT_LABELS[spec.quant]} weights are not supported (bf16 / fp16, FP8 per-tensor or block)"
     if spec.act_dtype not in _MOE_ACTS:
         return f"activations in {spec.act_dtype} are not supported (bf16 / fp16)"
+    if spec.quant == "fp8_block" and spec.block_shape and int(spec.block_shape[-1]) % 16:
+        return f"FP8 scale blocks {spec.block_shape[-1]} wide along K: the kernels' K tiles are multiples of 16"
     if spec.activation not in (None,) + MOE_ACTIVATIONS:
         return f"activation {spec.activation} is not implemented in the Triton MoE ({', '.join(MOE_ACTIVATIONS)})"
     if importlib.util.find_spec("triton") is None:

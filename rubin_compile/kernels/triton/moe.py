@@ -416,11 +416,13 @@ def _mma_step(
     return out
 
 
-@triton.jit(do_not_specialize=["H"])
+@triton.jit(do_not_specialize=["H", "n_tick"])
 def _quant_fp8_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    tick_ptr,
+    n_tick,
     H,
     stride_xt,
     stride_xh,
@@ -432,13 +434,19 @@ def _quant_fp8_kernel(
 ):
     """Activations to e4m3 once per call, for FC1: q[t, j] = e4m3(x[t, j] / s[t, j // G]) with s = max(amax of
     the G-wide group, 1e-12) / 448, G = FC1's K tile, the same numbers FC1 used to compute in every program
-    and K step. Program (t, b) does groups [b * NG, (b + 1) * NG) of token t."""
+    and K step. Program (t, b) does groups [b * NG, (b + 1) * NG) of token t. Program (0, 0) also zeroes the
+    ``n_tick`` arrival tickets of a K-split FC1 (after its wait: the memory may be a buffer an earlier kernel
+    still used)."""
     t = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1) * NG + tl.arange(0, NG)
     offs = gi[:, None] * G + tl.arange(0, G)[None, :]
     mask = offs < H
     if GDC:
         gdc_wait()  # the hidden states are the previous kernel's output
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for c0 in range(0, n_tick, 1024):
+            zo = c0 + tl.arange(0, 1024)
+            tl.store(tick_ptr + zo, tl.zeros([1024], tl.int32), mask=zo < n_tick)
     x = tl.load(x_ptr + t * stride_xt + offs * stride_xh, mask=mask, other=0.0).to(tl.float32)
     if GDC:
         gdc_launch_dependents()
@@ -477,6 +485,8 @@ def _moe_fc1_kernel(
     gcount_ptr,
     inter_ptr,
     isc_ptr,
+    qi_ptr,
+    tick_ptr,
     cnt_ptr,
     w2_ptr,
     S,
@@ -501,6 +511,7 @@ def _moe_fc1_kernel(
     stride_w2e,
     stride_xst,
     stride_ist,
+    stride_qit,
     SCALE_BN,
     SCALE_BK,
     ACT: tl.constexpr,
@@ -521,6 +532,7 @@ def _moe_fc1_kernel(
     PF_CHUNK: tl.constexpr,
     SWAP: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_SUM: tl.constexpr,
     EARLY: tl.constexpr,
     W2_L2: tl.constexpr,
     W2_CHUNK: tl.constexpr,
@@ -541,6 +553,11 @@ def _moe_fc1_kernel(
     ``Q_OUT``: the epilogue writes the intermediate as e4m3 with one scale per (slot, BN columns) into
     ``isc`` [S, I / BN], which FC2 reads with its K tile equal to our BN. The scales of the next K step are
     loaded one step ahead, so their latency hides behind this step's copies and MMAs.
+
+    ``SPLIT_SUM`` (K split with ``Q_OUT``): the SPLIT programs of a (group, N tile) each store their float32
+    partials, then take an arrival ticket (``tick``, zeroed by the quantisation kernel); the last to arrive sums
+    the partials in split order (deterministic), activates, and writes the e4m3 intermediate ``qi`` and its
+    scales, so FC2 reads one e4m3 tile per K step as after an unsplit FC1.
     """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -666,18 +683,42 @@ def _moe_fc1_kernel(
         i_ptrs = inter_ptr + pid_k * stride_is + slot[:, None] * stride_it + offs_n[None, :]
         i_mask = valid[:, None] & n_mask[None, :]
         if SPLIT == 1:
-            if ACT == 0:
-                h = _silu(acc_g) * acc_u
-            else:
-                h = _gelu_tanh(acc_g) * acc_u
-            if Q_OUT:  # e4m3 with a scale per (slot, our BN columns): FC2's FP8 A tile, quantised once
-                hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
-                h = h / hs[:, None]
-                tl.store(isc_ptr + slot * stride_ist + pid_n, hs, mask=valid)
-            tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
+            _act_store(acc_g, acc_u, i_ptrs, i_mask, isc_ptr + slot * stride_ist + pid_n, valid, ACT, Q_OUT)
         else:
             tl.store(i_ptrs, acc_g, mask=i_mask)
             tl.store(i_ptrs + N_UP, acc_u, mask=i_mask)
+    if SPLIT_SUM:
+        # Publish this program's partials, then count arrivals per (group, N tile): the last of the SPLIT
+        # programs sums them in split order (deterministic, no float atomics) -- as FC2's fused top-k sum does.
+        tl.debug_barrier()
+        old = tl.atomic_add(tick_ptr + pid_g * tl.num_programs(1) + pid_n, 1, sem="acq_rel", scope="gpu")
+        if old == SPLIT - 1:
+            for m0 in range(0, count, BM):
+                slot, valid = _group_rows(match, rank, sorted_ptr, start, count, m0, ROUTE, BM, SLOT_P2)
+                p_ptrs = inter_ptr + slot[:, None] * stride_it + offs_n[None, :]
+                p_mask = valid[:, None] & n_mask[None, :]
+                g = tl.zeros([BM, BN], tl.float32)
+                u = tl.zeros([BM, BN], tl.float32)
+                for sp in tl.static_range(0, SPLIT):
+                    g += tl.load(p_ptrs + sp * stride_is, mask=p_mask, other=0.0, cache_modifier=".cg")
+                    u += tl.load(p_ptrs + sp * stride_is + N_UP, mask=p_mask, other=0.0, cache_modifier=".cg")
+                q_ptrs = qi_ptr + slot[:, None] * stride_qit + offs_n[None, :]
+                _act_store(g, u, q_ptrs, p_mask, isc_ptr + slot * stride_ist + pid_n, valid, ACT, True)
+
+
+@triton.jit
+def _act_store(acc_g, acc_u, ptrs, mask, sc_ptrs, valid, ACT: tl.constexpr, Q_OUT: tl.constexpr):
+    """act(gate) * up into the intermediate at ``ptrs``; with ``Q_OUT`` in e4m3, one scale per row (amax / 448
+    over the tile's columns) stored at ``sc_ptrs`` -- FC2's FP8 A tile, quantised once."""
+    if ACT == 0:
+        h = _silu(acc_g) * acc_u
+    else:
+        h = _gelu_tanh(acc_g) * acc_u
+    if Q_OUT:
+        hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / 448.0
+        h = h / hs[:, None]
+        tl.store(sc_ptrs, hs, mask=valid)
+    tl.store(ptrs, h.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit(
@@ -1018,8 +1059,9 @@ class MoEPlan:
     first_pdl: bool  # the call's first kernel is launched with PDL (Launch.pdl)
     chain_pdl: bool  # our later kernels are launched with PDL (Launch.pdl or config.chain)
     a_fp8: bool  # FP8 activations: the hidden states quantised once per call (quantise()) for FC1
-    q_inter: bool  # ... and FC1's epilogue writes FC2's intermediate in e4m3 (fc2.BK == fc1.BN); not after a
-    # K-split FC1 or over locality domains, where FC2 quantises its A tiles itself
+    q_inter: bool  # ... and FC1 writes FC2's intermediate in e4m3 (fc2.BK == fc1.BN); not over locality domains,
+    # where FC2 quantises its A tiles itself
+    split_sum: bool  # K-split FC1 with q_inter: FC1's last-arriving program sums the partials (else FC2 does)
     dot_prec: str
     x_dtype: torch.dtype
 
@@ -1076,13 +1118,25 @@ class MoEPlan:
         return sorted_slots, gexp, gstart, gcount
 
     def intermediate(self, dev: torch.device) -> torch.Tensor:
-        """FC1's output: [1, S, I] in the activations' dtype; float32 partial (gate, up) products
-        [split, S, 2I] when FC1 is split over K."""
+        """FC1's output: [1, S, I] in the activations' dtype (e4m3 with ``q_inter``); float32 partial (gate, up)
+        products [split, S, 2I] when FC1 is split over K."""
         if self.split > 1:
             return torch.empty((self.split, self.S, 2 * self.I), dtype=torch.float32, device=dev)
         if self.q_inter:
             return torch.empty((1, self.S, self.I), dtype=torch.float8_e4m3fn, device=dev)
         return torch.empty((1, self.S, self.I), dtype=self.x_dtype, device=dev)
+
+    def summed_intermediate(self, dev: torch.device) -> Optional[torch.Tensor]:
+        """With ``split_sum``: the e4m3 intermediate [1, S, I] FC1's last programs write from the partials."""
+        if not self.split_sum:
+            return None
+        return torch.empty((1, self.S, self.I), dtype=torch.float8_e4m3fn, device=dev)
+
+    def tickets(self, dev: torch.device) -> Optional[torch.Tensor]:
+        """With ``split_sum``: one arrival ticket per (group, FC1 N tile), zeroed by ``quantise``'s kernel."""
+        if not self.split_sum:
+            return None
+        return torch.empty(self.groups * triton.cdiv(self.I, self.fc1.BN), dtype=torch.int32, device=dev)
 
     def inter_scales(self, dev: torch.device) -> Optional[torch.Tensor]:
         """The e4m3 intermediate's scales [S, I / fc1.BN] (``q_inter``), else None."""
@@ -1090,9 +1144,11 @@ class MoEPlan:
             return None
         return torch.empty((self.S, triton.cdiv(self.I, self.fc1.BN)), dtype=torch.float32, device=dev)
 
-    def quantise(self, x: torch.Tensor, pdl: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def quantise(
+        self, x: torch.Tensor, pdl: bool, tick: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(activations for FC1, their scales): with ``a_fp8`` the hidden states in e4m3 with one scale per
-        (token, FC1 K tile), made by one small kernel; else ``x`` itself and None."""
+        (token, FC1 K tile), made by one small kernel (which also zeroes ``tick``); else ``x`` itself and None."""
         if not self.a_fp8:
             return x, None
         G = self.fc1.BK
@@ -1103,6 +1159,8 @@ class MoEPlan:
             x,
             q,
             xs,
+            tick if tick is not None else xs,
+            tick.numel() if tick is not None else 0,
             self.H,
             x.stride(0),
             x.stride(1),
@@ -1151,6 +1209,8 @@ class MoEPlan:
         scale, s_e, s_n, s_k = sc
         xs = c.xs if c.xs is not None else out
         isc = c.isc if (c.isc is not None and q_out) else out
+        split_sum = self.split_sum and q_out
+        qi = c.qinter if split_sum else out
         _moe_fc1_kernel[(self.groups, nt1, self.split)](
             x,
             xs,
@@ -1161,6 +1221,8 @@ class MoEPlan:
             *c.routes,
             inter_v,
             isc,
+            qi,
+            c.tick if split_sum else out,
             cnt,
             c.args.w2,
             self.S,
@@ -1185,11 +1247,12 @@ class MoEPlan:
             c.args.w2.stride(0),
             xs.stride(0) if c.xs is not None else 0,
             isc.stride(0) if isc is not out else 0,
+            qi.stride(1) if split_sum else 0,
             *self.block,
             ACT=self.act,
             HAS_BIAS=b is not None,
             A_PRE=c.xs is not None,
-            Q_OUT=isc is not out,
+            Q_OUT=isc is not out and self.split == 1,
             BM=fc1.BM,
             BN=fc1.BN,
             BK=fc1.BK,
@@ -1198,6 +1261,7 @@ class MoEPlan:
             PF_CHUNK=_pf_chunk(pf1, fc1),
             SWAP=fc1.swap,
             SPLIT=self.split,
+            SPLIT_SUM=split_sum,
             EARLY=bool(self.config.early_launch and pdl),
             W2_L2=w2_l2_bytes,
             W2_CHUNK=max(16, w2_chunk),
@@ -1222,7 +1286,9 @@ class MoEPlan:
     ) -> None:
         """FC2 for ``h_len`` output columns: rows of ``w`` / ``part_v`` / ``out_v`` from their first (reading
         FC1's e4m3 intermediate and its scales, with ``q_in``)."""
-        fc2, inter, I, elt = self.fc2, c.inter, self.I, w.element_size()
+        fc2, I, elt = self.fc2, self.I, w.element_size()
+        inter = c.qinter if (q_in and c.qinter is not None) else c.inter
+        split1 = 1 if (q_in and self.split_sum) else self.split
         pf2 = fc2.prefetch if (w.stride(2) == 1 and w.stride(1) == I and (I * elt) % 16 == 0) else 0
         bb = b if b is not None else c.out
         scale, s_e, s_n, s_k = sc
@@ -1268,7 +1334,7 @@ class MoEPlan:
             PF_CHUNK=_pf_chunk(pf2, fc2),
             FUSED_SUM=self.config.fused_sum,
             SWAP=fc2.swap,
-            SPLIT1=self.split,
+            SPLIT1=split1,
             ACT=self.act,
             num_warps=fc2.num_warps,
             num_stages=fc2.num_stages,
@@ -1418,6 +1484,8 @@ class _Call:
     x: torch.Tensor  # FC1's activations: the hidden states, or their e4m3 copy (plan.a_fp8)
     xs: Optional[torch.Tensor]  # ... and its scales [T, H / fc1.BK]
     isc: Optional[torch.Tensor]  # the e4m3 intermediate's scales (plan.q_inter)
+    qinter: Optional[torch.Tensor] = None  # the e4m3 intermediate summed by a K-split FC1 (plan.split_sum)
+    tick: Optional[torch.Tensor] = None  # ... and its arrival tickets
 
 
 def _act_code(activation: str) -> int:
@@ -1450,6 +1518,12 @@ def plan_call(
     ``split_n`` whether the call runs over locality domains (whose split-K form is not per domain: FC1 then
     runs unsplit over K)."""
     config = _fit_mode(config, T, k)
+    if block_shape is not None and int(block_shape[1]) % 16:
+        # a K tile must lie in one scale block and is at least 16 wide (the MMA's K): refuse, do not mis-scale
+        raise MoEArgumentError(
+            f"rubin.moe[triton]: FP8 scale blocks of {block_shape[1]} along K are not supported (a multiple of 16 is; "
+            "checkpoints use 128); kernel selection gives such a call to another kernel"
+        )
     gdc = has_pdl and not interpret and gdc_wait is not None
     S = T * k
     fp8 = w_dtype in FP8_DTYPES
@@ -1473,15 +1547,16 @@ def plan_call(
     # split K: chunks of whole BK tiles; no empty chunk
     kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
     split = triton.cdiv(H, kch)
-    if split > 1:  # FC2 then pipelines 2 x split float32 tiles per K step: fewer stages where they would not fit
-        fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
     a_fp8 = bool(config.a_fp8 and fp8)
-    q_inter = a_fp8 and split == 1 and not split_n and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
+    q_inter = a_fp8 and not split_n and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
     if q_inter:  # FC2's K tile is FC1's N tile: one scale of the e4m3 intermediate per A tile row
         fc2q = fit_smem(replace(fc2, BK=fc1.BN), "fc2", x_dtype.itemsize, w_dtype.itemsize)
         q_inter = fc2q.BK == fc1.BN
         fc2 = fc2q if q_inter else fc2
+    split_sum = q_inter and split > 1
+    if split > 1 and not split_sum:  # FC2 pipelines 2 x split float32 tiles per K step: fewer stages may fit
+        fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)
     return MoEPlan(
         T=T,
         H=H,
@@ -1505,6 +1580,7 @@ def plan_call(
         chain_pdl=(pdl or config.chain) and gdc,
         a_fp8=a_fp8,
         q_inter=q_inter,
+        split_sum=split_sum,
         dot_prec="ieee" if x_dtype == torch.float32 else "tf32",
         x_dtype=x_dtype,
     )
@@ -1579,7 +1655,8 @@ def run(
     tw = args.topk_weights.reshape(-1)
     tw = tw if tw.is_contiguous() else tw.contiguous()
     routes = plan.routing(ids)
-    xq, xs = plan.quantise(x, plan.chain_pdl if plan.route_kernel else plan.first_pdl)
+    tick = plan.tickets(dev)
+    xq, xs = plan.quantise(x, plan.chain_pdl if plan.route_kernel else plan.first_pdl, tick)
     block_scaled = plan.w_scale == 2
     call = _Call(
         args,
@@ -1595,6 +1672,8 @@ def run(
         x=xq,
         xs=xs,
         isc=plan.inter_scales(dev),
+        qinter=plan.summed_intermediate(dev),
+        tick=tick,
     )
     if dom is not None:
         if not plan.config.fused_sum:

@@ -221,13 +221,17 @@ def _split_candidates(moe, base, T, E, H, I, k, num_sms: int = 132) -> list:
     """FC1 split over K when its (group, N tile) programs cannot fill the SMs (e.g. DeepSeek's I = 256)."""
     groups = max(1.0, moe.expected_distinct_experts(T, E, k))
     out = []
-    for bn in (32, 64):
+    # FP8 activations: FC1's last-arriving program sums the partials (split_sum), FC2 reads e4m3 as unsplit;
+    # deeper pipelines as for unsplit FP8 tiles
+    stages = (base.fc1.num_stages, 8) if base.a_fp8 else (base.fc1.num_stages,)
+    for bn in (64,) if base.a_fp8 else (32, 64):
         fc1 = replace(base.fc1, BN=bn)
         progs = groups * -(-I // bn)
         for split in (2, 4, 8):
             if progs * split / 2 >= 2 * num_sms or split * 2 * fc1.BK > H:
                 continue
-            out.append(replace(base, fc1=replace(fc1, split_k=split)))
+            for st in stages:
+                out.append(replace(base, fc1=replace(fc1, split_k=split, num_stages=st)))
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 
 from rubin_compile.ops.moe import MOE, MoEArgs, moe_reference
 from rubin_compile.ops.registry import Launch, Placement
-from rubin_compile.target import detect
+from rubin_compile.target import detect, resolve
 
 ROOT = Path(__file__).resolve().parents[3]
 PKG = "rubin_compile.kernels.triton"
@@ -149,6 +149,38 @@ def test_smem_estimate_matches_compiled_kernels(tmoe):
     assert fitted.num_stages == 2 and tmoe.smem_estimate(fitted, "fc2", 2, 2, split1=8) <= tmoe.SMEM_LIMIT
 
 
+def test_scale_blocks_narrower_than_a_k_tile_are_refused(tmoe):
+    """FP8 blocks of 8 along K would put two scale blocks in one 16-wide K tile: the plan refuses (the old plan
+    silently widened the tile and mis-scaled), and selection does not offer the kernel for them."""
+    from rubin_compile.kernels.triton import _moe_supports
+    from rubin_compile.ops.moe import MoEArgumentError
+
+    with pytest.raises(MoEArgumentError, match="scale blocks of 8 along K"):
+        tmoe.plan_call(
+            1,
+            64,
+            4,
+            32,
+            2,
+            torch.bfloat16,
+            torch.float8_e4m3fn,
+            (16, 8),
+            "silu",
+            tmoe.MoEConfig(),
+            True,
+            False,
+            False,
+            True,
+        )
+    from rubin_compile.ops.registry import KernelSpec
+
+    def spec(block):
+        return KernelSpec("moe", "fp8_block", "bfloat16", "float8_e4m3fn", block, (("E", 4), ("H", 64)), "silu")
+
+    assert "multiples of 16" in (_moe_supports(resolve("sm90"), spec((16, 8))) or "")
+    assert _moe_supports(resolve("sm90"), spec((128, 128))) is None
+
+
 def test_expected_distinct_experts(tmoe):
     assert tmoe.expected_distinct_experts(1, 128, 8) == pytest.approx(8)
     assert tmoe.expected_distinct_experts(4096, 128, 8) == pytest.approx(128)
@@ -273,7 +305,11 @@ INTERP_CASES = [
     (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "swap": True}),
     (40, 6, 48, 40, 2, "grouped", {"wfmt": "fp8_block", "a_fp8": True, "act": "gelu_tanh"}),
     (40, 6, 48, 32, 2, "prefill", {"wfmt": "fp8_tensor", "a_fp8": True, "cap": 16}),
-    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "split": 3}),
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "split": 3}),  # FC1's last program sums
+    (40, 6, 48, 32, 2, "grouped", {"wfmt": "fp8_block", "a_fp8": True, "split": 2, "swap": True}),
+    # FC1 tiles wider than the scale block: no e4m3 intermediate, FC2 sums the partials and quantises
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "split": 2, "bn1": 32}),
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_tensor", "a_fp8": True, "split": 3, "act": "gelu_tanh", "bias": True}),
     (3, 5, 256, 256, 2, "slot", {"split_n": "views", "wfmt": "fp8_block", "a_fp8": True}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
@@ -298,6 +334,7 @@ def _interp_case(
     split_n=None,
     wfmt="fp32",
     a_fp8=False,
+    bn1=None,
 ):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
@@ -330,7 +367,7 @@ def _interp_case(
         cap=cap,
         fused_sum=fused,
         a_fp8=a_fp8,
-        fc1=G(BM=16, BN=tile, BK=tile, swap=swap, split_k=split),
+        fc1=G(BM=16, BN=bn1 or tile, BK=tile, swap=swap, split_k=split),
         fc2=G(BM=16, BN=tile, BK=tile, swap=swap),
     )
     out = torch.full((T, H), float("nan"))
@@ -358,7 +395,7 @@ def _interp_case(
         return 0.0, False, 0.0
     emulated = 0.0
     if a_fp8:  # the same computation with e4m3 activations in groups of the tiles' widths, in float64
-        emu = _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, group=tile)
+        emu = _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, b13, b2, group=tile)
         emulated = ((out.double() - emu).norm() / emu.norm()).item()
     return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any()), emulated
 
@@ -379,9 +416,10 @@ def _e4m3_groups(v: torch.Tensor, group: int) -> torch.Tensor:
     return q.reshape(*v.shape[:-1], -1)[..., :n]
 
 
-def _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, group):
+def _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, b13, b2, group):
     """rubin.moe as the FP8-activation path computes it: x in e4m3 groups of FC1's K tile, the activated
-    intermediate in e4m3 groups of FC1's N tile (= FC2's K tile), everything else in float64."""
+    intermediate in e4m3 groups of FC1's N tile (= FC2's K tile; FC2's own K tile when FC2 quantises it), biases
+    and everything else in float64."""
     block = quant.get("block_shape")
     W13, W2 = _dequantised(w13, quant["w13_scale"], block), _dequantised(w2, quant["w2_scale"], block)
     I = W2.shape[2]  # noqa: E741
@@ -391,9 +429,10 @@ def _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, group):
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            hh = W13[e] @ xq[t]
+            hh = W13[e] @ xq[t] + (0 if b13 is None else b13[e].double())
             h = (f(hh[:I]) * hh[I:]).float().double()  # the kernels' float32 accumulators
-            out[t] += float(tw[t, j]) * (W2[e] @ _e4m3_groups(h, group))
+            y = W2[e] @ _e4m3_groups(h, group) + (0 if b2 is None else b2[e].double())
+            out[t] += float(tw[t, j]) * y
     return out
 
 

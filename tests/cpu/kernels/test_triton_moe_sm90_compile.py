@@ -49,6 +49,7 @@ QWEN3_INTS = dict(
     stride_ot=2048,
     stride_xst=16,
     stride_ist=12,
+    stride_qit=768,
     stride_ast=12,
     SCALE_BN=1,
     SCALE_BK=1,
@@ -59,6 +60,8 @@ FC1_PTRS = {
     "x_ptr": BF,
     "xs_ptr": "*fp32",
     "isc_ptr": "*fp32",
+    "qi_ptr": "*fp8e4nv",
+    "tick_ptr": "*i32",
     "w_ptr": BF,
     "b_ptr": BF,
     "w2_ptr": BF,
@@ -89,6 +92,7 @@ FC1 = dict(
     PF_CHUNK=16,
     SWAP=False,
     SPLIT=1,
+    SPLIT_SUM=False,
     EARLY=False,
     W2_L2=0,
     W2_CHUNK=16,
@@ -242,4 +246,16 @@ def test_fp8_activation_k_loop_has_no_quantisation_in_it(kernels, which, over, p
         assert async_copy_sizes(ptx) <= {"0x10", "0x8", "0x4"}
     else:
         assert "tt.reduce" in body  # the in-loop quantisation this path keeps
+    assert ptx.count("griddepcontrol.wait") == 1
+
+
+def test_k_split_fc1_sums_its_own_partials_for_sm90(kernels):
+    """FP8 activations with FC1 split over K: every program stores float32 partials and takes one acq_rel
+    arrival ticket; the last one re-reads the partials through L2 (.cg) and writes the e4m3 intermediate."""
+    consts = dict(FC1, SWAP=True, BN=64, A_FP8=True, A_PRE=True, W_SCALE=2, SPLIT=4, SPLIT_SUM=True, BK=128)
+    ptrs = dict(FC1_PTRS, x_ptr=F8, w_ptr=F8, inter_ptr="*fp32", w2_ptr=F8)
+    ptx = compile_like_a_launch(kernels._moe_fc1_kernel, consts, ptrs, dict(FP8_BLOCK_INTS, KCH=512), num_stages=4)
+    atoms = re.findall(r"atom\S*", ptx)
+    assert atoms == ["atom.global.gpu.acq_rel.add.u32"], atoms
+    assert re.search(r"ld\.global\.cg", ptx)
     assert ptx.count("griddepcontrol.wait") == 1
