@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.kernels.triton import route as kernel
+from rubin_compile.kernels.triton.tune_moe import time_graph
 
 CALLS = 16  # calls per captured graph
 HBM_BPS = 4.2e12  # the floor's bandwidth (H200 HBM3e, as copies reach it)
@@ -102,27 +103,9 @@ MODELS = {
 
 
 def graph_us(fns: list, iters: int = 30) -> float:
-    """Device time per call of ``fns`` (each called once, in order, CALLS calls in all), captured in one graph."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / CALLS)
-    del g
-    return statistics.median(ts)
+    """Device time per call of ``fns`` (each called once, in order, CALLS calls in all), captured in one graph
+    (tune_moe.time_graph: warm-up on a side stream, capture, median of ``iters`` replays)."""
+    return statistics.median(time_graph([fns[i % len(fns)] for i in range(CALLS)], reps=iters, warmup=3))
 
 
 def _mismatches(ids_a: torch.Tensor, ids_b: torch.Tensor) -> int:

@@ -58,28 +58,27 @@ def make_weights(E: int, H: int, I: int, wfmt: str, device="cuda", seed: int = 0
 
     if wfmt == "bf16":
         return dict(w13=rand((E, 2 * I, H), H), w2=rand((E, H, I), I))
+
+    def e4m3(n, kdim):  # values spread over the format's range (x 64, clamped to its +-448)
+        w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
+        for e in range(E):
+            w[e] = (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        return w
+
+    shapes = (("w13", (2 * I, H)), ("w2", (H, I)))
     if wfmt == "fp8_block":
         bn, bk = BLOCK
         out = {}
-        for name, (n, kdim) in (("w13", (2 * I, H)), ("w2", (H, I))):
-            w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
-            for e in range(E):
-                w[e] = (
-                    (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
-                )
+        for name, (n, kdim) in shapes:  # the weights drawn before their scales, as before the refactor
+            out[name] = e4m3(n, kdim)
             s = torch.rand((E, -(-n // bn), -(-kdim // bk)), generator=g, device=device) / (64 * math.sqrt(kdim))
-            out[name], out[name + "_scale"] = w, s + 1e-4 / math.sqrt(kdim)
+            out[name + "_scale"] = s + 1e-4 / math.sqrt(kdim)
         out["block_shape"] = list(BLOCK)
         return out
     if wfmt == "fp8_tensor":
         out = {}
-        for name, (n, kdim) in (("w13", (2 * I, H)), ("w2", (H, I))):
-            w = torch.empty((E, n, kdim), dtype=torch.float8_e4m3fn, device=device)
-            for e in range(E):
-                w[e] = (
-                    (torch.randn((n, kdim), generator=g, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
-                )
-            out[name] = w
+        for name, (n, kdim) in shapes:
+            out[name] = e4m3(n, kdim)
             out[name + "_scale"] = torch.rand((E,), generator=g, device=device) / (
                 64 * math.sqrt(kdim)
             ) + 1e-4 / math.sqrt(kdim)
