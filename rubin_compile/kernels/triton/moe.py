@@ -494,6 +494,7 @@ def _moe_fc1_kernel(
     H,
     I,
     N_UP,
+    P_UP,
     cnt_numel,
     KCH,
     stride_xt,
@@ -541,7 +542,9 @@ def _moe_fc1_kernel(
 
     ``I`` is the number of output columns (gate rows) this launch covers and ``N_UP`` the distance from a
     gate row to its up row: both the full intermediate size for a whole call; for one locality domain's
-    shard (split-N) ``w_ptr`` / ``inter_ptr`` start at the shard's first row and ``I`` is its width.
+    shard (split-N) ``w_ptr`` / ``inter_ptr`` start at the shard's first row and ``I`` is its width. ``P_UP``:
+    the distance from a gate partial to its up partial in a row of ``inter`` when split over K (N_UP for a
+    whole call; the shard's width over domains, each domain's partials in a block of its own).
 
     With ``SPLIT`` > 1, program (g, n, s) covers K range [s * KCH, (s + 1) * KCH) and writes its float32
     partial gate and up products to inter[s, slot, n] and inter[s, slot, I + n]; FC2 sums the SPLIT
@@ -686,7 +689,7 @@ def _moe_fc1_kernel(
             _act_store(acc_g, acc_u, i_ptrs, i_mask, isc_ptr + slot * stride_ist + pid_n, valid, ACT, Q_OUT)
         else:
             tl.store(i_ptrs, acc_g, mask=i_mask)
-            tl.store(i_ptrs + N_UP, acc_u, mask=i_mask)
+            tl.store(i_ptrs + P_UP, acc_u, mask=i_mask)
     if SPLIT_SUM:
         # Publish this program's partials, then count arrivals per (group, N tile): the last of the SPLIT
         # programs sums them in split order (deterministic, no float atomics) -- as FC2's fused top-k sum does.
@@ -701,7 +704,7 @@ def _moe_fc1_kernel(
                 u = tl.zeros([BM, BN], tl.float32)
                 for sp in tl.static_range(0, SPLIT):
                     g += tl.load(p_ptrs + sp * stride_is, mask=p_mask, other=0.0, cache_modifier=".cg")
-                    u += tl.load(p_ptrs + sp * stride_is + N_UP, mask=p_mask, other=0.0, cache_modifier=".cg")
+                    u += tl.load(p_ptrs + sp * stride_is + P_UP, mask=p_mask, other=0.0, cache_modifier=".cg")
                 q_ptrs = qi_ptr + slot[:, None] * stride_qit + offs_n[None, :]
                 _act_store(g, u, q_ptrs, p_mask, isc_ptr + slot * stride_ist + pid_n, valid, ACT, True)
 
@@ -1059,8 +1062,8 @@ class MoEPlan:
     first_pdl: bool  # the call's first kernel is launched with PDL (Launch.pdl)
     chain_pdl: bool  # our later kernels are launched with PDL (Launch.pdl or config.chain)
     a_fp8: bool  # FP8 activations: the hidden states quantised once per call (quantise()) for FC1
-    q_inter: bool  # ... and FC1 writes FC2's intermediate in e4m3 (fc2.BK == fc1.BN); not over locality domains,
-    # where FC2 quantises its A tiles itself
+    q_inter: bool  # ... and FC1 writes FC2's intermediate in e4m3 (fc2.BK == fc1.BN), whole and over domains;
+    # not when an FC1 tile is wider than the scale block (FC2 then quantises its A tiles itself)
     split_sum: bool  # K-split FC1 with q_inter: FC1's last-arriving program sums the partials (else FC2 does)
     dot_prec: str
     x_dtype: torch.dtype
@@ -1190,9 +1193,11 @@ class MoEPlan:
         w2_l2: bool,
         pdl: bool,
         q_out: bool = False,
+        col0: int = 0,
     ) -> None:
         """FC1 over ``i_len`` gate rows of ``w`` (up rows ``n_up`` further), into ``inter_v`` (in e4m3, scales
-        into ``c.isc``, with ``q_out``)."""
+        into ``c.isc``, with ``q_out``). ``col0``: the first intermediate column this launch covers (a locality
+        domain's shard, a multiple of fc1.BN): where its e4m3 output, scales, tickets and partials start."""
         fc1, H, elt = self.fc1, self.H, w.element_size()
         pf1 = fc1.prefetch if (w.stride(2) == 1 and w.stride(1) == H and (H * elt) % 16 == 0) else 0
         if self.split > 1:
@@ -1208,9 +1213,14 @@ class MoEPlan:
         bb = b if b is not None else out
         scale, s_e, s_n, s_k = sc
         xs = c.xs if c.xs is not None else out
-        isc = c.isc if (c.isc is not None and q_out) else out
+        isc = c.isc[:, col0 // fc1.BN :] if (c.isc is not None and q_out) else out
         split_sum = self.split_sum and q_out
-        qi = c.qinter if split_sum else out
+        qi = c.qinter[:, :, col0:] if split_sum else out
+        tick = c.tick[self.groups * (col0 // fc1.BN) :] if split_sum else out
+        p_up = n_up
+        if self.split > 1 and i_len < self.I:
+            # a domain's float32 partials: [gate | up] of its own width, at 2 * col0 (never another domain's)
+            inter_v, p_up = c.inter[:, :, 2 * col0 :], i_len
         _moe_fc1_kernel[(self.groups, nt1, self.split)](
             x,
             xs,
@@ -1222,7 +1232,7 @@ class MoEPlan:
             inter_v,
             isc,
             qi,
-            c.tick if split_sum else out,
+            tick,
             cnt,
             c.args.w2,
             self.S,
@@ -1230,6 +1240,7 @@ class MoEPlan:
             H,
             i_len,
             n_up,
+            p_up,
             cnt_numel,
             self.kch,
             x.stride(0),
@@ -1433,12 +1444,23 @@ class MoEPlan:
                 cnts[d].numel(),
                 False,
                 False,
+                q_out=self.q_inter,
+                col0=lo,
             )
 
         def fc2(d: int) -> None:
             lo, hi = hb[d]
             self.launch_fc2(
-                c, w2s[d], hi - lo, b2s[d] if b2s else None, sc2[d], c.part[:, lo:], c.out[:, lo:], cnts[d], False
+                c,
+                w2s[d],
+                hi - lo,
+                b2s[d] if b2s else None,
+                sc2[d],
+                c.part[:, lo:],
+                c.out[:, lo:],
+                cnts[d],
+                False,
+                q_in=self.q_inter,
             )
 
         if any(st is None for st in dom.streams):  # sequential domains (interpreter, tests): same order, one stream
@@ -1531,8 +1553,12 @@ def plan_call(
     fc2 = _clamp_bk(config.fc2, block_shape, I)
     if interpret:
         fc1, fc2 = replace(fc1, prefetch=0), replace(fc2, prefetch=0)
-    if split_n:
-        fc1 = replace(fc1, split_k=1)  # split-K's partial layout is per whole call
+    a_fp8 = bool(config.a_fp8 and fp8)
+    # FP8 activations: FC1 writes the e4m3 intermediate FC2 reads (one scale per FC1 N tile; FC2's K tile is that
+    # tile), whole or over locality domains (their shards are 128-column aligned, so the tiles are the same)
+    q_inter = a_fp8 and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
+    if split_n and not q_inter:
+        fc1 = replace(fc1, split_k=1)  # FC2's sum of float32 partials reads them per whole call
     # routing
     cap = config.cap if (config.mode == "prefill" and config.cap > 0) else (1 << 30)
     route_kernel = False
@@ -1548,8 +1574,6 @@ def plan_call(
     kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
     split = triton.cdiv(H, kch)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
-    a_fp8 = bool(config.a_fp8 and fp8)
-    q_inter = a_fp8 and not split_n and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
     if q_inter:  # FC2's K tile is FC1's N tile: one scale of the e4m3 intermediate per A tile row
         fc2q = fit_smem(replace(fc2, BK=fc1.BN), "fc2", x_dtype.itemsize, w_dtype.itemsize)
         q_inter = fc2q.BK == fc1.BN

@@ -311,6 +311,8 @@ INTERP_CASES = [
     (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "a_fp8": True, "split": 2, "bn1": 32}),
     (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_tensor", "a_fp8": True, "split": 3, "act": "gelu_tanh", "bias": True}),
     (3, 5, 256, 256, 2, "slot", {"split_n": "views", "wfmt": "fp8_block", "a_fp8": True}),
+    (3, 5, 256, 256, 2, "slot", {"split_n": "copies", "wfmt": "fp8_block", "a_fp8": True, "split": 2}),
+    (40, 6, 256, 384, 2, "grouped", {"split_n": "views", "wfmt": "fp8_tensor", "a_fp8": True, "split": 2}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
@@ -380,6 +382,10 @@ def _interp_case(
     tmoe.fused_moe(
         x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains, **quant
     )
+    if split_n:  # the placement must not change a result: bitwise the whole call's
+        whole = tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, **quant)
+        if not torch.equal(whole, out):
+            return float("inf"), False, float("inf")
     ref = moe_reference(
         x.double(),
         w13 if quant else w13.double(),  # e4m3 weights stay e4m3: the reference dequantises them
