@@ -291,6 +291,12 @@ def _and_lt(mask, a, b):
 
 
 @triton.jit
+def _block_scales(s_base, rows, k, stride_sn, stride_sk, SCALE_BN, SCALE_BK, mask):
+    """The 128x128-style block scales of weight rows ``rows`` at K offset ``k`` (0 where ``mask`` is off)."""
+    return tl.load(s_base + (rows // SCALE_BN) * stride_sn + (k // SCALE_BK) * stride_sk, mask=mask, other=0.0)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -378,7 +384,8 @@ def _mma_step(
     tokens are its N side. ``sw`` [BN]: the weight rows' block scales for this K tile (W_SCALE == 2).
     With ``A_FP8`` each token's K tile is e4m3 with its own scale: ``A_PRE``: ``x`` is already e4m3 and ``xs``
     [BM] its scales (quantised once, before the kernel, or by FC1's epilogue); else this step quantises the
-    tile (amax / 448), a reduction and a shared-memory store per K step (FC2 after a K-split FC1 only).
+    tile (amax / 448), a reduction and a shared-memory store per K step (only FC2 without ``q_inter``: an FC1
+    tile wider than the weights' scale block).
     """
     if A_FP8:
         if A_PRE:
@@ -547,8 +554,9 @@ def _moe_fc1_kernel(
     whole call; the shard's width over domains, each domain's partials in a block of its own).
 
     With ``SPLIT`` > 1, program (g, n, s) covers K range [s * KCH, (s + 1) * KCH) and writes its float32
-    partial gate and up products to inter[s, slot, n] and inter[s, slot, I + n]; FC2 sums the SPLIT
-    partials in order and applies the activation as it loads them (deterministic, no atomics).
+    partial gate and up products to inter[s, slot, n] and inter[s, slot, P_UP + n]; FC2 sums the SPLIT
+    partials in order and applies the activation as it loads them (deterministic, no atomics), unless
+    ``SPLIT_SUM`` (below).
     ``W2_L2`` > 0: each program also asks L2 for its share (W2_L2 bytes) of its expert's w2, so FC2
     finds its weights in L2 instead of waiting on HBM after the kernel boundary.
 
@@ -630,14 +638,8 @@ def _moe_fc1_kernel(
         su_nxt = 1.0
         xs_nxt = 1.0
         if W_SCALE == 2:
-            sg_nxt = tl.load(
-                s_base + (offs_n // SCALE_BN) * stride_sn + (k_lo // SCALE_BK) * stride_sk, mask=n_mask, other=0.0
-            )
-            su_nxt = tl.load(
-                s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + (k_lo // SCALE_BK) * stride_sk,
-                mask=n_mask,
-                other=0.0,
-            )
+            sg_nxt = _block_scales(s_base, offs_n, k_lo, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
+            su_nxt = _block_scales(s_base, offs_n + N_UP, k_lo, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
         if A_PRE:
             xs_nxt = tl.load(xs_ptr + tok * stride_xst + k_lo // BK, mask=valid, other=1.0)
         for k0 in range(k_lo, k_hi, BK):
@@ -647,11 +649,8 @@ def _moe_fc1_kernel(
             k1 = k0 + BK
             if W_SCALE == 2:
                 more = _and_lt(n_mask, k1, k_hi)
-                kb = k1 // SCALE_BK
-                sg_nxt = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn + kb * stride_sk, mask=more, other=0.0)
-                su_nxt = tl.load(
-                    s_base + ((offs_n + N_UP) // SCALE_BN) * stride_sn + kb * stride_sk, mask=more, other=0.0
-                )
+                sg_nxt = _block_scales(s_base, offs_n, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
+                su_nxt = _block_scales(s_base, offs_n + N_UP, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
             if A_PRE:
                 xs_nxt = tl.load(xs_ptr + tok * stride_xst + k1 // BK, mask=_and_lt(valid, k1, k_hi), other=1.0)
             k_mask = (offs_k < H - k0) | EVEN_K
@@ -831,7 +830,7 @@ def _moe_fc2_kernel(
         sw_nxt = 1.0
         as_nxt = 1.0
         if W_SCALE == 2:  # scales one K step ahead (see FC1)
-            sw_nxt = tl.load(s_base + (offs_n // SCALE_BN) * stride_sn, mask=n_mask, other=0.0)
+            sw_nxt = _block_scales(s_base, offs_n, 0, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
         if A_PRE:
             as_nxt = tl.load(as_ptr + slot * stride_ast, mask=valid, other=1.0)
         for k0 in range(0, I, BK):
@@ -839,11 +838,8 @@ def _moe_fc2_kernel(
             a_s = as_nxt
             k1 = k0 + BK
             if W_SCALE == 2:
-                sw_nxt = tl.load(
-                    s_base + (offs_n // SCALE_BN) * stride_sn + (k1 // SCALE_BK) * stride_sk,
-                    mask=_and_lt(n_mask, k1, I),
-                    other=0.0,
-                )
+                more = _and_lt(n_mask, k1, I)
+                sw_nxt = _block_scales(s_base, offs_n, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
             if A_PRE:
                 as_nxt = tl.load(as_ptr + slot * stride_ast + k1 // BK, mask=_and_lt(valid, k1, I), other=1.0)
             k_mask = (offs_k < I - k0) | EVEN_K
@@ -1537,8 +1533,8 @@ def plan_call(
     interpret: bool,
 ) -> MoEPlan:
     """The launch plan of one call shape (see ``MoEPlan``); ``config`` is the chosen one (table or heuristic),
-    ``split_n`` whether the call runs over locality domains (whose split-K form is not per domain: FC1 then
-    runs unsplit over K)."""
+    ``split_n`` whether the call runs over locality domains (FC1 then runs unsplit over K unless it writes the
+    e4m3 intermediate, ``q_inter``: FC2's sum of float32 partials is per whole call)."""
     config = _fit_mode(config, T, k)
     if block_shape is not None and int(block_shape[1]) % 16:
         # a K tile must lie in one scale block and is at least 16 wide (the MMA's K): refuse, do not mis-scale
