@@ -1553,6 +1553,10 @@ def plan_call(
     # FP8 activations: FC1 writes the e4m3 intermediate FC2 reads (one scale per FC1 N tile; FC2's K tile is that
     # tile), whole or over locality domains (their shards are 128-column aligned, so the tiles are the same)
     q_inter = a_fp8 and (block_shape is None or int(block_shape[1]) % fc1.BN == 0)
+    if q_inter:  # FC2's K tile is FC1's N tile: one scale of the e4m3 intermediate per A tile row
+        fc2q = fit_smem(replace(fc2, BK=fc1.BN), "fc2", x_dtype.itemsize, w_dtype.itemsize)
+        q_inter = fc2q.BK == fc1.BN
+        fc2 = fc2q if q_inter else fc2
     if split_n and not q_inter:
         fc1 = replace(fc1, split_k=1)  # FC2's sum of float32 partials reads them per whole call
     # routing
@@ -1570,10 +1574,6 @@ def plan_call(
     kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
     split = triton.cdiv(H, kch)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
-    if q_inter:  # FC2's K tile is FC1's N tile: one scale of the e4m3 intermediate per A tile row
-        fc2q = fit_smem(replace(fc2, BK=fc1.BN), "fc2", x_dtype.itemsize, w_dtype.itemsize)
-        q_inter = fc2q.BK == fc1.BN
-        fc2 = fc2q if q_inter else fc2
     split_sum = q_inter and split > 1
     if split > 1 and not split_sum:  # FC2 pipelines 2 x split float32 tiles per K step: fewer stages may fit
         fc2 = fit_smem(fc2, "fc2", x_dtype.itemsize, w_dtype.itemsize, split1=split)

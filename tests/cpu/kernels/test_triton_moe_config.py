@@ -181,6 +181,21 @@ def test_scale_blocks_narrower_than_a_k_tile_are_refused(tmoe):
     assert _moe_supports(resolve("sm90"), spec((128, 128))) is None
 
 
+def test_split_n_runs_fc1_unsplit_when_fc2_cannot_take_the_e4m3_intermediate(tmoe):
+    """Over locality domains FC1 may stay split over K only when it sums its own partials into the e4m3
+    intermediate; if FC2's tile (K = FC1's N tile) does not fit shared memory, there is no e4m3 intermediate,
+    and FC1 must run unsplit (FC2's sum of float32 partials is per whole call)."""
+    G = tmoe.GemmConfig
+    cfg = tmoe.MoEConfig(
+        mode="grouped", a_fp8=True, fc1=G(BM=16, BN=128, BK=128, split_k=2), fc2=G(BM=512, BN=16, BK=128)
+    )
+    args = (64, 2048, 8, 256, 2, torch.bfloat16, torch.float8_e4m3fn, (128, 128), "silu", cfg, True, False)
+    whole = tmoe.plan_call(*args, False, True)
+    assert not whole.q_inter and whole.split == 2 and not whole.split_sum  # FC2 sums the partials
+    placed = tmoe.plan_call(*args, True, True)
+    assert not placed.q_inter and placed.split == 1 and not placed.split_sum
+
+
 def test_expected_distinct_experts(tmoe):
     assert tmoe.expected_distinct_experts(1, 128, 8) == pytest.approx(8)
     assert tmoe.expected_distinct_experts(4096, 128, 8) == pytest.approx(128)
