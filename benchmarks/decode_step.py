@@ -34,6 +34,9 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: rubin_compile beside benchmarks/
+from rubin_compile.passes import PASS_NAMES  # noqa: E402
+
 VARIANTS = {
     # name: (backend, torch.compile kwargs) -- None backend: eager
     "eager": (None, {}),
@@ -45,6 +48,12 @@ VARIANTS = {
     "rubin-pdl-gemm-cublas": (
         "rubin",
         {"options": {"cudagraphs": True, "pdl": "on", "kernels": {"gemm": "torch"}, "fuse_projections": "off"}},
+    ),
+    # rubin before the routing was fused (issue 13): the router GEMM, softmax / top-k and renormalisation as Inductor
+    # compiles them from the source graph
+    "rubin-pdl-route-aten": (
+        "rubin",
+        {"options": {"cudagraphs": True, "pdl": "on", "passes": [p for p in PASS_NAMES if p != "match_routing"]}},
     ),
     "rubin-pdl-inductor-pdl": (
         "rubin",
@@ -143,7 +152,7 @@ def categorize(name: str) -> str:
         return "MoE FC1 (rubin)"
     if "_moe_fc2" in n:
         return "MoE FC2 + top-k sum (rubin)"
-    if "_moe_route" in n or "_moe_sum" in n:
+    if "_moe_route" in n or "_moe_sum" in n or "_router_logits" in n or "_route_topk" in n:
         return "MoE routing (rubin)"
     if "_gemm_kernel" in n or "_splitk_reduce" in n:
         return "dense GEMM (rubin Triton)"
@@ -295,10 +304,11 @@ def main() -> None:
             prof_name = next((n for n in ("rubin-pdl", "rubin-nopdl") if n in fns), None)
             for T in Ts if prof_name else []:
                 profiles[T] = {"variant": prof_name, **profile_step(fns[prof_name], inputs[T])}
-            for other in ("rubin-nopdl", "inductor-cg", "rubin-pdl-gemm-cublas"):
+            for other in ("rubin-nopdl", "inductor-cg", "rubin-pdl-gemm-cublas", "rubin-pdl-route-aten"):
                 if other in fns and other != prof_name:
-                    # rubin before issue 12 (dense GEMMs on cuBLAS) at every T, the others at the first
-                    for T in Ts if other == "rubin-pdl-gemm-cublas" else Ts[:1]:
+                    # rubin before issues 12 / 13 (dense GEMMs on cuBLAS; routing as Inductor compiles it) at every
+                    # T, the others at the first
+                    for T in Ts if other in ("rubin-pdl-gemm-cublas", "rubin-pdl-route-aten") else Ts[:1]:
                         profiles[f"{other}:T={T}"] = {"variant": other, **profile_step(fns[other], inputs[T])}
     rows = []
     for T in Ts:
@@ -358,6 +368,18 @@ def main() -> None:
         ]
         for cat, d in prof["categories"].items():
             lines.append(f"| {cat} | {d['us']:.1f} | {d['kernels']:.0f} |")
+        moe_us = sum(d["us"] for cat, d in prof["categories"].items() if cat.startswith("MoE"))
+        routed_here = "MoE routing (rubin)" in prof["categories"]
+        T_prof = int(str(key).rsplit("=", 1)[-1]) if isinstance(key, str) else key
+        wb = weight_bytes(cfg, T_prof, routed[T_prof])
+        block_floor = (wb["experts_per_layer"] + cfg.hidden_size * cfg.num_experts * 2) / (bw * 1e9) * 1e6
+        if routed_here:  # the whole block is rubin's kernels: routing + FC1 + FC2
+            per_layer = moe_us / args.layers
+            prof["moe_block_us_per_layer"], prof["moe_block_floor_us"] = per_layer, block_floor
+            lines.append(
+                f"\nMoE block (routing + experts) per layer: {per_layer:.1f} us = {per_layer / block_floor:.2f}x its "
+                f"weight-read floor ({block_floor:.1f} us: router + {wb['distinct_experts']:.0f} experts)"
+            )
         gap = prof["median_gap_us"]
         mgap = prof["moe_median_gap_us"]
         lines.append(

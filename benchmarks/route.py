@@ -16,8 +16,9 @@ states, the graph replayed (CUDA events, median of 30 replays) and divided by 16
 between other kernels of one graph, the gaps between kernels included, the host's launch cost not. Inductor's
 variant is ``torch.compile`` (default mode, static shapes) of the same function, compiled before the capture
 and captured in the same way. Our kernel runs with PDL on (as rubin launches it under CUDA graphs on sm_90)
-and off. Ids are checked against the ATen routing's (as sets per token; bf16 logits make a few near-ties
-differ for Mixtral / Qwen3) and against route_reference. Writes route-h200.{md,json} under ``--out``.
+and off, with the arguments match_routing gives it for that code (Mixtral / Qwen3: the logits rounded to bf16 as
+their bf16 nn.Linear writes them, bf16 weights). Ids are checked against the ATen routing's (as sets per token:
+logits within one bf16 ulp may round the other way) and against route_reference. Writes route-h200.{md,json} under ``--out``.
 """
 
 from __future__ import annotations
@@ -89,11 +90,14 @@ def _deepseek(x, w, b):
     return deepseek_v3_routing(x, w, b)
 
 
+# ``kw``: what passes/match_routing.py passes rubin.route for the HF code (bf16 logits and weights for Mixtral / Qwen3,
+# whose nn.Linear writes bf16 logits; DeepSeek-V3's group mask filling 0.0)
+_BF16 = dict(logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16)
 MODELS = {
     "DeepSeek-V3": dict(E=256, H=7168, k=8, aten=_deepseek, bias=True, kw=dict(
-        scoring="sigmoid", renormalize=True, n_group=8, topk_group=4, routed_scaling_factor=2.5)),
-    "Qwen3-30B-A3B": dict(E=128, H=2048, k=8, aten=_qwen3, bias=False, kw=dict(renormalize=True)),
-    "Mixtral-8x7B": dict(E=8, H=4096, k=2, aten=_mixtral, bias=False, kw=dict(renormalize=True)),
+        scoring="sigmoid", renormalize=True, n_group=8, topk_group=4, routed_scaling_factor=2.5, group_fill="0")),
+    "Qwen3-30B-A3B": dict(E=128, H=2048, k=8, aten=_qwen3, bias=False, kw=dict(renormalize=True, **_BF16)),
+    "Mixtral-8x7B": dict(E=8, H=4096, k=2, aten=_mixtral, bias=False, kw=dict(renormalize=True, **_BF16)),
 }  # fmt: skip
 
 

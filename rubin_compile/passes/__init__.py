@@ -1,9 +1,10 @@
 """The rubin pass pipeline: one module per pass, run in the order of ``PIPELINE`` by manager.py.
 
-    canonicalize -> match_moe -> match_attention -> match_gemm -> fuse_projections
+    canonicalize -> match_moe -> match_routing -> match_attention -> match_gemm -> fuse_projections
         -> select_kernels -> place_locality -> chain_pdl
 
-Matchers turn source idioms into canonical ops (match_*); fuse_projections joins rubin.gemm nodes that read
+Matchers turn source idioms into canonical ops (match_*; match_routing fuses the router ahead of each rubin.moe
+where a routing kernel takes it); fuse_projections joins rubin.gemm nodes that read
 one input (q / k / v, gate / up) into one over stacked weights; selection binds each canonical node to a kernel for
 the target (select_kernels); the last two decide how kernels are launched (locality placement, PDL). Each
 entry is a ``Pass`` (base.py): its name, its ``run(graph, ctx)``, and what it reads from the context.
@@ -18,6 +19,7 @@ from rubin_compile.passes import (
     match_attention,
     match_gemm,
     match_moe,
+    match_routing,
     place_locality,
     select_kernels,
 )
@@ -26,6 +28,7 @@ from rubin_compile.passes.base import Pass
 PIPELINE: tuple[Pass, ...] = (
     canonicalize.PASS,
     match_moe.PASS,
+    match_routing.PASS,
     match_attention.PASS,
     match_gemm.PASS,
     fuse_projections.PASS,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from typing import Optional
 
 import torch
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
@@ -36,6 +37,7 @@ from rubin_compile import target as target_mod
 from rubin_compile.ops.registry import CanonicalOp, canonical_form, op_of
 from rubin_compile.passes.base import KernelPlan, KernelSelectionError, Pass, PassContext, PassResult
 from rubin_compile.passes.fx import bound_arguments, device_type, dotted_name, set_argument
+from rubin_compile.target import Target
 
 NAME = "select_kernels"
 
@@ -53,18 +55,25 @@ def _on_cuda(graph: torch.fx.Graph) -> bool:
     return False
 
 
-def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-    result = PassResult(NAME)
-    target = ctx.target
+def planning(graph: torch.fx.Graph, ctx: PassContext) -> tuple[Target, bool, Optional[bool], Optional[str]]:
+    """What selection plans ``graph`` for: ``(target, runs_here, cudagraphs, note)`` -- the target (the CPU when
+    "auto" found a GPU but the graph's tensors are on the CPU; ``note`` says so), whether the graph runs on this
+    machine (only kernels that can run here are chosen then: ``CanonicalOp.select``), and whether it is replayed
+    from CUDA graphs. match_routing asks it too, to rewrite only where a routing kernel will be chosen."""
+    target, note = ctx.target, None
     if ctx.options.target in ("auto", "") and target.is_cuda and not _on_cuda(graph):
         # "auto" detected a GPU, but this graph's tensors live on the CPU: plan for where it will run.
-        result.notes.append(
-            f"target auto: the graph's tensors are on the CPU, not the {target.name} GPU; planning for the CPU"
-        )
+        note = f"target auto: the graph's tensors are on the CPU, not the {target.name} GPU; planning for the CPU"
         target = target_mod.resolve("cpu")
-    # Compiling for the machine we run on: choose only kernels that can run here (see CanonicalOp.select).
     runs_here = target.name == target_mod.detect().name or not target.is_cuda
-    cudagraphs = ctx.engine.runs_under_cudagraphs(ctx.options)[0]
+    return target, runs_here, ctx.engine.runs_under_cudagraphs(ctx.options)[0], note
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
+    result = PassResult(NAME)
+    target, runs_here, cudagraphs, note = planning(graph, ctx)
+    if note:
+        result.notes.append(note)
     forced_kernels = dict(ctx.options.kernels)
     for op_name, kernel in forced_kernels.items():
         op_of(op_name).kernel(kernel)  # an unknown kernel name is an error, listing the valid ones

@@ -31,6 +31,10 @@ LOCAL_IMPORTS_ALLOWED = {
         "rubin_compile.kernels.triton",
         "rubin_compile.kernels.triton.gemm",
     ): "as for the MoE kernels: the small-M GEMM kernels (and their tuned table) load when one runs",
+    (
+        "rubin_compile.kernels.triton",
+        "rubin_compile.kernels.triton.route",
+    ): "as for the MoE kernels: the fused routing kernels load when one runs",
 }
 
 

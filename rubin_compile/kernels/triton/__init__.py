@@ -1,8 +1,9 @@
 """The ``triton`` kernels: our fused MoE Triton kernels (moe.py; design in docs/kernels/triton_moe.md), the
-split-KV decode attention (attention.py; design and measurements in docs/kernels/decode_attention.md) and the
-small-M weight-streaming GEMM (gemm.py; docs/kernels/gemm.md).
+split-KV decode attention (attention.py; design and measurements in docs/kernels/decode_attention.md), the
+small-M weight-streaming GEMM (gemm.py; docs/kernels/gemm.md) and the fused MoE routing at decode (route.py;
+docs/kernels/routing.md).
 
-This module only registers them onto ``rubin.moe``, ``rubin.attention`` and ``rubin.gemm``: Triton is imported when a kernel runs, so the package
+This module only registers them onto ``rubin.moe``, ``rubin.attention``, ``rubin.gemm`` and ``rubin.route``: Triton is imported when a kernel runs, so the package
 imports (and plans for any target) without Triton or a GPU. On a machine without CUDA the kernel is
 "cannot run here" with the reason; with ``TRITON_INTERPRET=1`` the kernels run (slowly) on CPU tensors
 through Triton's interpreter, which the CPU tests use to check indexing.
@@ -21,6 +22,7 @@ from rubin_compile.ops.attention import ATTENTION, AttentionArgs, reference
 from rubin_compile.ops.gemm import GEMM, GemmArgs
 from rubin_compile.ops.moe import MOE, MoEArgs
 from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
+from rubin_compile.ops.route import ROUTE, RouteArgs
 from rubin_compile import target as target_mod
 from rubin_compile.target import Target
 
@@ -77,6 +79,54 @@ def triton_moe(args: MoEArgs, launch: Launch) -> torch.Tensor:
     from rubin_compile.kernels.triton import moe
 
     return moe.run(args, launch)
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE routing at decode
+# ------------------------------------------------------------------------------------------------
+
+# route.MAX_T / MAX_E / MAX_H / MAX_K (not imported: that would import Triton)
+ROUTE_MAX_T, ROUTE_MAX_E, ROUTE_MAX_H, ROUTE_MAX_K = 64, 512, 8192, 16
+_ROUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _route_supports(target: Target, spec: KernelSpec) -> Optional[str]:
+    """The fused routing (kernels/triton/route.py): router GEMM, scoring, (group-limited) top-k, renormalisation
+    and scaling in two PDL-chained kernels, for up to 64 tokens a call; bf16 / fp16 / fp32 router weights."""
+    if not target.is_cuda:
+        return f"target {target.name} has no CUDA GPU (Inductor compiles the routing as written)"
+    if target.cc < 90:
+        return f"the Triton routing is built and measured for sm_90 and newer; {target.name} is cc {target.cc}"
+    if spec.quant != "none":
+        return f"router weights in {QUANT_LABELS[spec.quant]}: checkpoints keep the router unquantised (bf16 / fp32)"
+    for name, dtype in (("hidden states", spec.act_dtype), ("router weight", spec.weight_dtype)):
+        if dtype not in _ROUTE_DTYPES:
+            return f"{name} in {dtype} are not supported ({', '.join(_ROUTE_DTYPES)})"
+    T, E, H, k = spec.dim("T"), spec.dim("E"), spec.dim("H"), spec.dim("k")
+    if T is not None and T > ROUTE_MAX_T:
+        return f"T={T} tokens: not decode-sized (the kernel takes up to {ROUTE_MAX_T}); Inductor's routing is kept"
+    for name, v, limit in (("E", E, ROUTE_MAX_E), ("H", H, ROUTE_MAX_H), ("k", k, ROUTE_MAX_K)):
+        if v is not None and v > limit:
+            return f"{name}={v} exceeds the kernel's limit of {limit}"
+    if importlib.util.find_spec("triton") is None:
+        return "package triton is not installed"
+    return None
+
+
+@ROUTE.register_kernel(
+    "triton",
+    supports=_route_supports,
+    priority={"*": 10, "sm90": 30},
+    runnable=_runnable,
+    entry=lambda spec: "rubin_compile.kernels.triton.route.run (router GEMM + top-k, two kernels)",
+    pdl=lambda spec: None,
+)
+def triton_route(args: RouteArgs, launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused routing (kernels/triton/route.py: ``run``); a call of more than 64 tokens (a graph compiled with a
+    symbolic T, run at prefill) runs the op's reference."""
+    from rubin_compile.kernels.triton import route
+
+    return route.run(args, pdl=launch.pdl)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.errors import RubinError
+from rubin_compile.ops.route import ORDERS, SCORINGS, RouteArgs, RouteArgumentError, reference
+
+__all__ = ["ORDERS", "SCORINGS", "RouteArgumentError", "route", "route_reference", "run"]
 
 try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -87,15 +89,8 @@ MAX_E = 512  # experts: the top-k kernel holds a token's E logits in registers
 MAX_H = 8192  # hidden size: at most 128 H slices, summed by unrolled loads in the top-k kernel
 MAX_K = 16  # experts per token: k unrolled rounds of argmax
 FMA_MAX_T = 8  # up to this many tokens, the logits kernel uses multiply-adds (T pads to 16 for tl.dot above)
-SCORINGS = ("softmax", "sigmoid")
-ORDERS = ("score_then_topk", "topk_then_softmax")
 SIGMOID_RENORM_EPS = 1e-20  # DeepSeek-V3's ``topk_weights.sum(-1, keepdim=True) + 1e-20``
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-class RouteArgumentError(RubinError, ValueError):
-    """Raised when the arguments of a routing call are not valid (or exceed the kernel's limits)."""
 
 
 def _fail(msg: str) -> None:
@@ -107,88 +102,7 @@ def _fail(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _check(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    router_bias: Optional[torch.Tensor],
-    correction_bias: Optional[torch.Tensor],
-    n_group: int,
-    topk_group: int,
-    scale: Union[float, torch.Tensor],
-    order: str,
-) -> tuple[int, int, int]:
-    """(T, H, E) of a valid routing call; ``RouteArgumentError`` naming the problem otherwise."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _fail(f"hidden_states must be a 2-D [T, H] tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        _fail(f"router_weight must be a 2-D [E, H] tensor, got {getattr(w, 'shape', type(w).__name__)}")
-    T, H = x.shape
-    E = w.shape[0]
-    if w.shape[1] != H:
-        _fail(f"router_weight is {tuple(w.shape)} but hidden_states has H={H} (router_weight must be [E, H])")
-    for name, t in (("hidden_states", x), ("router_weight", w)):
-        if t.dtype not in DTYPES:
-            _fail(f"{name} dtype {t.dtype} is not supported (bfloat16, float16 or float32)")
-    for name, b in (("router_bias", router_bias), ("correction_bias", correction_bias)):
-        if b is None:
-            continue
-        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (E,):
-            _fail(f"{name} must be a [E] = [{E}] tensor, got {getattr(b, 'shape', type(b).__name__)}")
-        if b.dtype not in DTYPES:
-            _fail(f"{name} dtype {b.dtype} is not supported (bfloat16, float16 or float32)")
-        if b.device != x.device:
-            _fail(f"{name} is on {b.device}, hidden_states on {x.device}")
-    if w.device != x.device:
-        _fail(f"router_weight is on {w.device}, hidden_states on {x.device}")
-    if scoring not in SCORINGS:
-        _fail(f"scoring={scoring!r} is not one of {SCORINGS}")
-    if order not in ORDERS:
-        _fail(f"order={order!r} is not one of {ORDERS}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        _fail(f"top_k must be a positive int, got {top_k!r}")
-    if top_k > E:
-        _fail(f"top_k={top_k} is larger than the number of experts E={E}")
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
-        _fail(f"n_group must be a positive int, got {n_group!r}")
-    if E % n_group:
-        _fail(f"n_group={n_group} does not divide the number of experts E={E}")
-    if n_group > 1:
-        if E // n_group < 2:
-            _fail(f"n_group={n_group} leaves {E // n_group} expert per group; group scores sum the top 2 of each")
-        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-            _fail(f"topk_group={topk_group!r} must be an int in [1, n_group={n_group}]")
-        if top_k > topk_group * (E // n_group):
-            _fail(
-                f"top_k={top_k} is larger than the {topk_group * (E // n_group)} experts of the topk_group="
-                f"{topk_group} groups kept"
-            )
-    if order == "topk_then_softmax":
-        if scoring != "softmax":
-            _fail("order='topk_then_softmax' takes scoring='softmax' (the softmax over the k selected logits)")
-        if correction_bias is not None or n_group > 1:
-            _fail("order='topk_then_softmax' takes no correction_bias and n_group=1 (GPT-OSS's routing)")
-    if isinstance(scale, torch.Tensor):
-        if scale.dim() != 0 or not scale.is_floating_point():
-            _fail(
-                f"routed_scaling_factor as a tensor must be a 0-d float tensor, got {tuple(scale.shape)} {scale.dtype}"
-            )
-        if scale.device != x.device:
-            _fail(f"routed_scaling_factor is on {scale.device}, hidden_states on {x.device}")
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        _fail(f"routed_scaling_factor must be a float or a 0-d tensor, got {type(scale).__name__}")
-    return T, H, E
-
-
-def _topk_lower_id(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values along the last dim and their indices, descending; equal values: lower index first
-    (a stable sort keeps equal elements in index order, descending or not)."""
-    vals, idx = torch.sort(v, dim=-1, descending=True, stable=True)
-    return vals[..., :k], idx[..., :k]
-
-
-def route_reference(
+def route_args(
     hidden_states: torch.Tensor,
     router_weight: torch.Tensor,
     *,
@@ -201,46 +115,39 @@ def route_reference(
     topk_group: int = 1,
     routed_scaling_factor: Union[float, torch.Tensor] = 1.0,
     order: str = "score_then_topk",
+    renorm_eps: Optional[float] = None,
+    renorm_floor: bool = False,
+    group_fill: str = "-inf",
+    logits_dtype: Optional[torch.dtype] = None,
+    weights_dtype: torch.dtype = torch.float32,
+) -> RouteArgs:
+    """The op's ``RouteArgs`` (validated: ``RouteArgumentError`` naming the problem) from this module's keyword
+    form: ``routed_scaling_factor`` a float or a 0-d tensor; ``renorm_eps`` None means DeepSeek-V3's 1e-20 with
+    sigmoid scoring and 0 with softmax."""
+    scale, scale_tensor = routed_scaling_factor, None
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or not scale.is_floating_point():
+            _fail(
+                f"routed_scaling_factor as a tensor must be a 0-d float tensor, got {tuple(scale.shape)} {scale.dtype}"
+            )
+        scale, scale_tensor = 1.0, routed_scaling_factor
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(f"routed_scaling_factor must be a float or a 0-d tensor, got {type(scale).__name__}")
+    if renorm_eps is None:
+        renorm_eps = SIGMOID_RENORM_EPS if scoring == "sigmoid" else 0.0
+    return RouteArgs(
+        hidden_states, router_weight, top_k, scoring, order, bool(renormalize), float(renorm_eps), bool(renorm_floor),
+        router_bias, correction_bias, n_group, topk_group, group_fill, float(scale), scale_tensor, logits_dtype,
+        weights_dtype,
+    )  # fmt: skip
+
+
+def route_reference(
+    hidden_states: torch.Tensor, router_weight: torch.Tensor, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing's semantics in plain torch (the module docstring): ``(topk_weights float32 [T, k],
-    topk_ids int32 [T, k])``; any T, E, H, k (the kernel's limits do not apply), any device."""
-    T, H, E = _check(
-        hidden_states,
-        router_weight,
-        top_k,
-        scoring,
-        router_bias,
-        correction_bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        order,
-    )
-    logits = hidden_states.float() @ router_weight.float().t()
-    if router_bias is not None:
-        logits = logits + router_bias.float()
-    if order == "topk_then_softmax":
-        top, ids = _topk_lower_id(logits, top_k)
-        w = torch.softmax(top, dim=-1)
-    else:
-        scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-        sel = scores if correction_bias is None else scores + correction_bias.float()
-        if n_group > 1:
-            per = E // n_group
-            group_scores = _topk_lower_id(sel.view(T, n_group, per), 2)[0].sum(-1)
-            kept = _topk_lower_id(group_scores, topk_group)[1]
-            keep = torch.zeros((T, n_group), dtype=torch.bool, device=sel.device).scatter_(1, kept, True)
-            sel = sel.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
-        ids = _topk_lower_id(sel, top_k)[1]
-        w = scores.gather(1, ids)
-    if renormalize:
-        s = w.sum(-1, keepdim=True)
-        w = w / (s + SIGMOID_RENORM_EPS) if scoring == "sigmoid" else w / s
-    if isinstance(routed_scaling_factor, torch.Tensor):
-        w = w * routed_scaling_factor.float()
-    else:
-        w = w * float(routed_scaling_factor)
-    return w.float().contiguous(), ids.to(torch.int32).contiguous()
+    """The routing's semantics in plain torch (ops/route.py's ``reference``; ``route_args``' keywords):
+    ``(topk_weights [T, k], topk_ids int32 [T, k])``; any T, E, H, k (the kernel's limits do not apply), any device."""
+    return reference(route_args(hidden_states, router_weight, **kwargs))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,6 +274,7 @@ def _route_topk_kernel(
     id_out_ptr,
     T,
     scale,
+    renorm_eps,
     stride_wt,
     stride_it,
     SPLIT: tl.constexpr,
@@ -380,9 +288,12 @@ def _route_topk_kernel(
     SIGMOID: tl.constexpr,
     TOPK_FIRST: tl.constexpr,
     RENORM: tl.constexpr,
+    RENORM_FLOOR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_CORR: tl.constexpr,
     SCALE_PTR: tl.constexpr,
+    ROUND: tl.constexpr,
+    FILL_ZERO: tl.constexpr,
     GDC: tl.constexpr,
 ):
     """One token: logits from the partials, scores, (grouped) top-k, weights. The E = NG * GS experts are held
@@ -417,6 +328,10 @@ def _route_topk_kernel(
     logits = acc
     if HAS_BIAS:
         logits = logits + bias
+    if ROUND == 1:  # the source graph's router wrote bf16 logits (a bf16 nn.Linear): the same values
+        logits = logits.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        logits = logits.to(tl.float16).to(tl.float32)
     if TOPK_FIRST:
         scores = logits
     elif SIGMOID:
@@ -428,8 +343,9 @@ def _route_topk_kernel(
     if HAS_CORR:
         sel = scores + corr
     key = tl.where(valid, _key(sel, flat, BIG), DEAD)
+    READ_BACK: tl.constexpr = HAS_CORR or (FILL_ZERO and NG > 1)  # a chosen selection value may not be its score
     skey = key
-    if HAS_CORR:  # the weights are the unbiased scores: read back with the same integer max (warp redux)
+    if READ_BACK:  # the weights are the unbiased scores: read back with the same integer max (warp redux)
         skey = tl.where(valid, _key(scores, flat, BIG), DEAD)
     if NG > 1:
         # A group's score: its largest value plus the largest of the others (the first maximum's lane removed,
@@ -443,7 +359,10 @@ def _route_topk_kernel(
             pick = _key_id(tl.max(gkey, axis=0), BIG)
             keep = keep | (gi == pick)
             gkey = tl.where(gi == pick, DEAD, gkey)
-        key = tl.where(keep[:, None], key, DEAD)
+        if FILL_ZERO:  # the dropped groups' experts compete with selection value 0.0 (Hugging Face's masked_fill)
+            key = tl.where(keep[:, None], key, tl.where(valid, _key(tl.zeros_like(sel), flat, BIG), DEAD))
+        else:
+            key = tl.where(keep[:, None], key, DEAD)
     kk = tl.arange(0, K_PAD)
     k_ok = kk < K
     ids = tl.zeros((K_PAD,), tl.int32)
@@ -452,7 +371,7 @@ def _route_topk_kernel(
         m = _max2d(key)
         idx = _key_id(m, BIG)
         ids = tl.where(kk == i, idx, ids)
-        if HAS_CORR:  # the score of the expert chosen (off the chain of maxima)
+        if READ_BACK:  # the score of the expert chosen (off the chain of maxima)
             wts = tl.where(kk == i, _key_value(_max2d(tl.where(flat == idx, skey, DEAD))), wts)
         else:  # the value chosen is the weight
             wts = tl.where(kk == i, _key_value(m), wts)
@@ -462,8 +381,10 @@ def _route_topk_kernel(
         wts = ex / tl.sum(ex, axis=0)
     if RENORM:
         total = tl.sum(tl.where(k_ok, wts, 0.0), axis=0)
-        if SIGMOID:
-            total = total + 1e-20
+        if RENORM_FLOOR:
+            total = tl.maximum(total, renorm_eps)
+        else:
+            total = total + renorm_eps
         wts = wts / total
     if SCALE_PTR:
         wts = wts * tl.load(scale_ptr).to(tl.float32)
@@ -530,30 +451,45 @@ def route(
     router_weight: torch.Tensor,
     *,
     top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    router_bias: Optional[torch.Tensor] = None,
-    correction_bias: Optional[torch.Tensor] = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: Union[float, torch.Tensor] = 1.0,
-    order: str = "score_then_topk",
+    pdl: bool = False,
+    out_weights: Optional[torch.Tensor] = None,
+    out_ids: Optional[torch.Tensor] = None,
+    config: Optional[RouteConfig] = None,
+    **semantics,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_reference``'s result from the two kernels (the module docstring): ``(out_weights [T, k] in
+    ``weights_dtype`` (float32 by default), out_ids int32 [T, k])``, written into the given buffers when passed
+    (unit stride along k). ``semantics``: ``route_args``' keywords. ``pdl``: launch the first kernel with
+    Programmatic Dependent Launch (sm_90+; no effect elsewhere). ``config``: the logits kernel's tile
+    (``heuristic`` when None)."""
+    args = route_args(hidden_states, router_weight, top_k=top_k, **semantics)
+    return launch(args, pdl=pdl, out_weights=out_weights, out_ids=out_ids, config=config)
+
+
+def run(args: RouteArgs, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter of ``rubin.route``: the two kernels for a decode-sized call (``T <= MAX_T``); a larger call (a
+    graph compiled with a symbolic T, run at prefill) runs the op's reference, whose tie rule is the same."""
+    if args.T > MAX_T:
+        return reference(args)
+    return launch(args, pdl=pdl)
+
+
+_ROUND = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def launch(
+    args: RouteArgs,
     pdl: bool = False,
     out_weights: Optional[torch.Tensor] = None,
     out_ids: Optional[torch.Tensor] = None,
     config: Optional[RouteConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_reference``'s result from the two kernels (the module docstring): ``(out_weights float32 [T, k],
-    out_ids int32 [T, k])``, written into the given buffers when passed (unit stride along k). ``pdl``: launch
-    the first kernel with Programmatic Dependent Launch (sm_90+; no effect elsewhere). ``config``: the logits
-    kernel's tile (``heuristic`` when None)."""
-    x, w = hidden_states, router_weight
-    T, H, E = _check(
-        x, w, top_k, scoring, router_bias, correction_bias, n_group, topk_group, routed_scaling_factor, order
-    )
+    """Launch the two kernels on validated arguments (``route``'s contract)."""
+    x, w = args.hidden_states, args.router_weight
+    T, H, E, top_k = args.T, args.H, args.E, args.top_k
     _check_limits(T, H, E, top_k)
     dev = x.device
-    out_w = _check_out("out_weights", out_weights, T, top_k, torch.float32, dev)
+    out_w = _check_out("out_weights", out_weights, T, top_k, args.weights_dtype, dev)
     out_i = _check_out("out_ids", out_ids, T, top_k, torch.int32, dev)
     if dev.type != "cuda" and not _INTERPRET:
         _fail(f"the kernels need CUDA tensors, got {dev} (TRITON_INTERPRET=1 runs them on the CPU, for tests)")
@@ -606,19 +542,19 @@ def route(
         num_stages=1,
         **({"launch_pdl": True} if pdl and gdc else {}),
     )
-    ng = n_group if order == "score_then_topk" else 1
+    ng = args.n_group if args.order == "score_then_topk" else 1
     gs = E // ng
-    scale = routed_scaling_factor
-    scale_is_tensor = isinstance(scale, torch.Tensor)
+    st = args.scale_tensor
     _route_topk_kernel[(T,)](
         part,
-        router_bias if router_bias is not None else part,
-        correction_bias if correction_bias is not None else part,
-        scale if scale_is_tensor else part,
+        args.router_bias if args.router_bias is not None else part,
+        args.correction_bias if args.correction_bias is not None else part,
+        st if st is not None else part,
         out_w,
         out_i,
         T,
-        1.0 if scale_is_tensor else float(scale),
+        float(args.scale),
+        float(args.renorm_eps),
         out_w.stride(0),
         out_i.stride(0),
         SPLIT=split,
@@ -628,13 +564,16 @@ def route(
         GS_PAD=triton.next_power_of_2(gs),
         K=top_k,
         K_PAD=max(2, triton.next_power_of_2(top_k)),
-        TOPK_GROUP=topk_group if ng > 1 else 1,
-        SIGMOID=scoring == "sigmoid",
-        TOPK_FIRST=order == "topk_then_softmax",
-        RENORM=bool(renormalize),
-        HAS_BIAS=router_bias is not None,
-        HAS_CORR=correction_bias is not None,
-        SCALE_PTR=scale_is_tensor,
+        TOPK_GROUP=args.topk_group if ng > 1 else 1,
+        SIGMOID=args.scoring == "sigmoid",
+        TOPK_FIRST=args.order == "topk_then_softmax",
+        RENORM=bool(args.renormalize),
+        RENORM_FLOOR=bool(args.renorm_floor),
+        HAS_BIAS=args.router_bias is not None,
+        HAS_CORR=args.correction_bias is not None,
+        SCALE_PTR=st is not None,
+        ROUND=_ROUND[args.logits_dtype],
+        FILL_ZERO=args.group_fill == "0",
         GDC=gdc,
         num_warps=cfg.topk_warps,
         num_stages=1,

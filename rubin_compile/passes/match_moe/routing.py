@@ -263,9 +263,11 @@ def read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any]:
     return info, projection
 
 
-def _read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any, Any]:
+def _read_selection(topk: torch.fx.Node, found: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], Any, Any]:
     """``read_selection``'s description, the scores the top-k reads under its correction bias and group mask, and the
-    router projection."""
+    router projection. ``found``, when given, receives the nodes read: ``group_mask`` (the mask's condition),
+    ``correction_bias`` (the tensor added to the scores)."""
+    found = {} if found is None else found
     top1 = is_call(topk, aten.argmax.default, aten.max.dim)
     k = 1 if top1 else topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
     info: dict[str, Any] = {
@@ -290,12 +292,15 @@ def _read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any, Any]:
         # straight over softmax probabilities (Mistral 4), which are above 0: a group limit there too
         if fill == float("-inf") or (fill == 0 and softmax_input(kept) is not None):
             info["group_limited"], info["group_fill"] = True, "-inf" if fill == float("-inf") else "0"
+            found["group_mask"] = sel.args[0]
             sel = kept
+    found["selected"] = sel  # what the top-k selects from under the group mask: the scores (+ correction bias)
     if is_call(sel, aten.add.Tensor):
         under = [strip_converts(_same_shape_views(strip_converts(a))) for a in sel.args]
         scored = [a for a in under if is_call(a, aten.sigmoid.default) or softmax_input(a) is not None]
         if len(scored) == 1:
             info["score_correction_bias"] = True  # scores + e_score_correction_bias (selection only)
+            found["correction_bias"] = next(a for a, u in zip(sel.args, under) if u is not scored[0])
             sel = scored[0]
     if softmax_input(sel) is not None:
         info["scoring"] = "softmax"
@@ -309,7 +314,9 @@ def _read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any, Any]:
     return info, sel, projection
 
 
-def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> dict[str, Any]:
+def describe_routing(
+    topk_weights: torch.fx.Node, topk_ids: torch.fx.Node, found: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """Describe the routing idiom upstream of an MoE block's ``topk_weights`` [T, k] and ``topk_ids`` [T, k].
 
     Parameters
@@ -329,10 +336,17 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
         routes with weight 0, or None); ``top_k``; ``num_experts`` (what the top-k chooses among, a skip class
         included); ``weights_dtype``; and ``why`` when not recognised.
 
+    ``found``, when given, receives the nodes the description was read from (passes/match_routing.py rewrites
+    from them): ``topk`` (the choice), ``ids`` (its indices), ``projection`` (the router's mm / addmm / add),
+    ``scores`` (the scores under the correction bias and group mask), ``selected`` (under the group mask only),
+    ``group_mask``, ``correction_bias``,
+    ``scale_input`` (a run-time scale's graph input), ``renorm_eps`` (a number).
+
     Examples
     --------
     Mixtral gives ``{"order": "softmax_then_topk", "renormalize": True, "router_bias": False, ...}``.
     """
+    found = {} if found is None else found
     info: dict[str, Any] = {
         "recognised": False,
         "order": "unknown",
@@ -356,7 +370,8 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
     if topk is None:
         info["why"] = f"topk_ids ({getattr(topk_ids, 'name', topk_ids)}) is not the indices output of aten.topk"
         return info
-    selection, scores, _ = _read_selection(topk)
+    selection, scores, projection = _read_selection(topk, found)
+    found.update(topk=topk, ids=ids, projection=projection, scores=scores)
     info.update(selection)
     if skip is not None:
         info["skip_expert"] = skip
@@ -380,6 +395,7 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
             runtime = [x for x in (a, b) if _graph_input(x) is not None]
             if len(runtime) == 1:  # dynamic=True: the float attribute is a 0-d input of the graph
                 info["scale"] = f"graph input {_graph_input(runtime[0])}"
+                found["scale_input"] = strip_converts(runtime[0])
                 w = strip_converts(b if runtime[0] is a else a)
                 continue
             per_expert = [x for x in (a, b) if is_call(x, aten.index.Tensor) and list(x.args[1]) in ([topk_ids], [ids])]
@@ -394,6 +410,7 @@ def describe_routing(topk_weights: torch.fx.Node, topk_ids: torch.fx.Node) -> di
             info["renormalize"] = True
             if eps is not None:
                 info["renormalize_eps"] = eps
+                found["renorm_eps"] = scalar(w.args[1].args[1])
             w = strip_converts(base)
             continue
         break

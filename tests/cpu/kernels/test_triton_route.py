@@ -529,6 +529,9 @@ AOT_CONFIGS = {
             HAS_BIAS=False,
             HAS_CORR=True,
             SCALE_PTR=False,
+            RENORM_FLOOR=False,
+            ROUND=0,
+            FILL_ZERO=False,
         ),
     ),  # fmt: skip
     "dsv3-T64": (
@@ -549,6 +552,9 @@ AOT_CONFIGS = {
             HAS_BIAS=False,
             HAS_CORR=True,
             SCALE_PTR=True,
+            RENORM_FLOOR=False,
+            ROUND=0,
+            FILL_ZERO=False,
         ),
     ),  # fmt: skip
     "qwen3-T1": (
@@ -569,6 +575,9 @@ AOT_CONFIGS = {
             HAS_BIAS=False,
             HAS_CORR=False,
             SCALE_PTR=False,
+            RENORM_FLOOR=False,
+            ROUND=1,  # bf16 logits, as the Hugging Face graph rounds them
+            FILL_ZERO=False,
         ),
     ),  # fmt: skip
     "qwen3-T16": (
@@ -589,6 +598,9 @@ AOT_CONFIGS = {
             HAS_BIAS=False,
             HAS_CORR=False,
             SCALE_PTR=False,
+            RENORM_FLOOR=False,
+            ROUND=0,
+            FILL_ZERO=False,
         ),
     ),  # fmt: skip
     "gptoss-T4": (
@@ -609,6 +621,9 @@ AOT_CONFIGS = {
             HAS_BIAS=True,
             HAS_CORR=False,
             SCALE_PTR=False,
+            RENORM_FLOOR=False,
+            ROUND=0,
+            FILL_ZERO=False,
         ),
     ),  # fmt: skip
 }
@@ -632,7 +647,7 @@ def _aot_ptx(aot, name: str, gdc: bool) -> tuple[str, str]:
         {p: "*fp32" for p in ("part_ptr", "bias_ptr", "corr_ptr", "scale_ptr", "w_out_ptr")} | {"id_out_ptr": "*i32"},
         dict(T=ints["T"], stride_wt=k2["K"], stride_it=k2["K"]),
         num_stages=1,
-        floats=("scale",),
+        floats=("scale", "renorm_eps"),
     )
     return ptx1, ptx2
 
@@ -664,7 +679,7 @@ def test_topk_kernel_in_one_warp_has_no_barrier(aot, name):
     R = _route_module()
     fn = R._route_topk_kernel
     consts = dict(AOT_CONFIGS[name][2], GDC=True)
-    ptrs = {"id_out_ptr": "*i32", "scale": "fp32"}
+    ptrs = {"id_out_ptr": "*i32", "scale": "fp32", "renorm_eps": "fp32"}
     sig = {
         p: "constexpr" if p in consts else ptrs.get(p, "*fp32" if p.endswith("_ptr") else "i32")
         for p in inspect.signature(fn.fn).parameters

@@ -64,6 +64,15 @@ def pass_decisions(rubin_run, name):
     return [d for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == name for d in p["decisions"]]
 
 
+def moe_decisions(rubin_run):
+    """chain_pdl's decisions for the rubin.moe nodes (the rubin.route ahead of each has its own: route_decisions)."""
+    return [d for d in pass_decisions(rubin_run, "chain_pdl") if d["canonical_op"] == "rubin.moe"]
+
+
+def route_decisions(rubin_run):
+    return [d for d in pass_decisions(rubin_run, "chain_pdl") if d["canonical_op"] == "rubin.route"]
+
+
 def pass_notes(rubin_run, name):
     return [n for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == name for n in p["notes"]]
 
@@ -225,11 +234,13 @@ def test_sm90_under_cudagraphs_launches_the_moe_with_pdl(rubin_run):
     (graph_dir,) = rubin_run.dump_dir.iterdir()
     assert "pdl = True" in stage_file(graph_dir, "chain_pdl").read_text()
     assert "pdl = True" not in stage_file(graph_dir, "select_kernels").read_text()
-    (d,) = pass_decisions(rubin_run, "chain_pdl")
+    (d,) = moe_decisions(rubin_run)
     assert d["decision"] == "pdl on" and d["canonical_op"] == "rubin.moe"
     assert d["reason"] == "PDL-safe kernel on sm90, run under CUDA graphs (captured as a programmatic edge)"
     assert d["details"] == {"kernel": "triton", "target": "sm90"}
-    assert "1 of 1 kernel node(s) launched with PDL (pdl='auto'; options cudagraphs=True)" in pass_notes(
+    (r,) = route_decisions(rubin_run)  # the fused routing ahead of it (match_routing), chained the same way
+    assert r["decision"] == "pdl on" and r["details"] == {"kernel": "triton", "target": "sm90"}
+    assert "2 of 2 kernel node(s) launched with PDL (pdl='auto'; options cudagraphs=True)" in pass_notes(
         rubin_run, "chain_pdl"
     )
     (report,) = rubin_run.reports()
@@ -243,7 +254,7 @@ def test_sm90_without_cudagraphs_leaves_pdl_off(rubin_run):
     assert "impl = 'triton@sm90'" in line and "pdl" not in line
     (graph_dir,) = rubin_run.dump_dir.iterdir()
     assert not stage_file(graph_dir, "chain_pdl").exists()  # nothing changed: no stage written
-    (d,) = pass_decisions(rubin_run, "chain_pdl")
+    (d,) = moe_decisions(rubin_run)
     assert d["decision"] == "pdl off" and d["reason"] == NO_GRAPHS
 
 
@@ -254,7 +265,7 @@ def test_sm90_pdl_on_without_graphs_and_mode_reduce_overhead(rubin_run, monkeypa
     assert "pdl = True" in line
     assert [(d["decision"], d["reason"]) for d in pass_decisions(rubin_run, "chain_pdl")] == [
         ("pdl on", "options pdl='on'")
-    ]
+    ] * 2  # the rubin.route ahead of the MoE, and the MoE
 
     # mode="reduce-overhead" (torch.compile takes mode or options, not both: the rest from RUBIN_*) implies
     # cudagraphs, so pdl="auto" turns on
@@ -271,7 +282,7 @@ def test_sm90_pdl_on_without_graphs_and_mode_reduce_overhead(rubin_run, monkeypa
     run2 = RubinRun(dump)
     (line,) = moe_lines(run2.stage_code("chain_pdl"))
     assert "pdl = True" in line
-    (d,) = pass_decisions(run2, "chain_pdl")
+    (d,) = moe_decisions(run2)
     assert d["decision"] == "pdl on" and "run under CUDA graphs" in d["reason"]
 
 

@@ -28,6 +28,7 @@ def test_pipeline_order():
     assert PASS_NAMES == (
         "canonicalize",
         "match_moe",
+        "match_routing",
         "match_attention",
         "match_gemm",
         "fuse_projections",

@@ -36,9 +36,15 @@ def _model(dtype):
     return model
 
 
-def _plans(rubin_run):
+def _plans(rubin_run, op=None):
+    """select_kernels' plans (of ``op``, "rubin.moe", when given)."""
     return [
-        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
+        pl
+        for rep in rubin_run.reports()
+        for p in rep["passes"]
+        if p["name"] == "select_kernels"
+        for pl in p["plans"]
+        if op is None or pl["canonical_op"] == op
     ]
 
 
@@ -123,10 +129,11 @@ def test_cpu_target_runs_the_reference_with_exact_numerics(rubin_run):
 @needs_flashinfer
 @cpu_only
 def test_plan_for_sm107_made_on_the_cpu_and_executing_it_raises_a_clear_error(rubin_run):
-    compiled = rubin_run.compile(_model(torch.bfloat16), target="sm107")
+    # the fused routing ahead of the MoE forced to run here, so that the MoE's kernel is the one that cannot
+    compiled = rubin_run.compile(_model(torch.bfloat16), target="sm107", kernels={"route": "reference"})
     with pytest.raises(KernelUnavailableError) as err, torch.no_grad():
         compiled(torch.randn(5, 32, dtype=torch.bfloat16))
-    (plan,) = _plans(rubin_run)
+    (plan,) = _plans(rubin_run, "rubin.moe")
     # H=32 / I=24: trtllm-gen's I % 128 limit rejects it, so CUTLASS (128-bit aligned rows) is chosen.
     assert plan["kernel"] == "flashinfer_cutlass" and plan["impl"] == "flashinfer_cutlass@sm107"
     rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
@@ -179,10 +186,13 @@ def test_forced_reference_on_a_gpu_target_still_runs_here(rubin_run):
     model = _model(torch.bfloat16)
     x = torch.randn(6, 32, dtype=torch.bfloat16)
     with torch.no_grad():
-        out = rubin_run.compile(model, target="sm100", kernels={"moe": "reference"})(x)
+        out = rubin_run.compile(model, target="sm100", kernels={"moe": "reference", "route": "reference"})(x)
         assert_close_to_eager(out, model(x))
-    (plan,) = _plans(rubin_run)
-    assert plan["kernel"] == "reference" and plan["forced"] == "reference"
+    plans = _plans(rubin_run)
+    assert [(p["canonical_op"], p["kernel"], p["forced"]) for p in plans] == [
+        ("rubin.route", "reference", "reference"),
+        ("rubin.moe", "reference", "reference"),
+    ]
 
 
 def test_uuid_follows_the_target_and_forced_kernels():
