@@ -22,7 +22,8 @@ Schema::
                  int topk_group=1,              #   the topk_group best groups kept
                  str group_fill="-inf",         # what the dropped groups' experts are set to: "-inf" | "0"
                  float scale=1.0,               # routed scaling factor
-                 Tensor? scale_tensor=None,     # or a 0-d tensor (a run-time value under dynamic=True)
+                 Tensor? scale_tensor=None,     # or a 0-d tensor (a run-time value under dynamic=True: Dynamo
+                                                #   passes a float attribute as a 0-d CPU tensor, read on the host)
                  ScalarType? logits_dtype=None, # the logits rounded to this dtype (the source graph's router
                                                 #   output dtype: bf16 for a bf16 nn.Linear) before scoring
                  ScalarType weights_dtype=float32,
@@ -168,7 +169,7 @@ def _validate(a: RouteArgs) -> tuple[Any, int, int]:
     if s is not None:
         if not isinstance(s, torch.Tensor) or s.dim() != 0 or not s.is_floating_point():
             _fail(f"scale_tensor must be a 0-d float tensor, got {getattr(s, 'shape', type(s).__name__)}")
-        if s.device != x.device:
+        if s.device != x.device and s.device.type != "cpu":  # a CPU scalar (Dynamo's wrapped float) is read on the host
             _fail(f"scale_tensor is on {s.device}, hidden_states on {x.device}")
         if a.scale != 1.0:
             _fail(f"give scale ({a.scale}) or scale_tensor, not both")

@@ -238,23 +238,17 @@ def _vector(node: Any, E: int, what: str) -> Optional[torch.fx.Node]:
 
 
 def _groups(found: dict[str, Any], E: int) -> tuple[int, int]:
-    """``(n_group, topk_group)`` of a group-limited top-k: the top-k over [T, n_group] group scores behind the mask,
-    whose scores are each group's top-2 sum of the selection values (DeepSeek-V3's ``group_scores``)."""
-    todo, seen = [found["group_mask"]], set()
-    while todo and len(seen) < 64:
-        n = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen:
-            continue
-        seen.add(n)
-        if is_call(n, aten.topk.default):
-            val = tensor_val(n.args[0])
-            if val is not None and val.dim() == 2 and isinstance(val.shape[1], int) and val.shape[1] < E:
-                n_group, topk_group = val.shape[1], n.args[1] if len(n.args) > 1 else n.kwargs["k"]
-                if E % n_group or not _is_top2_sum(n.args[0], found["selected"]):
-                    raise _Skip("the group scores are not each group's sum of its two largest selection values")
-                return n_group, int(topk_group)
-        todo.extend(n.all_input_nodes)
-    raise _Skip("a group mask whose group top-k was not found")
+    """``(n_group, topk_group)`` of a group-limited top-k: the top-k over [T, n_group] group scores behind the mask
+    (routing.group_choice), whose scores are each group's top-2 sum of the selection values (DeepSeek-V3's
+    ``group_scores``)."""
+    choice = found.get("group_choice")
+    if choice is None:
+        raise _Skip("a group mask whose group top-k was not found")
+    n_group = tensor_val(choice.args[0]).shape[1]
+    topk_group = choice.args[1] if len(choice.args) > 1 else choice.kwargs["k"]
+    if not _is_top2_sum(choice.args[0], found["selected"]):
+        raise _Skip("the group scores are not each group's sum of its two largest selection values")
+    return n_group, int(topk_group)
 
 
 def _base(node: Any) -> Any:

@@ -2,7 +2,7 @@
 
 - at the Qwen3-30B-A3B router (E = 128, H = 2048, k = 8, bf16 nn.Linear, softmax in float32, renormalised, weights
   cast to bf16), 4096 random tokens: the ids equal the source routing's (eager transformers code) on every token
-  whose k-th and (k+1)-th bf16 logits are more than one bf16 ulp apart (closer ones may round the other way: the
+  whose k-th and (k+1)-th bf16 logits are more than two bf16 ulps apart (each may round one ulp the other way: the
   logits are summed in another order than cuBLAS sums them), the weights within one bf16 ulp;
 - Hugging Face MoE blocks (Qwen3-MoE, Mixtral, DeepSeek-V3 grouped, GLM-4-MoE, GPT-OSS), compiled for this GPU: the
   routing is one rubin.route on the triton kernel, fp32 outputs equal eager (1e-4 of the scale), bf16 outputs equal
@@ -30,7 +30,7 @@ PASSES_WITHOUT = [
 ]
 
 
-def test_qwen3_router_ids_equal_the_source_routing_except_one_ulp_ties():
+def test_qwen3_router_ids_equal_the_source_routing_except_two_ulp_ties():
     import rubin_compile.ops  # noqa: F401
 
     E, H, k, T = 128, 2048, 8, 4096
@@ -52,14 +52,26 @@ def test_qwen3_router_ids_equal_the_source_routing_except_one_ulp_ties():
     same = (got_ids.sort(-1).values == ids.sort(-1).values).all(-1)
     sorted_logits = logits.float().sort(-1, descending=True).values
     gap = sorted_logits[:, k - 1] - sorted_logits[:, k]
-    ulp = sorted_logits[:, k - 1].abs() * 2.0**-7  # one bf16 ulp (8 bits of mantissa) at that magnitude
-    differ = ~same
-    assert (gap[differ] <= ulp[differ]).all(), f"{int(differ.sum())} tokens differ, some with a gap above one ulp"
+    ulp = sorted_logits[:, k - 1].abs() * 2.0**-7  # one bf16 ulp (8 bits of mantissa) at that magnitude, or more
+    differ = ~same  # each of the two logits may round one ulp the other way: a gap of up to 2 ulps may swap them
+    assert (gap[differ] <= 2 * ulp[differ]).all(), f"{int(differ.sum())} tokens differ, some with a gap above 2 ulps"
     assert differ.float().mean() < 0.01  # before the logits were rounded as the source's: 46 of 4080 differed
     order_got, order_src = got_ids[same].argsort(-1), ids[same].argsort(-1)
     torch.testing.assert_close(
         got_w[same].gather(1, order_got).float(), top[same].gather(1, order_src).float(), rtol=2**-7, atol=1e-6
     )
+
+
+def test_a_cpu_scale_tensor_is_read_on_the_host():
+    """Under dynamic=True Dynamo passes DeepSeek-V3's routed_scaling_factor as a 0-d CPU tensor."""
+    import rubin_compile.ops  # noqa: F401
+
+    x = torch.randn(3, 256, device="cuda")
+    w = torch.randn(32, 256, device="cuda") / 16
+    kw = dict(scoring="sigmoid", renormalize=True, n_group=4, topk_group=2, impl="triton")
+    a = torch.ops.rubin.route(x, w, 4, scale_tensor=torch.tensor(2.5), **kw)
+    b = torch.ops.rubin.route(x, w, 4, scale=2.5, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def _blocks():

@@ -130,6 +130,8 @@ def route_args(
             _fail(
                 f"routed_scaling_factor as a tensor must be a 0-d float tensor, got {tuple(scale.shape)} {scale.dtype}"
             )
+        if scale.device != hidden_states.device and scale.device.type != "cpu":
+            _fail(f"routed_scaling_factor is on {scale.device}, hidden_states on {hidden_states.device}")
         scale, scale_tensor = 1.0, routed_scaling_factor
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         _fail(f"routed_scaling_factor must be a float or a 0-d tensor, got {type(scale).__name__}")
@@ -544,7 +546,9 @@ def launch(
     )
     ng = args.n_group if args.order == "score_then_topk" else 1
     gs = E // ng
-    st = args.scale_tensor
+    st, scale = args.scale_tensor, float(args.scale)
+    if st is not None and st.device != dev:  # a 0-d CPU tensor (Dynamo's wrapped float): its value, read on the host
+        st, scale = None, float(st)
     _route_topk_kernel[(T,)](
         part,
         args.router_bias if args.router_bias is not None else part,
@@ -553,7 +557,7 @@ def launch(
         out_w,
         out_i,
         T,
-        float(args.scale),
+        scale,
         float(args.renorm_eps),
         out_w.stride(0),
         out_i.stride(0),

@@ -62,14 +62,23 @@ aten = torch.ops.aten
 
 @functools.lru_cache(maxsize=None)
 def _softmax_patterns() -> tuple:
+    """A decomposed softmax, in both forms a post-grad graph holds: Inductor's decomposition (amax / sub / exp /
+    sum / div), and on CUDA (rubin runs after Inductor's own post-grad patterns) the online form those patterns
+    make of it, ``prepare_softmax_online`` giving the max and the sum in one pass
+    (torch/_inductor/fx_passes/post_grad.py: ``prepare_softmax_replacement``, when ``config.online_softmax``)."""
+    from torch._inductor import inductor_prims
     from torch._inductor.pattern_matcher import fwd_only, gen_pattern
 
     def softmax(x):
         return torch.softmax(x, dim=-1)
 
-    # Integer and list arguments are ignored by generated patterns, so this matches a softmax over any
+    def online_softmax(x):
+        xmax, xsum = inductor_prims.prepare_softmax_online(x, -1)
+        return (x - xmax).exp() / xsum
+
+    # Integer and list arguments are ignored by generated patterns, so these match a softmax over any
     # dim (GPT-OSS writes dim=1 for its [T, k] top-k values); a router's softmax is over its last dim.
-    return (gen_pattern(softmax, [torch.empty(4, 8)], fwd_only),)
+    return tuple(gen_pattern(fn, [torch.empty(4, 8)], fwd_only) for fn in (softmax, online_softmax))
 
 
 def softmax_input(node: Any) -> Optional[torch.fx.Node]:
@@ -254,6 +263,37 @@ def _router_logits(node: Any, info: dict[str, Any]) -> Any:
     return node
 
 
+def group_choice(mask: Any, num_experts: Any) -> Optional[torch.fx.Node]:
+    """The top-k over [T, n_group] group scores a group mask is made from (DeepSeek-V3's ``group_idx =
+    topk(group_scores, topk_group)``: n_group divides E), found among the mask's inputs; None when there is none."""
+    todo, seen = [mask], set()
+    while todo and len(seen) < 64:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if is_call(n, aten.topk.default):
+            val = tensor_val(n.args[0])
+            groups = val.shape[1] if val is not None and val.dim() == 2 else None
+            # one group (GLM-4-MoE's n_group = 1: a mask of ones) up to fewer groups than experts
+            if isinstance(groups, int) and isinstance(num_experts, int) and 1 <= groups < num_experts:
+                if num_experts % groups == 0:
+                    return n
+        todo.extend(n.all_input_nodes)
+    return None
+
+
+def _scores_or_biased(node: Any) -> bool:
+    """A softmax / sigmoid of the logits, or one plus a correction bias."""
+
+    def scored(n: Any) -> bool:
+        n = strip_converts(_same_shape_views(strip_converts(n)))
+        return softmax_input(n) is not None or is_call(n, aten.sigmoid.default)
+
+    node = strip_converts(_same_shape_views(strip_converts(node)))
+    return scored(node) or (is_call(node, aten.add.Tensor) and sum(scored(a) for a in node.args) == 1)
+
+
 def read_selection(topk: torch.fx.Node) -> tuple[dict[str, Any], Any]:
     """What an ``aten.topk`` (or ``aten.argmax`` / ``aten.max.dim``, a top-1) selects from, and the router projection's node: the keys
     of ``describe_routing`` that the selection decides (the scoring: softmax, sigmoid or none; the router projection
@@ -289,10 +329,15 @@ def _read_selection(topk: torch.fx.Node, found: Optional[dict[str, Any]] = None)
     if is_call(sel, aten.where.self) and _fill_value(sel.args[1]) is not None:
         fill, kept = _fill_value(sel.args[1]), strip_converts(sel.args[2])
         # masked_fill(~group_mask, -inf) (DeepSeek-V3), as Inductor writes it; or masked_fill(~group_mask, 0.0)
-        # straight over softmax probabilities (Mistral 4), which are above 0: a group limit there too
-        if fill == float("-inf") or (fill == 0 and softmax_input(kept) is not None):
+        # straight over softmax probabilities (Mistral 4) or over sigmoid scores plus their correction bias
+        # (DeepSeek-V3 / GLM-4-MoE in transformers before 5.17): a group limit there too, whose dropped experts
+        # compete with 0.0 (group_fill "0")
+        choice = group_choice(sel.args[0], info["num_experts"])
+        if fill == float("-inf") or (
+            fill == 0 and (softmax_input(kept) is not None or (choice is not None and _scores_or_biased(kept)))
+        ):
             info["group_limited"], info["group_fill"] = True, "-inf" if fill == float("-inf") else "0"
-            found["group_mask"] = sel.args[0]
+            found["group_mask"], found["group_choice"] = sel.args[0], choice
             sel = kept
     found["selected"] = sel  # what the top-k selects from under the group mask: the scores (+ correction bias)
     if is_call(sel, aten.add.Tensor):

@@ -155,7 +155,8 @@ def test_pass_can_be_left_out():
 
 
 def _interpreted(cases: list[tuple[str, int, bool]]) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)  # a transformers leg's first
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)], capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT
     )

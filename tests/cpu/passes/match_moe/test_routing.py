@@ -57,6 +57,21 @@ def mistral4_router(x, w_r):
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * SCALE, ids
 
 
+def deepseek_zero_fill_router(x, w_r, corr):
+    """DeepSeek-V3 / GLM-4-MoE as transformers wrote them before 5.17: the dropped groups filled with 0.0 over the
+    sigmoid scores plus their correction bias (which may be negative: the 0.0 then competes)."""
+    n_group, topk_group = 2, 1
+    scores = torch.sigmoid(F.linear(x, w_r))
+    sfc = scores + corr
+    group_scores = sfc.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    ids = torch.topk(sfc.masked_fill(~score_mask.bool(), 0.0), k=K, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * SCALE, ids
+
+
 def zaya_router(x, w_r, bias):
     """ZAYA (ZayaRouter): a [B, S, E + 1] softmax with a skip class last; the skip class routes with weight 0."""
     probs = torch.softmax(x @ w_r.t(), dim=-1)
@@ -87,6 +102,38 @@ def test_ernie_renormalised_with_a_floor():
     want = dict(order="softmax_then_topk", score_correction_bias=True, renormalize=True, top_k=K, num_experts=E)
     assert info["recognised"] and _subset(info, want) == want, info
     assert info["renormalize_eps"] == f"max(sum, {NORM_MIN:g})", info
+
+
+def test_deepseek_group_mask_filling_zero_over_biased_sigmoid_scores():
+    info = _describe(deepseek_zero_fill_router, torch.randn(5, H), torch.randn(E, H), torch.randn(E))
+    want = dict(order="sigmoid_then_topk", group_limited=True, group_fill="0", score_correction_bias=True, scale=SCALE)
+    assert info["recognised"] and _subset(info, want) == want, info
+
+
+def _online_softmax(x):
+    """Softmax as Inductor's post-grad patterns rewrite it on CUDA (``prepare_softmax_replacement``), which is what
+    rubin's pass reads there: one pass for the max and the sum."""
+    from torch._inductor import inductor_prims
+
+    xmax, xsum = inductor_prims.prepare_softmax_online(x, -1)
+    return (x - xmax).exp() / xsum
+
+
+def test_online_softmax_routers_as_a_cuda_graph_holds_them():
+    def qwen3(x, w_r):
+        top, ids = torch.topk(_online_softmax(F.linear(x, w_r).float()), K, dim=-1)
+        return top / top.sum(-1, keepdim=True), ids
+
+    def gpt_oss(x, w_r, b):
+        top, ids = torch.topk(F.linear(x, w_r, b), K, dim=-1)
+        return _online_softmax(top), ids
+
+    info = _describe(qwen3, torch.randn(5, H), torch.randn(E, H))
+    want = dict(order="softmax_then_topk", scoring="softmax", renormalize=True, router="linear")
+    assert info["recognised"] and _subset(info, want) == want, info
+    info = _describe(gpt_oss, torch.randn(5, H), torch.randn(E, H), torch.randn(E))
+    want = dict(order="topk_then_softmax", router="linear", router_bias=True)
+    assert info["recognised"] and _subset(info, want) == want, info
 
 
 def test_mistral4_group_mask_filling_zero():
