@@ -57,9 +57,12 @@ def test_qwen3_router_ids_equal_the_source_routing_except_two_ulp_ties():
     assert (gap[differ] <= 2 * ulp[differ]).all(), f"{int(differ.sum())} tokens differ, some with a gap above 2 ulps"
     assert differ.float().mean() < 0.01  # before the logits were rounded as the source's: 46 of 4080 differed
     order_got, order_src = got_ids[same].argsort(-1), ids[same].argsort(-1)
-    torch.testing.assert_close(
-        got_w[same].gather(1, order_got).float(), top[same].gather(1, order_src).float(), rtol=2**-7, atol=1e-6
-    )
+    a, b = got_w[same].gather(1, order_got).float(), top[same].gather(1, order_src).float()
+    rel = (a - b).abs() / b.abs().clamp_min(1e-6)
+    # one bf16 ulp of rounding the weight, plus what one ulp of a logit moves it (a logit of 4 rounded one ulp the
+    # other way moves its exp by 3%): rare, so nearly every weight is within the one ulp
+    assert (rel > 2**-7).float().mean() < 1e-3, f"{int((rel > 2**-7).sum())} of {rel.numel()} weights beyond one ulp"
+    assert rel.max() < 0.05, rel.max()
 
 
 def test_a_cpu_scale_tensor_is_read_on_the_host():
@@ -99,9 +102,13 @@ def test_compiled_blocks_run_the_fused_routing(tmp_path, model_type, dtype):
             scale = want.abs().max().item()
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             assert (got.float() - want.float()).abs().max().item() <= tol * scale, (model_type, T)
-    assert count_ops(run.final_code(), "rubin.route") >= 1
-    (rw,) = run.rewrites("match_routing")[:1]
-    assert rw["details"]["kernel"] == "triton"
+    code = run.final_code()
+    moes = count_ops(code, "rubin.moe")
+    assert count_ops(code, "rubin.route") == moes  # one fused routing ahead of every rubin.moe
+    # a block with no rubin.moe is one match_moe left as written, with its reason (GPT-OSS in bf16: its clamped
+    # SwiGLU has no GPU kernel, and the reference would be slower than the block as written)
+    assert moes >= 1 or run.unchanged("match_moe"), model_type
+    assert all(rw["details"]["kernel"] == "triton" for rw in run.rewrites("match_routing"))
 
 
 def test_dynamic_t_past_the_kernel_limit_runs_the_reference(tmp_path):

@@ -86,6 +86,21 @@ def test_each_family_router_becomes_one_rubin_route_on_sm90(rubin_run, model_typ
     assert any(d["canonical_op"] == "rubin.route" and d["decision"] == "pdl off" for d in decisions)  # no CUDA graphs
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_the_online_softmax_of_cuda_graphs_is_read(rubin_run, monkeypatch, model_type):
+    """On CUDA, Inductor's post-grad patterns turn a softmax into ``prepare_softmax_online`` before rubin's pass runs
+    (``prepare_softmax_extra_check`` allows it for CUDA / XPU only); allowed here for the CPU, the routers come to
+    the pass in that form and are rewritten the same."""
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    monkeypatch.setattr(post_grad.prepare_softmax_extra_check, "__code__", (lambda match: True).__code__)
+    _plan(rubin_run, model_type)
+    code = rubin_run.stage_code("match_moe")
+    assert "prepare_softmax_online" in code  # the form the pass read
+    (rw,) = rubin_run.rewrites("match_routing")
+    assert rw["details"]["order"] == FAMILIES[model_type]["order"]
+
+
 def test_the_cpu_target_keeps_the_routing_and_says_so(rubin_run):
     _plan(rubin_run, "qwen3_moe", target="cpu")
     assert rubin_run.rewrites("match_routing") == []
