@@ -20,7 +20,7 @@ bf16 logits that Qwen3-MoE / Mixtral then soften in float32).
 The rewrite is made only where selection will bind a routing kernel (``select_kernels.planning``, the same
 question select_kernels asks): the op's reference is no faster than what Inductor compiles from the routing as
 written, so elsewhere -- the CPU, a prefill-sized static T, an unsupported size -- the routing stays, with the
-reason. Also left alone, with the reason: routing the kernel does not implement (top-k then sigmoid, a per-expert
+reason in a note (a kernel decision: ``strict`` does not raise on it). Also left alone, with the reason: routing the kernel does not implement (top-k then sigmoid, a per-expert
 scale, a skip class, logits with no linear projection), a router whose logits or choices are read by anything
 else (they would be computed twice), and the routing inside vLLM's MoE layer ops (vLLM's own top-k kernels run it).
 
@@ -70,6 +70,11 @@ class _Skip(Exception):
     """A router this pass leaves as written; the message is the reason."""
 
 
+class _Kept(_Skip):
+    """A router left as written because selection would bind no routing kernel to it (a decision, not a near miss:
+    a note, which ``strict`` does not turn into an error)."""
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     moes = [n for n in graph.nodes if canonical_form(n) is not None and canonical_form(n)[0] is MOE]
@@ -95,6 +100,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             continue
         try:
             result.rewrites.append(_rewrite(graph, moe, ctx, target, runs_here, cudagraphs))
+        except _Kept as why:
+            result.notes.append(f"{moe.name}: routing kept as written: {why}")
         except _Skip as why:
             result.unchanged.append(Unchanged(moe.name, IDIOM, str(why)))
     if result.rewrites:
@@ -168,7 +175,7 @@ def _rewrite(graph, moe, ctx, target, runs_here, cudagraphs) -> Rewrite:
         for n in (ids, weights, route):
             graph.erase_node(n)
         reasons = "; ".join(f"{k}: {r}" for k, r in selection.rejected)
-        raise _Skip(
+        raise _Kept(
             f"no routing kernel takes it on {target.name} ({reasons}); Inductor compiles the routing as written"
         )
     inherit_source([route, weights, ids], found["topk"])

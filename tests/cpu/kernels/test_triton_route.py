@@ -701,6 +701,20 @@ def test_kernels_without_gdc_have_no_pdl_instructions(aot):
         assert "griddepcontrol" not in ptx
 
 
+def test_the_registered_limits_are_the_kernels():
+    """kernels/triton/__init__.py declares the kernel's limits for selection without importing Triton: the same
+    numbers as the kernel module's."""
+    from rubin_compile.kernels import triton as registered
+
+    R = _route_module()
+    assert (registered.ROUTE_MAX_T, registered.ROUTE_MAX_E, registered.ROUTE_MAX_H, registered.ROUTE_MAX_K) == (
+        R.MAX_T,
+        R.MAX_E,
+        R.MAX_H,
+        R.MAX_K,
+    )
+
+
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
     R = _route_module()
