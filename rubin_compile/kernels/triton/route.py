@@ -1,8 +1,12 @@
 """Fused MoE routing for decode (T <= 64 tokens): router GEMM, scoring, (group-limited) top-k, renormalisation
 and scaling in two Triton kernels, for the routing idioms of rubin_compile/passes/match_moe/routing.py.
 
-Contract. ``route(hidden_states, router_weight, top_k=..., ...)`` returns ``(topk_weights float32 [T, k],
-topk_ids int32 [T, k])`` as ``route_reference`` defines them (below), for bf16 / fp16 / fp32 hidden states and
+The kernels of ``rubin.route`` (rubin_compile/ops/route.py, whose reference is the semantics; ``run`` is the
+adapter, which sends a call of more than 64 tokens to that reference).
+
+Contract. ``route(hidden_states, router_weight, top_k=..., ...)`` returns ``(topk_weights [T, k] (float32 unless
+``weights_dtype`` says otherwise), topk_ids int32 [T, k])`` as ``route_reference`` defines them (below), for bf16 /
+fp16 / fp32 hidden states and
 router weights (mixed dtypes are multiplied in fp32), ``T <= 64``, ``E <= 512``, ``H <= 8192``,
 ``k <= 16``, any E (60, 160: not a power of two) and H (not a multiple of the tile). No host synchronisation
 (every decision is taken from shapes, so the call is capturable in a CUDA graph), no atomics: deterministic,
@@ -13,23 +17,24 @@ float32, 1e-3 relative for bf16 inputs). Arguments that are not valid raise ``Ro
 
 Semantics (``route_reference``, plain torch; the idioms of passes/match_moe/routing.py)::
 
-    logits = x.float() @ W.float().T (+ router_bias)                        # float32, [T, E]
+    logits = x.float() @ W.float().T (+ router_bias)  [.to(logits_dtype)]   # float32, [T, E]
     order "score_then_topk" (default):
         scores = softmax(logits) (Mixtral, Qwen3-MoE) | sigmoid(logits) (DeepSeek-V3)
         sel = scores (+ correction_bias)                                     # DeepSeek's e_score_correction_bias
         n_group > 1 (DeepSeek-V3: 8 groups of 32, keep 4): a group's score is the sum of its two largest
             sel values; the topk_group best groups are kept; the other groups' experts get sel = -inf
+            (group_fill "-inf", vLLM's) or 0.0 (group_fill "0", transformers')
         ids = top-k of sel;  w = scores[ids]                                 # the unbiased scores
     order "topk_then_softmax" (GPT-OSS): ids = top-k of logits;  w = softmax(logits[ids])
-    renormalize: w / (w.sum(-1) + 1e-20) with sigmoid scoring (DeepSeek-V3's code), w / w.sum(-1) otherwise
-    w = w * routed_scaling_factor                                            # a float, or a 0-d tensor
+    renormalize: w / (w.sum(-1) + renorm_eps), or w / max(w.sum(-1), renorm_eps) with renorm_floor; renorm_eps
+        None: 1e-20 with sigmoid scoring (DeepSeek-V3's code), 0 otherwise
+    w = (w * routed_scaling_factor).to(weights_dtype)                        # a float, or a 0-d tensor
 
 Tie rule: equal values are resolved towards the LOWER id, for experts and for groups alike, and the k ids of a
 token are listed in descending value order (equal values: lower id first). ``torch.topk`` promises neither,
-so the reference sorts with ``torch.sort(stable=True)``. DeepSeek-V3's Hugging Face code fills the experts of
-dropped groups with 0.0 rather than -inf; the two agree whenever the kept experts' selection values are
-positive (sigmoid scores plus a small bias), and -inf is what vLLM's ``grouped_topk`` uses. NaN logits give
-unspecified (but in-range, distinct) ids.
+so the reference sorts with ``torch.sort(stable=True)``. The two group fills agree whenever the kept experts'
+selection values are positive (sigmoid scores plus a small bias). NaN logits give unspecified (but in-range,
+distinct) ids.
 
 Why this shape. At decode the routing is a few microseconds of launches around a tiny amount of work (the
 DeepSeek-V3 router is 3.7 MB, 0.9 us of HBM; Qwen3-30B-A3B's 0.5 MB; Mixtral's 64 KB): cuBLAS's GEMM plus
