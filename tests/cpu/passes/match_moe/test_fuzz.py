@@ -178,8 +178,8 @@ def _check_details(d: dict, case: Case) -> None:
 def _skip_where_transformers_breaks_the_graph(case: Case) -> None:
     """transformers 5.3 to 5.15 break the graph inside their bf16 grouped mm on the CPU, so no graph holds such a block
     (and the graphs between the breaks hold nothing to report): the fuzzer draws another case, a fixed case skips.
-    A fixed DeepSeek-V3 case (a regression about its routing description) skips where transformers writes another
-    router (5.4 / 5.5: ``deepseek_v3_zero_filled_groups``); drawn ones run, their routing checked as undescribed."""
+    A fixed DeepSeek-V3 case (a regression about its routing description) skips where transformers fills the masked
+    groups with 0 (5.4 / 5.5: ``deepseek_v3_zero_filled_groups``); drawn ones run, their routing checked for that fill."""
     from tests.cpu.passes.match_moe.test_hf_grouped_mm import (
         _bf16_grouped_mm_graph_break,
         deepseek_v3_zero_filled_groups,
@@ -187,7 +187,9 @@ def _skip_where_transformers_breaks_the_graph(case: Case) -> None:
 
     fixed = not currently_in_test_context()
     if fixed and case.family == "deepseek_v3" and deepseek_v3_zero_filled_groups():
-        pytest.skip("this transformers fills DeepSeek-V3's masked expert groups with 0: another router")
+        pytest.skip(
+            "this transformers fills DeepSeek-V3's masked expert groups with 0 (group_fill '0'); the fixed case is -inf's"
+        )
     if not (case.form == "hf" and case.impl == "grouped_mm" and case.dtype == "bf16"):
         return
     why = _bf16_grouped_mm_graph_break()
