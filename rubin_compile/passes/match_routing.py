@@ -20,8 +20,9 @@ bf16 logits that Qwen3-MoE / Mixtral then soften in float32).
 The rewrite is made only where selection will bind a routing kernel (``select_kernels.planning``, the same
 question select_kernels asks): the op's reference is no faster than what Inductor compiles from the routing as
 written, so elsewhere -- the CPU, a prefill-sized static T, an unsupported size -- the routing stays, with the
-reason in a note (a kernel decision: ``strict`` does not raise on it). Also left alone, with the reason: routing the kernel does not implement (top-k then sigmoid, a per-expert
-scale, a skip class, logits with no linear projection), a router whose logits or choices are read by anything
+reason in a note (a kernel decision: ``strict`` does not raise on it). Also left alone, with the reason: routing
+the kernel does not implement (top-k then sigmoid, a per-expert scale, a skip class, logits with no linear
+projection), a router whose logits or choices are read by anything
 else (they would be computed twice), and the routing inside vLLM's MoE layer ops (vLLM's own top-k kernels run it).
 
 The router is walked by hand for the same reason as in routing.py: it is a chain of optional steps read off the
@@ -77,7 +78,7 @@ class _Kept(_Skip):
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
-    moes = [n for n in graph.nodes if canonical_form(n) is not None and canonical_form(n)[0] is MOE]
+    moes = [n for n in graph.nodes if (form := canonical_form(n)) is not None and form[0] is MOE]
     if not moes or ctx.gradients:
         return result
     target, runs_here, cudagraphs, _ = planning(graph, ctx)
@@ -281,8 +282,8 @@ def _is_top2_sum(node: Any, selected: Any) -> bool:
 
 
 def _dead_after(graph: torch.fx.Graph, moe: torch.fx.Node, roots: tuple) -> set[torch.fx.Node]:
-    """The nodes that die once ``moe`` stops reading ``roots``: those upstream of them whose every user is ``moe``
-    or dies too (placeholders and impure nodes never)."""
+    """The nodes that die once ``moe`` stops reading ``roots`` (its routing arguments): those upstream of them whose
+    every user is ``moe`` reading them only as such, or dies too (placeholders and impure nodes never)."""
     upstream: set[torch.fx.Node] = set()
     todo = [r for r in roots if isinstance(r, torch.fx.Node)]
     while todo:
@@ -291,19 +292,19 @@ def _dead_after(graph: torch.fx.Graph, moe: torch.fx.Node, roots: tuple) -> set[
             continue
         upstream.add(n)
         todo.extend(n.all_input_nodes)
+    # what the MoE goes on reading after the rewrite (its hidden states, weights, ...): those stay alive
+    kept = {
+        v
+        for name, v in bound_arguments(moe).items()
+        if isinstance(v, torch.fx.Node) and name not in ("topk_weights", "topk_ids")
+    }
     dead: set[torch.fx.Node] = set()
     for n in reversed(list(graph.nodes)):
         if n not in upstream or n.op != "call_function" or n.is_impure():
             continue
-        if all(u in dead or (u is moe and n in roots and _only_reads(moe, n, roots)) for u in n.users):
+        if all(u in dead or (u is moe and n in roots and n not in kept) for u in n.users):
             dead.add(n)
     return dead
-
-
-def _only_reads(moe: torch.fx.Node, n: torch.fx.Node, roots: tuple) -> bool:
-    """``moe`` reads ``n`` only as one of ``roots`` (its routing arguments), not also as, say, its hidden states."""
-    args = bound_arguments(moe)
-    return all(v is not n for name, v in args.items() if name not in ("topk_weights", "topk_ids"))
 
 
 PASS = Pass(NAME, run, reads=("options", "target", "engine", "gradients"))

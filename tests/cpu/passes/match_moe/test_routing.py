@@ -44,15 +44,20 @@ def ernie_router(x, w_r, corr):
     return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=NORM_MIN), ids
 
 
-def mistral4_router(x, w_r):
-    """Mistral 4 (Mistral4TopkRouter): softmax scores, a group mask filling 0.0, renormalised (+ 1e-20), scaled."""
-    n_group, topk_group = 2, 1
-    scores = F.linear(x, w_r).softmax(-1)
-    group_scores = scores.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+def _zero_fill_groups(sel, n_group: int, topk_group: int):
+    """The group limit as transformers writes it for Mistral 4 and (before 5.17) DeepSeek-V3: each group scored by
+    its two best values, the ``topk_group`` best kept, the others' experts filled with 0.0."""
+    group_scores = sel.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
-    ids = torch.topk(scores.masked_fill(~score_mask.bool(), 0.0), k=K, dim=-1, sorted=False)[1]
+    return sel.masked_fill(~score_mask.bool(), 0.0)
+
+
+def mistral4_router(x, w_r):
+    """Mistral 4 (Mistral4TopkRouter): softmax scores, a group mask filling 0.0, renormalised (+ 1e-20), scaled."""
+    scores = F.linear(x, w_r).softmax(-1)
+    ids = torch.topk(_zero_fill_groups(scores, n_group=2, topk_group=1), k=K, dim=-1, sorted=False)[1]
     w = scores.gather(1, ids)
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * SCALE, ids
 
@@ -60,14 +65,8 @@ def mistral4_router(x, w_r):
 def deepseek_zero_fill_router(x, w_r, corr):
     """DeepSeek-V3 / GLM-4-MoE as transformers wrote them before 5.17: the dropped groups filled with 0.0 over the
     sigmoid scores plus their correction bias (which may be negative: the 0.0 then competes)."""
-    n_group, topk_group = 2, 1
     scores = torch.sigmoid(F.linear(x, w_r))
-    sfc = scores + corr
-    group_scores = sfc.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
-    ids = torch.topk(sfc.masked_fill(~score_mask.bool(), 0.0), k=K, dim=-1, sorted=False)[1]
+    ids = torch.topk(_zero_fill_groups(scores + corr, n_group=2, topk_group=1), k=K, dim=-1, sorted=False)[1]
     w = scores.gather(1, ids)
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * SCALE, ids
 
