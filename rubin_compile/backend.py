@@ -31,9 +31,10 @@ def inductor_config_patches(options: RubinOptions, mode: Optional[str], gradient
     from torch._inductor import list_mode_options
 
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
-    if options.cudagraphs:
+    if options.cudagraphs is True:
         # Inductor's own CUDA graphs (cudagraph trees), as mode="reduce-overhead" turns on: our kernels, their
         # PDL edges and the locality domains' streams are captured inside the graph with everything else.
+        # ("external": the caller captures the graph; cudagraph trees stay off.)
         patches["triton.cudagraphs"] = True
     patches.update(options.inductor)
     # vLLM's backend route hands us its graphs through torch.compile too: the adapter asks vLLM about a layer only

@@ -12,7 +12,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from rubin_compile.errors import RubinError
 from rubin_compile.ops.registry import CANONICAL_OPS  # filled as ops/ defines each op (the package imports them)
@@ -25,6 +25,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fuse_projections": ("auto", "on", "off"),
     "locality": ("auto", "off", *LOCALITY_MODES),
 }
+
+
+# options cudagraphs="external": the caller captures the compiled function in a CUDA graph of its own.
+EXTERNAL_GRAPHS = "external"
 
 
 class RubinOptionsError(RubinError, ValueError):
@@ -62,8 +66,13 @@ class RubinOptions:
         without CUDA graphs), ``"off"``. passes/chain_pdl.py; its decision per node is in the report.
     cudagraphs:
         The compiled graph runs under CUDA graphs (env ``RUBIN_CUDAGRAPHS=1``), as with
-        ``mode="reduce-overhead"`` (which sets it; torch.compile takes ``mode`` or ``options``, not both).
-        Inside vLLM, vLLM's own ``cudagraph_mode`` decides instead.
+        ``mode="reduce-overhead"`` (which sets it; torch.compile takes ``mode`` or ``options``, not both):
+        ``True`` turns on Inductor's own CUDA graphs (cudagraph trees). ``"external"`` (env
+        ``RUBIN_CUDAGRAPHS=external``): the caller captures the compiled function in a CUDA graph of its own (a
+        serving runner's whole-step ``torch.cuda.graph``), so rubin plans for replay from a graph (PDL edges, the
+        kernels that pay only there) without turning on cudagraph trees; run it once before the capture (kernels
+        compile and weights are prepared on the first call). Inside vLLM, vLLM's own ``cudagraph_mode`` decides
+        instead.
     locality:
         Place decode-sized MoE on locality domains, split-N (env ``RUBIN_LOCALITY``): ``"auto"`` (on where
         the target has HBM locality domains: sm_107, backfill mode; off elsewhere, where memory is uniform and
@@ -89,7 +98,7 @@ class RubinOptions:
     target: str = "auto"
     kernels: Mapping[str, str] = field(default_factory=dict)
     pdl: str = "auto"
-    cudagraphs: bool = False
+    cudagraphs: Union[bool, str] = False  # True, False or "external"
     locality: str = "auto"
     domains: Optional[int] = None
     locality_max_tokens: int = 16
@@ -182,6 +191,8 @@ def _convert(name: str, value: Any) -> Any:
                 "give a folder (it is created when missing)"
             )
         return path
+    if name == "cudagraphs" and isinstance(value, str) and value.strip().lower() == EXTERNAL_GRAPHS:
+        return EXTERNAL_GRAPHS
     if name in ("strict", "cudagraphs"):
         if isinstance(value, bool):
             return value
@@ -197,6 +208,11 @@ def _convert(name: str, value: Any) -> Any:
             "",
         ):
             return value.strip().lower() in ("1", "true", "yes", "on")
+        if name == "cudagraphs":
+            raise RubinOptionsError(
+                f"option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), or {EXTERNAL_GRAPHS!r} when you "
+                f"capture the compiled function in a CUDA graph yourself; got {value!r}"
+            )
         raise RubinOptionsError(f"option {name} must be a bool (or 0/1 in RUBIN_{name.upper()}), got {value!r}")
     if name in CHOICES:
         text = str(value).strip().lower() if value is not None else ""

@@ -10,6 +10,10 @@ invalidates it; inference tensors have no ``_version``: see ``tensor_version``).
 of those weights kept in memory; the rewrite's report says how many bytes. passes/fuse_projections.py stacks the
 weights (and biases) of linears that share an input the same way (q / k / v, gate / up).
 
+On a GPU the copy is made outside cudagraph trees' memory pool (``made_outside_cudagraph_pools``): under
+``mode="reduce-overhead"`` the first call is cudagraph trees' warm-up, whose allocations land in their pool, and a
+cached copy alive there made the recording fail.
+
 Schema::
 
     rubin::stacked_weights(Tensor[] parts) -> Tensor        # torch.cat(parts, dim=0); torch.stack for 0-d parts
@@ -21,6 +25,7 @@ constants), which is off by default and runs before post-grad passes, where the 
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -101,9 +106,46 @@ class VersionedCache:
 _CACHE = VersionedCache()
 
 
+def made_outside_cudagraph_pools(make: Callable[[], Any], device: Optional[torch.device] = None) -> Any:
+    """``make()`` in a thread of its own, for GPU values kept across calls (stacked weights, FlashInfer's prepared
+    weights and workspaces). cudagraph trees route the allocations of the thread that runs a graph's warm-up into
+    their memory pool (``_cuda_beginAllocateCurrentThreadToPool``); a value kept from there sits in that pool and
+    makes the recording fail ("tensors in the cudagraph pool not tracked as outputs"). Another thread allocates
+    from the ordinary caching allocator (its work is synchronised before the value is returned). Refused during a
+    capture itself, where the copy could not be made outside the captured graph. ``device``: the CUDA device the
+    value is made on (the thread's current device otherwise starts as device 0)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "rubin: weights kept across calls (stacked projections or experts, FlashInfer's prepared weights) must "
+            "be made before a CUDA graph is captured; run the compiled model once outside the capture first "
+            "(cudagraph trees and vLLM do this warm-up themselves)"
+        )
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            out["value"] = make()
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # re-raised in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=work, name="rubin-weights")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 @torch.library.custom_op("rubin::stacked_weights", mutates_args=())
 def stacked_weights(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``, reused across calls while the parts are the same, unchanged tensors."""
+    """``torch.cat(parts)``, reused across calls while the parts are the same, unchanged tensors (made outside
+    cudagraph trees' pool on a GPU: ``made_outside_cudagraph_pools``)."""
+    if parts and parts[0].is_cuda:
+        return _CACHE.get(parts, None, lambda: made_outside_cudagraph_pools(lambda: _stack(parts), parts[0].device))
     return _CACHE.get(parts, None, lambda: _stack(parts))
 
 

@@ -141,7 +141,7 @@ class Engine:
 
     def runs_under_cudagraphs(self, options: RubinOptions) -> tuple[bool, str]:
         """Whether the compiled graph is replayed from CUDA graphs, and how that is known."""
-        return options.cudagraphs, f"options cudagraphs={options.cudagraphs}"
+        return bool(options.cudagraphs), f"options cudagraphs={options.cudagraphs!r}"
 
     def layer_name(self, value: Any) -> Optional[str]:
         """The name inside a layer-name argument of an engine op (a ``str``, or the engine's own type)."""

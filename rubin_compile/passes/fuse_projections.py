@@ -29,9 +29,9 @@ holds), so every fusion reports ``stacked_weight_bytes`` and a note sums them. T
 each output column is the same dot product over K.
 
 ``options.fuse_projections``: ``"auto"`` fuses on CUDA targets only (fewer, larger GEMM launches pay at decode;
-on the CPU target the reference runs ``torch.mm`` and a concatenated copy only costs memory) and not under CUDA
-graphs (cudagraph trees make the first call's allocations in their pool, the stacked copy among them, and then
-refuse to record with it alive: seen on the H200), ``"on"`` always, ``"off"`` never.
+on the CPU target the reference runs ``torch.mm`` and a concatenated copy only costs memory), with or without CUDA
+graphs (the stacked copy is made outside cudagraph trees' memory pool: ops/weights.py), ``"on"`` always, ``"off"``
+never.
 """
 
 from __future__ import annotations
@@ -359,15 +359,6 @@ def _enabled(ctx: PassContext, groups: list[list[_Member]]) -> tuple[bool, str]:
         return False, (
             f"fuse_projections='auto': target auto detected {target.name}, but the graph's tensors are on the CPU, "
             "where a concatenated weight copy would only cost memory; force it with fuse_projections='on'"
-        )
-    cudagraphs, how = ctx.engine.runs_under_cudagraphs(ctx.options)
-    if target.is_cuda and cudagraphs:
-        # Measured on the H200 (2026-11-30): under cudagraph trees the stacked copy is made on the first call, whose
-        # allocations cudagraph trees route to its graph pool; it stays alive in rubin.stacked_weights' cache and
-        # recording then fails ("tensors in the cudagraph pool not tracked as outputs").
-        return False, (
-            f"fuse_projections='auto' on {target.name} under CUDA graphs ({how}): the stacked weight copy would be "
-            "made inside cudagraph trees' memory pool, which refuses to record with it alive; not fused"
         )
     if target.is_cuda:
         return True, f"fuse_projections='auto' on CUDA target {target.name}"

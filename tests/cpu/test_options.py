@@ -164,7 +164,11 @@ def test_strict_locality_reads_as_default_and_bool_pdl():
         ({"locality_max_tokens": 0}, "option locality_max_tokens must be an integer >= 1, got 0"),
         ({"locality_max_tokens": "-4"}, "option locality_max_tokens must be an integer >= 1, got '-4'"),
         ({"locality_max_tokens": None}, "option locality_max_tokens must be a positive integer, got nothing"),
-        ({"cudagraphs": "maybe"}, "option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), got 'maybe'"),
+        (
+            {"cudagraphs": "maybe"},
+            "option cudagraphs must be a bool (or 0/1 in RUBIN_CUDAGRAPHS), or 'external' when you capture the "
+            "compiled function in a CUDA graph yourself; got 'maybe'",
+        ),
     ],
 )
 def test_pdl_locality_bad_values(options, message):
@@ -228,3 +232,19 @@ def test_a_dump_dir_that_is_a_file_is_a_clear_error(tmp_path):
     with pytest.raises(RubinOptionsError, match="which is a file"):
         RubinOptions.resolve({}, environ={"RUBIN_DUMP_DIR": str(file)})
     assert RubinOptions.resolve({"dump_dir": str(tmp_path / "new")}, environ={}).dump_dir == str(tmp_path / "new")
+
+
+def test_cudagraphs_external_plans_for_graphs_without_cudagraph_trees():
+    """``cudagraphs="external"``: the caller captures the compiled function in a CUDA graph of its own (a serving
+    runner's whole-step capture). Passes plan as under CUDA graphs (PDL, graph-only kernels), but Inductor's
+    cudagraph trees stay off (they would capture inside the caller's capture)."""
+    from rubin_compile.backend import inductor_config_patches
+    from rubin_compile.passes.base import Engine
+
+    for given in ("external", " External ", "EXTERNAL"):
+        assert RubinOptions.resolve({"cudagraphs": given}, environ={}).cudagraphs == "external"
+    opts = RubinOptions.resolve({}, environ={"RUBIN_CUDAGRAPHS": "external"})
+    assert opts.cudagraphs == "external"
+    assert Engine().runs_under_cudagraphs(opts) == (True, "options cudagraphs='external'")
+    assert "triton.cudagraphs" not in inductor_config_patches(opts, None)
+    assert opts.behaviour_key()["cudagraphs"] == "external"

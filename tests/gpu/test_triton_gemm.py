@@ -229,3 +229,49 @@ def test_fused_projections_match_separate(rubin_run):
     assert len(joined) == 1 and len(joined[0]["replaced"]) == 3, joined
     for f, s in zip(fused, separate):
         torch.testing.assert_close(f, s, rtol=2e-2, atol=2e-2)
+
+
+@needs_sm90
+@pytest.mark.parametrize("graphs", ["trees", "external"])
+def test_fused_projections_under_cuda_graphs(rubin_run, graphs):
+    """q / k / v fused under CUDA graphs: cudagraph trees (mode="reduce-overhead") record with the stacked copy
+    alive (it is made outside their pool: before, recording failed with "tensors in the cudagraph pool not
+    tracked as outputs"), and a graph the caller captures itself (cudagraphs="external") replays it; each replay
+    on fresh inputs equals the eager model."""
+    from rubin_compile.ops import weights
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(2048, 4096, bias=False)
+            self.k = torch.nn.Linear(2048, 512, bias=False)
+            self.v = torch.nn.Linear(2048, 512, bias=False)
+
+        def forward(self, x):
+            return self.q(x), self.k(x), self.v(x)
+
+    weights.clear_cache()
+    m = QKV().to("cuda", torch.bfloat16)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        if graphs == "trees":
+            compiled = rubin_run.compile(m, cudagraphs=True)
+            for _ in range(3):  # warm-up, record, replay
+                x.copy_(torch.randn_like(x))
+                got = [t.clone() for t in compiled(x)]
+                for g, w in zip(got, m(x)):
+                    torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+        else:
+            compiled = rubin_run.compile(m, cudagraphs="external")
+            compiled(x)  # the first call prepares the stacked copy and compiles the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = compiled(x)
+            for _ in range(2):
+                x.copy_(torch.randn_like(x))
+                graph.replay()
+                for g, w in zip(outs, m(x)):
+                    torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    joined = rubin_run.rewrites("fuse_projections")
+    assert len(joined) == 1 and len(joined[0]["replaced"]) == 3, joined
+    assert weights.cache_info()["entries"] == 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,7 +36,7 @@ from rubin_compile.ops.gemm import GemmArgs, scale_kind
 from rubin_compile.ops.moe import MoEArgs
 from rubin_compile.ops.nodes import bound_arguments
 from rubin_compile.ops.registry import KernelSpec, Launch
-from rubin_compile.ops.weights import VersionedCache
+from rubin_compile.ops.weights import VersionedCache, made_outside_cudagraph_pools
 from rubin_compile.target import Target
 
 
@@ -160,35 +159,6 @@ def quant_of(op: str, args: Any) -> str:
 PREPARED = VersionedCache()
 
 
-def _made_outside_cudagraph_pools(make: Callable[[], Any]) -> Any:
-    """``make()`` in a thread of its own. cudagraph trees route the allocations of the thread that runs a graph's
-    warm-up into their memory pool (``_cuda_beginAllocateCurrentThreadToPool``); prepared weights made there
-    would sit in that pool and make the recording fail (seen with rubin.stacked_weights, docs/kernels/gemm.md).
-    Another thread allocates from the ordinary caching allocator. Refused during a capture itself, where the
-    copy could not be made at all."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "rubin: FlashInfer weights must be prepared before a CUDA graph is captured; run the compiled model once "
-            "outside the capture first (cudagraph trees and vLLM do this warm-up themselves)"
-        )
-    out: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            out["value"] = make()
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
-        except BaseException as exc:  # re-raised in the caller's thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=work, name="rubin-flashinfer-prepare")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def prepared_weights(adapter: Adapter, args: Any) -> dict[str, torch.Tensor]:
     """``adapter.prepare(args)``, made once per set of source weights and kept while they are unchanged."""
     sources = tuple(adapter.sources(args))
@@ -198,7 +168,7 @@ def prepared_weights(adapter: Adapter, args: Any) -> dict[str, torch.Tensor]:
         return adapter.prepare(args)
     on_gpu = sources[0].is_cuda
     make = (
-        (lambda: _made_outside_cudagraph_pools(lambda: adapter.prepare(args)))
+        (lambda: made_outside_cudagraph_pools(lambda: adapter.prepare(args), sources[0].device))
         if on_gpu
         else (lambda: adapter.prepare(args))
     )
@@ -235,7 +205,7 @@ def buffer(key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -
         return make()
     full = (key, str(device))
     if full not in _BUFFERS:
-        _BUFFERS[full] = _made_outside_cudagraph_pools(make) if device.type == "cuda" else make()
+        _BUFFERS[full] = made_outside_cudagraph_pools(make, device) if device.type == "cuda" else make()
     return _BUFFERS[full]
 
 

@@ -75,3 +75,22 @@ def test_a_model_built_under_inference_mode_runs_compiled(rubin_run):
         for _ in range(2):
             assert_close_to_eager(compiled(x), model(x))
     assert len(rubin_run.rewrites()) == 1
+
+
+def test_made_outside_cudagraph_pools_runs_in_another_thread_and_reraises():
+    """The helper that keeps stacked / prepared weights out of cudagraph trees' pool: ``make`` runs in a thread of
+    its own (cudagraph trees route the warm-up thread's allocations to their pool), its value comes back, and its
+    error is raised in the caller."""
+    import threading
+
+    import pytest
+
+    seen = []
+    value = weights.made_outside_cudagraph_pools(lambda: seen.append(threading.current_thread().name) or 7)
+    assert value == 7 and seen == ["rubin-weights"] and threading.current_thread().name != "rubin-weights"
+
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        weights.made_outside_cudagraph_pools(fail)

@@ -232,13 +232,19 @@ def test_different_inputs_are_not_joined(rubin_run):
         ({"target": "cpu"}, False, "fuse_projections='auto' on target cpu"),
         ({"target": "cpu", "fuse_projections": "on"}, True, "fuse_projections='on'"),
         ({"target": "sm90", "kernels": {"gemm": "torch"}}, True, "fuse_projections='auto' on CUDA target sm90"),
+        # under CUDA graphs too: the stacked copy is made outside cudagraph trees' pool (ops/weights.py)
         (
             {"target": "sm90", "kernels": {"gemm": "torch"}, "cudagraphs": True},
-            False,
-            "under CUDA graphs (options cudagraphs=True): the stacked weight copy would be made inside cudagraph trees'",
+            True,
+            "fuse_projections='auto' on CUDA target sm90",
+        ),
+        (
+            {"target": "sm90", "kernels": {"gemm": "torch"}, "cudagraphs": "external"},
+            True,
+            "fuse_projections='auto' on CUDA target sm90",
         ),
     ],
-    ids=["off", "auto_cpu", "on_cpu", "auto_sm90", "auto_sm90_cudagraphs"],
+    ids=["off", "auto_cpu", "on_cpu", "auto_sm90", "auto_sm90_cudagraphs", "auto_sm90_external_graphs"],
 )
 def test_option_and_target(rubin_run, options, joins, why):
     model = QKV().to(torch.bfloat16).eval()
