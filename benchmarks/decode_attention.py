@@ -11,7 +11,10 @@ made additive as SDPA makes it), bf16 (and an FP8 e4m3 cache with per-tensor sca
 Timing: 16 calls captured in one CUDA graph, over enough copies of the cache that they do not fit in L2 (50 MB
 on the H200), the graph replayed (CUDA events, median of the replays) and divided by 16: the device time of a
 call as a decode step sees it, between other kernels of one graph (the gap between kernels included, the
-host's launch cost not). Writes decode-attention-h200.{md,json} under ``--out``.
+host's launch cost not). The ``PDL`` variants launch every call with PDL, as chain_pdl does under CUDA graphs:
+a call's launch and its L2 requests for its first K / V tiles then overlap the call before it (in a model, the
+kernel before the attention); ``no L2 prefetch`` leaves the requests out. Writes decode-attention-h200.{md,json}
+under ``--out``.
 
 ``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split) at the
 benchmark's shapes, checks each against the ATen form, and writes
@@ -21,6 +24,7 @@ decode-attention-sweep-h200.{md,json}: what the defaults of kernels/triton/atten
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -32,6 +36,7 @@ import torch
 from rubin_compile.kernels.triton import attention as kernel
 from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
 from rubin_compile.ops.attention import AttentionArgs, aten
+from rubin_compile.ops.registry import Launch
 
 HQ, HKV, D, EXTRA = 32, 4, 128, 128
 CALLS = 16  # calls per captured graph
@@ -90,13 +95,19 @@ class Shape:
 
 def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     sh = Shape(batch, context, queries)
+    pdl = Launch(pdl=True)
+    no_prefetch = dataclasses.replace(kernel.config_for(batch, HKV, context + EXTRA), prefetch_tiles=0)
     out = []
-    for name, args, elem in (
-        ("rubin triton (bf16)", sh.args(), 2),
-        ("rubin triton (fp8 KV)", sh.args(fp8=True), 1),
-        ("repeat_kv + SDPA (ATen form)", sh.args(), 2),
+    for name, args, elem, run in (
+        ("rubin triton (bf16)", sh.args(), 2, kernel.run),
+        # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
+        # CUDA graphs); it asks L2 for its first K / V tiles before griddepcontrol.wait
+        ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),
+        ("rubin triton (bf16), PDL, no L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, pdl, config=no_prefetch)),
+        ("rubin triton (fp8 KV)", sh.args(fp8=True), 1, kernel.run),
+        ("rubin triton (fp8 KV), PDL", sh.args(fp8=True), 1, lambda a: kernel.run(a, pdl)),
+        ("repeat_kv + SDPA (ATen form)", sh.args(), 2, aten),
     ):
-        run = aten if "ATen" in name else kernel.run
         us = graph_us([lambda a=a: run(a) for a in args], iters=20 if "ATen" in name else 50)
         gbps = sh.kv_elems * elem / us / 1e3
         out.append(

@@ -14,7 +14,8 @@ weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens``
   batch / per-token latency; compile time = the first call less a warm one; the generated ids against Inductor's.
 * step: the decode forward alone (``model.forward`` compiled with ``dynamic=False`` and no CUDA graphs of its own,
   one step captured in one ``torch.cuda.CUDAGraph``, replayed: CUDA events, median) at the ``--step-contexts``
-  with batch 1, against the floor per step.
+  with batch 1, against the floor per step; the compiles of ``--step-variants`` (``STEP_VARIANTS``: rubin with
+  ``cudagraphs="external"``, as a serving runner that captures the step would compile it; ablations).
 * floor per step: (bytes of the weights one step reads -- attention, norms, router, the distinct experts the
   batch is routed to under uniform routing, LM head -- plus the K and V bytes of the filled cache at the middle of
   the generation) / device-to-device copy bandwidth measured at the start.
@@ -47,6 +48,20 @@ _spec.loader.exec_module(example)
 
 BACKENDS = {"eager": None, "inductor": "inductor", "rubin": "rubin"}
 
+# The decode forward alone, captured by this script in one CUDA graph (what a serving runner does): name ->
+# (backend, torch.compile options). rubin is told the graph is captured by its caller (cudagraphs="external"), so
+# it plans for graph replay (PDL, the kernels that pay only there) as it does under mode="reduce-overhead".
+STEP_VARIANTS = {
+    "inductor": ("inductor", None),
+    "rubin": ("rubin", {"cudagraphs": "external"}),
+    # rubin not told about the capture (plans as for an uncaptured graph: no PDL, cuBLAS GEMMs)
+    "rubin-uncaptured-plan": ("rubin", {}),
+    "rubin-nofuse": ("rubin", {"cudagraphs": "external", "fuse_projections": "off"}),
+    # Inductor's own Triton kernels PDL-launched too (torch._inductor.config.triton.enable_pdl)
+    "rubin-inductor-pdl": ("rubin", {"cudagraphs": "external", "inductor": {"triton.enable_pdl": True}}),
+    "inductor-pdl": ("inductor", {"triton.enable_pdl": True}),
+}
+
 
 def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps: float) -> dict:
     """The floor of one decode step at the middle of the generation (module docstring)."""
@@ -56,8 +71,8 @@ def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps:
     return {"weights_MB": weights / 1e6, "kv_MB": kv / 1e6, "us": (weights + kv) / (bw_gbps * 1e9) * 1e6}
 
 
-def step_graph(model, backend: str, batch: int, context: int, new: int):
-    """(replay, profile-able call, compile seconds): one decode step of ``model.forward`` compiled by ``backend``
+def step_graph(model, variant: str, batch: int, context: int, new: int):
+    """(replay, compile seconds): one decode step of ``model.forward`` compiled as ``STEP_VARIANTS[variant]`` says
     (no CUDA graphs of its own), captured in one CUDA graph over a static cache prefilled with ``context`` tokens.
     Each replay writes the next cache position; the position is reset before the cache would fill."""
     from transformers import StaticCache
@@ -68,7 +83,8 @@ def step_graph(model, backend: str, batch: int, context: int, new: int):
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)  # eager prefill
     lengths = [layer.cumulative_length for layer in cache.layers]
-    fwd = torch.compile(model.forward, backend=backend, dynamic=False)
+    backend, options = STEP_VARIANTS[variant]
+    fwd = torch.compile(model.forward, backend=backend, dynamic=False, options=options)
 
     def step():
         return fwd(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
@@ -125,6 +141,14 @@ def main() -> None:
     ap.add_argument("--variants", default="eager,inductor,rubin")
     ap.add_argument("--eager-batches", default="1", help="batches at which eager is timed (it is ~10 ms a token)")
     ap.add_argument("--step-contexts", default="4096,16384", help="contexts of the one-CUDA-graph step (batch 1)")
+    ap.add_argument(
+        "--step-variants",
+        default="inductor,rubin",
+        help=f"compiles of the one-CUDA-graph step, from {list(STEP_VARIANTS)}",
+    )
+    ap.add_argument(
+        "--profile-variants", default=None, help="step variants profiled at the first step context (default: all)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="qwen3-30b-a3b-8l")
     ap.add_argument("--out", default=None)
@@ -133,13 +157,18 @@ def main() -> None:
     from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
 
     torch._dynamo.config.cache_size_limit = 64
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    batches = [int(b) for b in args.batches.split(",") if b]
     names = args.variants.split(",")
     eager_batches = {int(b) for b in args.eager_batches.split(",") if b}
     step_contexts = [int(c) for c in args.step_contexts.split(",") if c]
+    step_variants = [v for v in args.step_variants.split(",") if v]
+    unknown = [v for v in step_variants if v not in STEP_VARIANTS]
+    if unknown:
+        ap.error(f"unknown --step-variants {unknown}; known: {list(STEP_VARIANTS)}")
+    profiled = step_variants if args.profile_variants is None else args.profile_variants.split(",")
     new = args.new_tokens
-    model = example.build_model(args.model, torch.bfloat16, "cuda", max(contexts) + new + 8)
+    model = example.build_model(args.model, torch.bfloat16, "cuda", max(contexts + step_contexts) + new + 8)
     cfg = model.config
     bw = copy_bandwidth_gbs()
     head = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s"
@@ -182,18 +211,26 @@ def main() -> None:
     model.__dict__.pop("forward", None)
     for context in step_contexts:
         fl = floor_us(cfg, 1, context, new, 2, bw)
-        for name in ("inductor", "rubin"):
-            if name not in names:
-                continue
+        for name in step_variants:
             torch._dynamo.reset()
-            replay, compile_s = step_graph(model, BACKENDS[name], 1, context, new)
+            replay, compile_s = step_graph(model, name, 1, context, new)
             us = time_replays(replay)
             steps.append(
-                {"context": context, "variant": name, "us": us, "floor_us": fl["us"], "x_floor": us / fl["us"]}
+                {
+                    "context": context,
+                    "variant": name,
+                    "options": STEP_VARIANTS[name][1],
+                    "us": us,
+                    "floor_us": fl["us"],
+                    "x_floor": us / fl["us"],
+                    "compile_s": compile_s,
+                }
             )
             print(json.dumps(steps[-1]), flush=True)
-            if context == step_contexts[0]:
+            if context == step_contexts[0] and name in profiled:
                 profiles[f"{name}, context {context}"] = profile_step(replay, None)
+            del replay
+            torch.cuda.empty_cache()
     lines = [
         f"generate() with a static cache, {args.model} (random bf16 weights), greedy, prompt + {new} new tokens; {head}",
         "",
@@ -212,7 +249,7 @@ def main() -> None:
         )
     lines += [
         "",
-        "Decode forward alone, one CUDA graph (batch 1):",
+        "Decode forward alone, one CUDA graph (batch 1; variants: benchmarks/generate.py STEP_VARIANTS):",
         "",
         "| context | variant | us / step | floor us | x floor |",
         "|---|---|---|---|---|",
@@ -229,6 +266,11 @@ def main() -> None:
         ]
         lines += ["|---|---|---|"]
         lines += [f"| {c} | {d['us']:.1f} | {d['kernels']:.0f} |" for c, d in prof["categories"].items()]
+        lines += [
+            "",
+            f"kernel boundaries: {prof['boundaries']} per step, {prof['overlapped']} overlapped (the next kernel "
+            f"started before the previous ended), median gap {prof['median_gap_us'] or 0:.2f} us",
+        ]
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

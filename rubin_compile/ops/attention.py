@@ -15,7 +15,8 @@ Schema::
                      float? scale=None,     # None: 1 / sqrt(D)
                      Tensor? k_scale=None,  # FP8 key / value only: per-tensor dequantisation scales (one
                      Tensor? v_scale=None,  #   float32 element each; None = 1)
-                     str impl="reference")  # which kernel runs it; chosen by select_kernels
+                     str impl="reference",  # which kernel runs it; chosen by select_kernels
+                     bool pdl=False)        # launch with Programmatic Dependent Launch; set by chain_pdl
       -> Tensor                             # [B, Hq, S, Dv] in the query's dtype
 
 Semantics (``torch.nn.functional.scaled_dot_product_attention`` without dropout)::
@@ -191,7 +192,7 @@ def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
     )
 
 
-def attention_aten(*args, **kwargs) -> torch.Tensor:
+def attention_aten(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
     """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
     return aten(AttentionArgs(*args, **kwargs))
 
@@ -206,7 +207,7 @@ def reference(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
     return result
 
 
-def attention_reference(*args, **kwargs) -> torch.Tensor:
+def attention_reference(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
     """``reference`` called like the op (its data arguments, positionally or by name)."""
     return reference(AttentionArgs(*args, **kwargs))
 
@@ -227,14 +228,26 @@ def attention(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     impl: str = "reference",
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Canonical attention; see the module docstring. ``impl`` names the kernel (ops/registry.py)."""
-    return ATTENTION.run(impl, AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale))
+    """Canonical attention; see the module docstring. ``impl`` names the kernel (ops/registry.py); ``pdl`` says
+    how it is launched, never what it computes."""
+    args = AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale)
+    return ATTENTION.run(impl, args, Launch(pdl=pdl))
 
 
 @attention.register_fake
 def _attention_fake(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, k_scale=None, v_scale=None, impl="reference"
+    query,
+    key,
+    value,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    k_scale=None,
+    v_scale=None,
+    impl="reference",
+    pdl=False,
 ):
     return _output_like(query, AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale).Dv)
 

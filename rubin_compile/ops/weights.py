@@ -126,7 +126,8 @@ def made_outside_cudagraph_pools(make: Callable[[], Any], device: Optional[torch
         try:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
-            out["value"] = make()
+            with torch.no_grad():  # grad mode is per thread: the caller's no_grad / inference_mode is not inherited
+                out["value"] = make()
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()
         except BaseException as exc:  # re-raised in the caller's thread

@@ -181,6 +181,9 @@ def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     priority={"*": 10, "sm90": 32},
     runnable=_runnable,
     entry=lambda spec: "rubin_compile.kernels.triton.attention.run (split-KV decode)",
+    # PDL-safe: the split kernel waits (griddepcontrol.wait) before it reads the query, the mask or anything else
+    # an earlier kernel writes, and before it writes; before the wait it only asks L2 for key / value tiles.
+    pdl=lambda spec: None,
 )
 def triton_attention(args: AttentionArgs, launch: Launch) -> torch.Tensor:
     """The split-KV decode attention (kernels/triton/attention.py: ``run``); a call with more query rows than

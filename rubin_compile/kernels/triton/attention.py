@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.attention import AttentionArgs
 from rubin_compile.ops.registry import Launch
 
@@ -95,6 +96,11 @@ def _split_kv(
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
+    GDC: tl.constexpr,  # built with griddepcontrol (PDL): wait before the first read of another kernel's output
+    PF_TILES: tl.constexpr,  # K / V tiles of the split asked into L2 before the wait (0: none)
+    PF_K_ROW: tl.constexpr,  # bytes of one key position (keys contiguous along positions); 0: no prefetch
+    PF_V_ROW: tl.constexpr,
+    PF_NCHUNK: tl.constexpr,  # L2 requests per tile (PF_TILES * PF_NCHUNK = the program's threads)
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -107,6 +113,20 @@ def _split_kv(
     row_ok = rows < S * GROUP
     d = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
+    start = split * split_len
+    end = tl.minimum(start + split_len, Skv)
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    if PF_TILES > 0:
+        # Keys and values are written by earlier decode steps (the position this step appends is a predecessor's
+        # write, but an L2 request is only a hint: the loads below read whatever the predecessor wrote): ask for
+        # the split's first tiles now, so that they are on their way during the predecessor's tail (with PDL) and
+        # the mask scan below, whose result the K / V loads must wait for.
+        _prefetch_tiles(k_base, start, end, sk_n, PF_K_ROW, BLOCK_N, PF_TILES, PF_NCHUNK)
+        _prefetch_tiles(v_base, start, end, sv_n, PF_V_ROW, BLOCK_N, PF_TILES, PF_NCHUNK)
+    if GDC:
+        gdc_wait()  # the query, the mask and the appended key / value are earlier kernels' writes
+        gdc_launch_dependents()
     q = tl.load(
         Q + b * sq_b + head[:, None] * sq_h + s_idx[:, None] * sq_s + d[None, :],
         mask=row_ok[:, None] & (d[None, :] < D),
@@ -115,8 +135,6 @@ def _split_kv(
     scale = qk_scale
     if K_SCALED:
         scale = scale * tl.load(KScale).to(tl.float32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, Skv)
     if MASK_KIND != 0:
         # The span [lo, hi) of this split that some query row attends to, from the mask alone (a byte or two per
         # position, against 2 * D bytes of K and V per KV head): the keys and values outside it -- the unfilled
@@ -162,8 +180,6 @@ def _split_kv(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BDV], tl.float32)
-    k_base = K + b * sk_b + hk * sk_h
-    v_base = V + b * sv_b + hk * sv_h
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
@@ -219,6 +235,22 @@ def _split_kv(
 
 
 @triton.jit
+def _prefetch_tiles(base, start, end, stride_n, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                    NCHUNK: tl.constexpr):  # fmt: skip
+    """L2 requests for the first ``TILES`` tiles of ``BLOCK_N`` positions from ``start`` (not past ``end``) of a key or
+    value head at ``base``, whose positions are contiguous (``stride_n`` elements of ``ROW_BYTES`` bytes): ``NCHUNK``
+    requests per tile, ``TILES * NCHUNK`` = the program's threads, so each thread issues one (a smaller tensor would
+    be replicated over the threads, each copy issuing the same request)."""
+    CHUNK: tl.constexpr = (BLOCK_N * ROW_BYTES // NCHUNK + 15) // 16 * 16
+    pos = start + tl.arange(0, TILES) * BLOCK_N
+    nbytes = tl.minimum(tl.maximum(end - pos, 0), BLOCK_N) * ROW_BYTES
+    offs = tl.arange(0, NCHUNK) * CHUNK
+    sizes = tl.minimum(tl.maximum(nbytes[:, None] - offs[None, :], 0), CHUNK).to(tl.int32)
+    ptrs = (base + pos * stride_n).to(tl.pointer_type(tl.int8))[:, None] + offs[None, :]
+    l2_prefetch(ptrs, (sizes // 16) * 16)
+
+
+@triton.jit
 def _merge_splits(PartO, PartML, Out, base, nsplit, b, hk, row_start, row_end, so_b, so_h, so_s, GROUP: tl.constexpr,
                   ROWS: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, SPLIT_CHUNK: tl.constexpr):  # fmt: skip
     """Merge the ``nsplit`` partial softmaxes (acc, max, sum) of query rows ``row_start:row_end`` of KV head ``hk``
@@ -264,12 +296,17 @@ def _combine(
     DV: tl.constexpr,
     BDV: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
-    """The merge of the splits: one program per (batch, KV head, query row). (Merging in the last split to
+    """The merge of the splits: one program per (batch, KV head, query row), PDL-launched after the split kernel
+    where PDL is available (it waits for the partials before reading them). (Merging in the last split to
     finish, with an acq_rel ticket, saves this launch but measured slower at every benchmark shape on the H200:
     docs/kernels/decode_attention.md.)"""
     bh = tl.program_id(0)
     row = tl.program_id(1)
+    if GDC:
+        gdc_wait()  # the partials are the split kernel's
+        gdc_launch_dependents()
     _merge_splits(PartO, PartML, Out, bh * nsplit * ROWS, nsplit, bh // Hkv, bh % Hkv, row, row + 1, so_b, so_h, so_s,
                   GROUP, ROWS, DV, BDV, SPLIT_CHUNK)  # fmt: skip
 
@@ -289,6 +326,7 @@ class Config:
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 2  # (batch, KV head, split) programs aimed for per SM
     min_split_tiles: int = 8  # a split reads at least this many tiles
+    prefetch_tiles: int = 2  # K / V tiles of its split a PDL-launched program asks into L2 before its wait (power of 2)
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
@@ -356,6 +394,13 @@ def run(
     nsplit = triton.cdiv(Skv, split_len) if Skv > 0 else 1
     BDV = max(16, triton.next_power_of_2(Dv))
     direct = nsplit == 1
+    gdc = has_gdc()
+    pdl = bool(launch.pdl) and gdc
+    pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
+    # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
+    # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
+    pf_tiles = cfg.prefetch_tiles if (pdl and pf_k and pf_v) else 0
+    pf_nchunk = max(1, 32 * cfg.num_warps // max(pf_tiles, 1))
     if direct:
         part_o = part_ml = out
     else:
@@ -406,8 +451,14 @@ def run(
         V_SCALED=v_scale is not None,
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
+        GDC=gdc,
+        PF_TILES=pf_tiles,
+        PF_K_ROW=pf_k,
+        PF_V_ROW=pf_v,
+        PF_NCHUNK=pf_nchunk,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if not direct:
         _combine[(B * Hkv, rows)](
@@ -424,6 +475,19 @@ def run(
             DV=Dv,
             BDV=BDV,
             SPLIT_CHUNK=SPLIT_CHUNK,
+            GDC=gdc,
             num_warps=4,
+            # Our own second kernel: PDL between the two is always safe (it waits for the partials); its launch
+            # overlaps the split kernel.
+            **({"launch_pdl": True} if gdc else {}),
         )
     return out
+
+
+def _prefetch_row_bytes(t: torch.Tensor, width: int) -> int:
+    """Bytes of one position of key / value ``t`` [B, H, S, width] when its positions are contiguous and every
+    position starts 16-byte aligned (what ``cp.async.bulk.prefetch.L2`` takes), else 0 (no prefetch)."""
+    row = width * t.element_size()
+    strides = (t.stride(0), t.stride(1))
+    aligned = all((st * t.element_size()) % 16 == 0 for st in strides) and t.data_ptr() % 16 == 0
+    return row if (t.stride(3) == 1 and t.stride(2) == width and row % 16 == 0 and aligned) else 0

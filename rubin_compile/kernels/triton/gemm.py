@@ -45,19 +45,15 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.moe import _gelu_tanh, _silu, device_file_name
+from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
 from rubin_compile.ops.registry import Launch
 
-try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    gdc_wait = gdc_launch_dependents = None
 
 FMA_MAX_M = 4  # rows the FMA (GEMV) form takes; more rows run on the tensor cores
 MAX_M = 64  # rows one call takes: decode and small batches; larger M is cuBLAS's (the adapter falls back)
 CONFIG_DIR = Path(__file__).with_name("gemm_configs")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the tuned table's rows: a call's M rounds up to the next bucket
-PREFETCH_CHUNK = 4096  # bytes per cp.async.bulk.prefetch.L2 instruction
 PREFETCH_CHUNKS = 8  # per weight row: at most 32 KB of a row (K = 16384 bf16) is prefetched
 PREFETCH_BUDGET = 24 << 20  # at most this many bytes of one call's weights are prefetched (L2 is 50 MB on H200)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -233,14 +229,7 @@ def _prefetch_rows(row_ptrs, nbytes, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
     size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
     size = (size // 16) * 16
     ptrs = row_ptrs.to(tl.pointer_type(tl.int8))[:, None] + offs[None, :]
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, tl.broadcast_to(size[None, :], ptrs.shape)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    l2_prefetch(ptrs, tl.broadcast_to(size[None, :], ptrs.shape))
 
 
 @triton.jit
@@ -557,10 +546,6 @@ def _splitk_reduce(
 # ------------------------------------------------------------------------------------------------
 
 
-def _has_gdc() -> bool:
-    return gdc_wait is not None and not _INTERPRET and torch.cuda.is_available()
-
-
 @functools.lru_cache(maxsize=None)
 def _device_facts(index: int) -> tuple[str, int]:
     if not torch.cuda.is_available():
@@ -595,7 +580,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     split = max(1, min(config.split_k, k_tiles))
     k_split = triton.cdiv(k_tiles, split) * config.block_k
     split = triton.cdiv(K, k_split)
-    gdc = _has_gdc()
+    gdc = has_gdc()
     esize = b.element_size()
     # L2 prefetch: rows of b contiguous along K (an nn.Linear weight's b = W.t()), 16-byte aligned row starts.
     prefetch = (

@@ -176,7 +176,7 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
         MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
-        IEEE=False,
+        IEEE=False, **_PDL_OFF,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
                 Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
@@ -192,6 +192,52 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     copies, loaded = _copy_masks_from_loads(ttgir["ttgir"])
     assert copies, "the K / V loop has no asynchronous copies"
     assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
+
+
+_PDL_OFF = dict(GDC=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
+
+
+@pytest.mark.parametrize("pf_tiles", [2, 0], ids=["prefetch-2-tiles", "no-prefetch"])
+def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(kernels, pf_tiles):
+    """Built for PDL (what a launch with ``launch.pdl`` compiles): the program's first instructions ask L2 for its
+    split's first K / V tiles (``cp.async.bulk.prefetch.L2``: one request per thread for K and one for V, the tiles
+    cut into as many requests as the program has threads, so no request is issued twice by replicated threads),
+    then ``griddepcontrol.wait``, and only then the first global load (the query; the mask scan) -- a load above
+    the wait could read what the predecessor is still writing. The K / V loop stays pipelined."""
+    from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch
+
+    consts = dict(
+        GROUP=8, ROWS=16, D=128, DV=128, BD=128, BDV=128, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
+        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False, GDC=True,
+        PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
+    )  # fmt: skip
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Out="*bf16",
+                PartO="*fp32", PartML="*fp32")  # fmt: skip
+    ptx = compile_like_a_launch(kernels._split_kv, consts, ptrs, _qwen3_ints(16512), num_stages=3, floats=("qk_scale",))
+    body = ptx[ptx.index(".entry") :]
+    wait = body.index("griddepcontrol.wait")
+    assert body.count("griddepcontrol.wait") == 1 and "griddepcontrol.launch_dependents" in body[wait:]
+    first_load = min(body.index(op) for op in ("ld.global", "cp.async.ca", "cp.async.cg") if op in body)
+    assert first_load > wait, "a global load comes before griddepcontrol.wait"
+    prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", body)]
+    if pf_tiles:
+        assert len(prefetches) == 2, len(prefetches)  # per thread: one request into K's tiles, one into V's
+        assert max(prefetches) < wait, "the L2 requests must come before the wait (that is their point)"
+    else:
+        assert not prefetches
+    assert "0x10" in async_copy_sizes(ptx)
+
+
+def test_combine_kernel_with_pdl_waits_before_reading_the_partials(kernels):
+    from tests.cpu.kernels.triton_aot import compile_sm90
+
+    ptx = compile_sm90(
+        kernels._combine,
+        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, GDC=True),
+        dict(PartO="*fp32", PartML="*fp32", Out="*bf16"),
+    )
+    body = ptx[ptx.index(".entry") :]
+    assert body.index("griddepcontrol.wait") < body.index("ld.global")
 
 
 def _copy_masks_from_loads(ttgir: str) -> tuple[list[str], list[str]]:
@@ -231,10 +277,10 @@ def test_combine_kernel_compiles_for_sm90(kernels):
 
     ptx = compile_sm90(
         kernels._combine,
-        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK),
+        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, GDC=False),
         dict(PartO="*fp32", PartML="*fp32", Out="*bf16"),
     )
-    assert "st.global" in ptx
+    assert "st.global" in ptx and "griddepcontrol" not in ptx
 
 
 # ------------------------------------------------------------------ selection

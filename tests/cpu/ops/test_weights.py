@@ -88,6 +88,10 @@ def test_made_outside_cudagraph_pools_runs_in_another_thread_and_reraises():
     seen = []
     value = weights.made_outside_cudagraph_pools(lambda: seen.append(threading.current_thread().name) or 7)
     assert value == 7 and seen == ["rubin-weights"] and threading.current_thread().name != "rubin-weights"
+    # grad mode is per thread: parameters stacked there must not drag an autograd graph along
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    stacked = weights.made_outside_cudagraph_pools(lambda: torch.cat([w, w]))
+    assert not stacked.requires_grad and stacked.grad_fn is None
 
     def fail():
         raise KeyError("boom")
