@@ -12,9 +12,10 @@ Timing: 16 calls captured in one CUDA graph, over enough copies of the cache tha
 on the H200), the graph replayed (CUDA events, median of the replays) and divided by 16: the device time of a
 call as a decode step sees it, between other kernels of one graph (the gap between kernels included, the
 host's launch cost not). The ``PDL`` variants launch every call with PDL, as chain_pdl does under CUDA graphs:
-a call's launch and its L2 requests for its first K / V tiles then overlap the call before it (in a model, the
-kernel before the attention); ``no L2 prefetch`` leaves the requests out. Writes decode-attention-h200.{md,json}
-under ``--out``.
+a call's launch then overlaps the call before it (in a model, the kernel before the attention), and the next
+kernel may launch once the K / V loop is done; ``early trigger`` lets it launch right after the wait, ``L2
+prefetch`` asks L2 for the first two K / V tiles before the wait (kernels/triton/attention.py ``Config``). Writes
+decode-attention-h200.{md,json} under ``--out``.
 
 ``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split) at the
 benchmark's shapes, checks each against the ATen form, and writes
@@ -96,14 +97,18 @@ class Shape:
 def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     sh = Shape(batch, context, queries)
     pdl = Launch(pdl=True)
-    no_prefetch = dataclasses.replace(kernel.config_for(batch, HKV, context + EXTRA), prefetch_tiles=0)
+    picked = kernel.config_for(batch, HKV, context + EXTRA)
+    early = dataclasses.replace(picked, early_trigger=True)
+    prefetch = dataclasses.replace(picked, prefetch_tiles=2)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
-        # CUDA graphs); it asks L2 for its first K / V tiles before griddepcontrol.wait
+        # CUDA graphs); the next kernel may launch once a program's K / V loop is done
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),
-        ("rubin triton (bf16), PDL, no L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, pdl, config=no_prefetch)),
+        # ... or right after its griddepcontrol.wait; or with its first K / V tiles asked into L2 before the wait
+        ("rubin triton (bf16), PDL, early trigger", sh.args(), 2, lambda a: kernel.run(a, pdl, config=early)),
+        ("rubin triton (bf16), PDL, L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, pdl, config=prefetch)),
         ("rubin triton (fp8 KV)", sh.args(fp8=True), 1, kernel.run),
         ("rubin triton (fp8 KV), PDL", sh.args(fp8=True), 1, lambda a: kernel.run(a, pdl)),
         ("repeat_kv + SDPA (ATen form)", sh.args(), 2, aten),

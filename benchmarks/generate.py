@@ -293,6 +293,8 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed: no plot", flush=True)
         return
     batches = sorted({r["batch"] for r in rows})
+    if not batches:  # only the step was measured
+        return
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for variant in ("eager", "inductor", "rubin"):

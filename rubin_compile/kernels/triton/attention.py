@@ -96,7 +96,8 @@ def _split_kv(
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
-    GDC: tl.constexpr,  # built with griddepcontrol (PDL): wait before the first read of another kernel's output
+    GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
+    EARLY_TRIGGER: tl.constexpr,  # let the next kernel launch right after the wait (else after the K / V loop)
     PF_TILES: tl.constexpr,  # K / V tiles of the split asked into L2 before the wait (0: none)
     PF_K_ROW: tl.constexpr,  # bytes of one key position (keys contiguous along positions); 0: no prefetch
     PF_V_ROW: tl.constexpr,
@@ -126,7 +127,8 @@ def _split_kv(
         _prefetch_tiles(v_base, start, end, sv_n, PF_V_ROW, BLOCK_N, PF_TILES, PF_NCHUNK)
     if GDC:
         gdc_wait()  # the query, the mask and the appended key / value are earlier kernels' writes
-        gdc_launch_dependents()
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
     q = tl.load(
         Q + b * sq_b + head[:, None] * sq_h + s_idx[:, None] * sq_s + d[None, :],
         mask=row_ok[:, None] & (d[None, :] < D),
@@ -218,6 +220,10 @@ def _split_kv(
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if GDC and not EARLY_TRIGGER:
+        # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
+        # weights before its own wait) may launch while this program writes its partials.
+        gdc_launch_dependents()
     if V_SCALED:
         acc = acc * tl.load(VScale).to(tl.float32)
     if DIRECT:
@@ -326,7 +332,9 @@ class Config:
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 2  # (batch, KV head, split) programs aimed for per SM
     min_split_tiles: int = 8  # a split reads at least this many tiles
-    prefetch_tiles: int = 2  # K / V tiles of its split a PDL-launched program asks into L2 before its wait (power of 2)
+    # PDL-launched programs only (Launch.pdl):
+    prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
+    early_trigger: bool = False  # launch_dependents right after the wait, not after the K / V loop
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
@@ -394,8 +402,10 @@ def run(
     nsplit = triton.cdiv(Skv, split_len) if Skv > 0 else 1
     BDV = max(16, triton.next_power_of_2(Dv))
     direct = nsplit == 1
-    gdc = has_gdc()
-    pdl = bool(launch.pdl) and gdc
+    # Without PDL the kernels carry no griddepcontrol at all and the combine launches after the split kernel, as
+    # before PDL was added: measured on the H200, an always-PDL combine (its CTAs resident and waiting from the
+    # split kernel's first instructions on) slowed the uncaptured path by up to 28% (batch 1 / 16k).
+    pdl = bool(launch.pdl) and has_gdc()
     pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
     # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
     # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
@@ -451,7 +461,8 @@ def run(
         V_SCALED=v_scale is not None,
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
-        GDC=gdc,
+        GDC=pdl,
+        EARLY_TRIGGER=cfg.early_trigger,
         PF_TILES=pf_tiles,
         PF_K_ROW=pf_k,
         PF_V_ROW=pf_v,
@@ -475,11 +486,10 @@ def run(
             DV=Dv,
             BDV=BDV,
             SPLIT_CHUNK=SPLIT_CHUNK,
-            GDC=gdc,
+            GDC=pdl,
             num_warps=4,
-            # Our own second kernel: PDL between the two is always safe (it waits for the partials); its launch
-            # overlaps the split kernel.
-            **({"launch_pdl": True} if gdc else {}),
+            # PDL-chained after the split kernel (it waits for the partials): its launch overlaps the split's tail.
+            **({"launch_pdl": True} if pdl else {}),
         )
     return out
 

@@ -194,29 +194,34 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
 
 
-_PDL_OFF = dict(GDC=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
+_PDL_OFF = dict(GDC=False, EARLY_TRIGGER=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["late-trigger", "early-trigger"])
 @pytest.mark.parametrize("pf_tiles", [2, 0], ids=["prefetch-2-tiles", "no-prefetch"])
-def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(kernels, pf_tiles):
+def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(kernels, pf_tiles, early):
     """Built for PDL (what a launch with ``launch.pdl`` compiles): the program's first instructions ask L2 for its
     split's first K / V tiles (``cp.async.bulk.prefetch.L2``: one request per thread for K and one for V, the tiles
     cut into as many requests as the program has threads, so no request is issued twice by replicated threads),
     then ``griddepcontrol.wait``, and only then the first global load (the query; the mask scan) -- a load above
-    the wait could read what the predecessor is still writing. The K / V loop stays pipelined."""
+    the wait could read what the predecessor is still writing. The K / V loop stays pipelined. The next kernel is
+    let launch (``launch_dependents``) after the K / V loop (the default), or right after the wait."""
     from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch
 
     consts = dict(
         GROUP=8, ROWS=16, D=128, DV=128, BD=128, BDV=128, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
         SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False, GDC=True,
-        PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
+        EARLY_TRIGGER=early, PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Out="*bf16",
                 PartO="*fp32", PartML="*fp32")  # fmt: skip
     ptx = compile_like_a_launch(kernels._split_kv, consts, ptrs, _qwen3_ints(16512), num_stages=3, floats=("qk_scale",))
     body = ptx[ptx.index(".entry") :]
     wait = body.index("griddepcontrol.wait")
-    assert body.count("griddepcontrol.wait") == 1 and "griddepcontrol.launch_dependents" in body[wait:]
+    assert body.count("griddepcontrol.wait") == 1 and body.count("griddepcontrol.launch_dependents") == 1
+    trigger = body.index("griddepcontrol.launch_dependents")
+    last_copy = max(m.start() for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global", body))
+    assert trigger > wait and (trigger < last_copy if early else trigger > last_copy)
     first_load = min(body.index(op) for op in ("ld.global", "cp.async.ca", "cp.async.cg") if op in body)
     assert first_load > wait, "a global load comes before griddepcontrol.wait"
     prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", body)]
