@@ -13,8 +13,9 @@ on the H200), the graph replayed (CUDA events, median of the replays) and divide
 call as a decode step sees it, between other kernels of one graph (the gap between kernels included, the
 host's launch cost not). The ``PDL`` variants launch every call with PDL, as chain_pdl does under CUDA graphs:
 a call's launch then overlaps the call before it (in a model, the kernel before the attention), and the next
-kernel may launch once the K / V loop is done; ``early trigger`` lets it launch right after the wait, ``L2
-prefetch`` asks L2 for the first two K / V tiles before the wait (kernels/triton/attention.py ``Config``). Writes
+kernel may launch right after the wait (in a model, the next layer's projection, which asks for its weights before
+its own wait); ``late trigger`` lets it launch only once the K / V loop is done, ``L2 prefetch`` asks L2 for the
+first two K / V tiles before the wait (kernels/triton/attention.py ``Config``). Writes
 decode-attention-h200.{md,json} under ``--out``.
 
 ``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split) at the
@@ -98,16 +99,16 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     sh = Shape(batch, context, queries)
     pdl = Launch(pdl=True)
     picked = kernel.config_for(batch, HKV, context + EXTRA)
-    early = dataclasses.replace(picked, early_trigger=True)
+    late = dataclasses.replace(picked, early_trigger=False)
     prefetch = dataclasses.replace(picked, prefetch_tiles=2)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
-        # CUDA graphs); the next kernel may launch once a program's K / V loop is done
+        # CUDA graphs); the next kernel may launch right after a program's griddepcontrol.wait
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),
-        # ... or right after its griddepcontrol.wait; or with its first K / V tiles asked into L2 before the wait
-        ("rubin triton (bf16), PDL, early trigger", sh.args(), 2, lambda a: kernel.run(a, pdl, config=early)),
+        # ... or only once its K / V loop is done; or with its first K / V tiles asked into L2 before the wait
+        ("rubin triton (bf16), PDL, late trigger", sh.args(), 2, lambda a: kernel.run(a, pdl, config=late)),
         ("rubin triton (bf16), PDL, L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, pdl, config=prefetch)),
         ("rubin triton (fp8 KV)", sh.args(fp8=True), 1, kernel.run),
         ("rubin triton (fp8 KV), PDL", sh.args(fp8=True), 1, lambda a: kernel.run(a, pdl)),

@@ -27,6 +27,8 @@ Writes ``generate-h200.{md,json,png}`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -60,7 +62,32 @@ STEP_VARIANTS = {
     # Inductor's own Triton kernels PDL-launched too (torch._inductor.config.triton.enable_pdl)
     "rubin-inductor-pdl": ("rubin", {"cudagraphs": "external", "inductor": {"triton.enable_pdl": True}}),
     "inductor-pdl": ("inductor", {"triton.enable_pdl": True}),
+    # ablations of the decode attention kernel's PDL launch (kernels/triton/attention.py Config), rubin as above
+    "rubin-attn-late-trigger": ("rubin", {"cudagraphs": "external"}),
+    "rubin-attn-l2-prefetch": ("rubin", {"cudagraphs": "external"}),
 }
+# the attention Config fields an ablation changes, for every call while the step is warmed up and captured
+ATTENTION_ABLATIONS = {
+    "rubin-attn-late-trigger": {"early_trigger": False},
+    "rubin-attn-l2-prefetch": {"prefetch_tiles": 2},
+}
+
+
+@contextlib.contextmanager
+def attention_config(variant: str):
+    """``kernels/triton/attention.config_for`` with ``ATTENTION_ABLATIONS[variant]`` applied (nothing else changes)."""
+    from rubin_compile.kernels.triton import attention
+
+    change = ATTENTION_ABLATIONS.get(variant)
+    if not change:
+        yield
+        return
+    original = attention.config_for
+    attention.config_for = lambda *a: dataclasses.replace(original(*a), **change)
+    try:
+        yield
+    finally:
+        attention.config_for = original
 
 
 def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps: float) -> dict:
@@ -95,7 +122,7 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
                 n.fill_(context)
 
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_config(variant):
         for _ in range(3):
             rewind()
             step()

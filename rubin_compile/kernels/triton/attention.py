@@ -332,9 +332,9 @@ class Config:
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 2  # (batch, KV head, split) programs aimed for per SM
     min_split_tiles: int = 8  # a split reads at least this many tiles
-    # PDL-launched programs only (Launch.pdl):
+    # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
     prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
-    early_trigger: bool = False  # launch_dependents right after the wait, not after the K / V loop
+    early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every

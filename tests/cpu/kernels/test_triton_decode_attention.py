@@ -205,7 +205,7 @@ def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(k
     cut into as many requests as the program has threads, so no request is issued twice by replicated threads),
     then ``griddepcontrol.wait``, and only then the first global load (the query; the mask scan) -- a load above
     the wait could read what the predecessor is still writing. The K / V loop stays pipelined. The next kernel is
-    let launch (``launch_dependents``) after the K / V loop (the default), or right after the wait."""
+    let launch (``launch_dependents``) right after the wait (the default), or after the K / V loop."""
     from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch
 
     consts = dict(
