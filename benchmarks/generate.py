@@ -65,11 +65,13 @@ STEP_VARIANTS = {
     # ablations of the decode attention kernel's PDL launch (kernels/triton/attention.py Config), rubin as above
     "rubin-attn-late-trigger": ("rubin", {"cudagraphs": "external"}),
     "rubin-attn-l2-prefetch": ("rubin", {"cudagraphs": "external"}),
+    "rubin-attn-nopdl": ("rubin", {"cudagraphs": "external"}),  # the attention launched without PDL, all else PDL
 }
 # the attention Config fields an ablation changes, for every call while the step is warmed up and captured
 ATTENTION_ABLATIONS = {
     "rubin-attn-late-trigger": {"early_trigger": False},
     "rubin-attn-l2-prefetch": {"prefetch_tiles": 2},
+    "rubin-attn-nopdl": {"pdl": False},  # not a Config field: attention.run is given Launch(pdl=False)
 }
 
 
@@ -78,16 +80,21 @@ def attention_config(variant: str):
     """``kernels/triton/attention.config_for`` with ``ATTENTION_ABLATIONS[variant]`` applied (nothing else changes)."""
     from rubin_compile.kernels.triton import attention
 
-    change = ATTENTION_ABLATIONS.get(variant)
+    change = dict(ATTENTION_ABLATIONS.get(variant, {}))
     if not change:
         yield
         return
-    original = attention.config_for
-    attention.config_for = lambda *a: dataclasses.replace(original(*a), **change)
+    original_config, original_run = attention.config_for, attention.run
+    if change.pop("pdl", True) is False:
+        from rubin_compile.ops.registry import Launch
+
+        attention.run = lambda args, launch=Launch(), **kw: original_run(args, Launch(False, launch.placement), **kw)
+    if change:
+        attention.config_for = lambda *a: dataclasses.replace(original_config(*a), **change)
     try:
         yield
     finally:
-        attention.config_for = original
+        attention.config_for, attention.run = original_config, original_run
 
 
 def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps: float) -> dict:
