@@ -17,11 +17,10 @@ from generate import example  # noqa: E402  (benchmarks/generate.py's loader of 
 
 
 def main() -> None:
-    import logging
 
     from torch._dynamo.utils import counters
 
-    torch._logging.set_logs(cudagraphs=logging.INFO, perf_hints=True)  # prints "skipping cudagraphs due to ..."
+    torch._logging.set_logs(cudagraphs=True, perf_hints=True)  # prints "skipping cudagraphs due to ..."
 
     model = example.build_model("qwen3-30b-a3b-8l", torch.bfloat16, "cuda", 4096 + 64 + 8)
     prompt = torch.randint(1, 4000, (1, 4096), device="cuda")

@@ -175,15 +175,23 @@ def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     return None
 
 
+# The split-KV kernels are PDL-safe (attention.run(args, Launch(pdl=True)): the split kernel waits before it reads
+# the query, the mask or anything an earlier kernel writes, and before it writes; tests/gpu/test_decode_attention.py
+# checks PDL bitwise equal under graph replay), but selection does not launch them so: in the decode step it did not
+# pay (docs/kernels/decode_attention.md "PDL").
+ATTENTION_PDL_DECLINED = (
+    "measured on the H200, the decode attention launched with PDL was no faster in a decode step (Qwen3-30B-A3B "
+    "dims, 8 layers, one CUDA graph: 565 vs 561 us at 4k) and slower at 16k (671 vs 641 us): launched without it"
+)
+
+
 @ATTENTION.register_kernel(
     "triton",
     supports=_attention_supports,
     priority={"*": 10, "sm90": 32},
     runnable=_runnable,
     entry=lambda spec: "rubin_compile.kernels.triton.attention.run (split-KV decode)",
-    # PDL-safe: the split kernel waits (griddepcontrol.wait) before it reads the query, the mask or anything else
-    # an earlier kernel writes, and before it writes; before the wait it only asks L2 for key / value tiles.
-    pdl=lambda spec: None,
+    pdl=lambda spec: ATTENTION_PDL_DECLINED,
 )
 def triton_attention(args: AttentionArgs, launch: Launch) -> torch.Tensor:
     """The split-KV decode attention (kernels/triton/attention.py: ``run``); a call with more query rows than

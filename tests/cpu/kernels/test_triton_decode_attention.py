@@ -326,3 +326,16 @@ if __name__ == "__main__":  # the subprocess of interp_results
     for name, (*dims, options) in CASES.items():
         results[name] = _case(*dims, **options)
     print(json.dumps(results))
+
+
+def test_selection_launches_the_decode_attention_without_pdl_with_the_measured_reason():
+    """The kernels are PDL-safe (the tests above), but the decode step measured no gain from launching them so:
+    chain_pdl reads the kernel's declaration and leaves them without PDL, saying why."""
+    from rubin_compile.kernels.triton import ATTENTION_PDL_DECLINED
+    from rubin_compile.passes.chain_pdl import decide
+
+    kernel = ATTENTION.kernel("triton")
+    assert kernel.pdl_unsupported(_spec()) == ATTENTION_PDL_DECLINED
+    sm90 = target_mod.resolve("sm90")
+    assert decide("auto", sm90, kernel.pdl_unsupported(_spec()), True) == (False, ATTENTION_PDL_DECLINED)
+    assert "641" in ATTENTION_PDL_DECLINED  # the numbers of benchmarks/results/generate-h200-2026-12-02 step 4
