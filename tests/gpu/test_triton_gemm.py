@@ -206,19 +206,22 @@ def test_compiled_linear_binds_triton_and_matches(rubin_run):
     assert kernels()[-1] == "torch"
 
 
+class QKV(torch.nn.Module):
+    """Qwen3-30B-A3B's q / k / v projections, reading one input."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(2048, 4096, bias=False)
+        self.k = torch.nn.Linear(2048, 512, bias=False)
+        self.v = torch.nn.Linear(2048, 512, bias=False)
+
+    def forward(self, x):
+        return self.q(x), self.k(x), self.v(x)
+
+
 @needs_sm90
 def test_fused_projections_match_separate(rubin_run):
     """q / k / v linears sharing an input: fused into one rubin.gemm, the outputs equal the separate ones."""
-
-    class QKV(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q = torch.nn.Linear(2048, 4096, bias=False)
-            self.k = torch.nn.Linear(2048, 512, bias=False)
-            self.v = torch.nn.Linear(2048, 512, bias=False)
-
-        def forward(self, x):
-            return self.q(x), self.k(x), self.v(x)
 
     m = QKV().to("cuda", torch.bfloat16)
     x = torch.randn(2, 1, 2048, device="cuda", dtype=torch.bfloat16)
@@ -239,16 +242,6 @@ def test_fused_projections_under_cuda_graphs(rubin_run, graphs):
     tracked as outputs"), and a graph the caller captures itself (cudagraphs="external") replays it; each replay
     on fresh inputs equals the eager model."""
     from rubin_compile.ops import weights
-
-    class QKV(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q = torch.nn.Linear(2048, 4096, bias=False)
-            self.k = torch.nn.Linear(2048, 512, bias=False)
-            self.v = torch.nn.Linear(2048, 512, bias=False)
-
-        def forward(self, x):
-            return self.q(x), self.k(x), self.v(x)
 
     weights.clear_cache()
     m = QKV().to("cuda", torch.bfloat16)
