@@ -69,17 +69,10 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         if bound is None:
             continue
         kernel, spec, name = bound.kernel, bound.spec, dotted_name(node.target)
-        args = bound_arguments(node)
-        if "pdl" not in args:  # rubin.gemm / rubin.attention: no adapter of theirs takes PDL in this version
-            pdl = False
-            why = kernel.pdl_unsupported(spec) or (
-                f"{kernel.name} could take PDL (enable_pdl), but {name} has no pdl argument in this version"
-            )
-        else:
-            pdl, why = decide(mode, bound.target, kernel.pdl_unsupported(spec), cudagraphs)
-            if bool(args["pdl"]) != pdl:
-                set_argument(node, "pdl", pdl)
-                result.changed = True
+        pdl, why = decide(mode, bound.target, kernel.pdl_unsupported(spec), cudagraphs)
+        if bool(bound_arguments(node)["pdl"]) != pdl:  # every canonical op's form takes pdl (tests/cpu/ops)
+            set_argument(node, "pdl", pdl)
+            result.changed = True
         on += pdl
         result.decisions.append(
             Decision(

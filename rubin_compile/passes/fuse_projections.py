@@ -438,4 +438,4 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     return result
 
 
-PASS = Pass(NAME, run, reads=("options", "target", "engine"))
+PASS = Pass(NAME, run, reads=("options", "target"))

@@ -406,10 +406,12 @@ def run(
     # before PDL was added: measured on the H200, an always-PDL combine (its CTAs resident and waiting from the
     # split kernel's first instructions on) slowed the uncaptured path by up to 28% (batch 1 / 16k).
     pdl = bool(launch.pdl) and has_gdc()
-    pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
     # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
     # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
-    pf_tiles = cfg.prefetch_tiles if (pdl and pf_k and pf_v) else 0
+    pf_k = pf_v = pf_tiles = 0
+    if pdl and cfg.prefetch_tiles:
+        pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
+        pf_tiles = cfg.prefetch_tiles if (pf_k and pf_v) else 0
     pf_nchunk = max(1, 32 * cfg.num_warps // max(pf_tiles, 1))
     if direct:
         part_o = part_ml = out

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.moe import _gelu_tanh, _silu, device_file_name
+from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
 from rubin_compile.ops.registry import Launch
@@ -56,7 +56,6 @@ CONFIG_DIR = Path(__file__).with_name("gemm_configs")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the tuned table's rows: a call's M rounds up to the next bucket
 PREFETCH_CHUNKS = 8  # per weight row: at most 32 KB of a row (K = 16384 bf16) is prefetched
 PREFETCH_BUDGET = 24 << 20  # at most this many bytes of one call's weights are prefetched (L2 is 50 MB on H200)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _A_SCALE = {None: 0, "tensor": 1, "row": 2, "group": 3}
 _B_SCALE = {None: 0, "tensor": 1, "column": 2, "block": 3}
 _EPILOGUE = {"none": 0, "silu_and_mul": 1, "gelu_tanh_and_mul": 2, "residual_add": 3}

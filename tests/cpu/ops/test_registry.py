@@ -254,6 +254,29 @@ def test_kernels_register_onto_their_op_once():
         moe_op.MOE.add_kernel(R.Kernel("gemm", "another", lambda t, s: None, {"*": 0}))
 
 
+def test_every_canonical_form_takes_pdl():
+    """chain_pdl sets ``pdl`` on every node bound to a kernel: each op (and each form added to one: vLLM's layer ops,
+    defined once vLLM is imported) must have the argument, defaulting to False."""
+    import rubin_compile.integrations.vllm.layer_ops  # noqa: F401  (adds vLLM's layer forms to rubin.moe)
+
+    if importlib.util.find_spec("vllm") is not None:
+        importlib.import_module("vllm.utils.torch_utils")  # defines the layer ops
+
+    forms = [name.split("::") for op in R.CANONICAL_OPS.values() for name in op.forms]
+    schemas = {
+        f"{ns}::{n}": getattr(getattr(torch.ops, ns), n).default._schema
+        for ns, n in forms
+        if hasattr(getattr(torch.ops, ns), n)
+    }
+    want = {"rubin::moe", "rubin::gemm", "rubin::attention", "rubin::route"}
+    if importlib.util.find_spec("vllm") is not None:
+        want |= {"rubin::vllm_moe_layer", "rubin::vllm_moe_layer_shared"}
+    assert want <= set(schemas), sorted(schemas)
+    for name, schema in schemas.items():
+        args = {a.name: a for a in schema.arguments}
+        assert "pdl" in args and args["pdl"].default_value is False, name
+
+
 def test_launch_settings_a_kernel_does_not_take_are_dropped():
     """The op's contract: a kernel without PDL or placements runs without them (not a TypeError)."""
     launch = R.Launch(True, R.Placement("backfill", 2, 16))
