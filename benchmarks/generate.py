@@ -62,35 +62,35 @@ STEP_VARIANTS = {
     # Inductor's own Triton kernels PDL-launched too (torch._inductor.config.triton.enable_pdl)
     "rubin-inductor-pdl": ("rubin", {"cudagraphs": "external", "inductor": {"triton.enable_pdl": True}}),
     "inductor-pdl": ("inductor", {"triton.enable_pdl": True}),
-    # ablations of the decode attention kernel's PDL launch (kernels/triton/attention.py Config), rubin as above
-    "rubin-attn-late-trigger": ("rubin", {"cudagraphs": "external"}),
-    "rubin-attn-l2-prefetch": ("rubin", {"cudagraphs": "external"}),
-    "rubin-attn-nopdl": ("rubin", {"cudagraphs": "external"}),  # the attention launched without PDL, all else PDL
+    # the decode attention kernel PDL-launched, which selection declines (kernels/triton/__init__.py
+    # ATTENTION_PDL_DECLINED), and its Config options for a PDL launch; rubin as above otherwise
+    "rubin-attn-pdl": ("rubin", {"cudagraphs": "external"}),
+    "rubin-attn-pdl-late-trigger": ("rubin", {"cudagraphs": "external"}),
+    "rubin-attn-pdl-l2-prefetch": ("rubin", {"cudagraphs": "external"}),
 }
-# the attention Config fields an ablation changes, for every call while the step is warmed up and captured
+# what an attention ablation changes, for every call while the step is warmed up and captured: the launch it is
+# given (Launch(pdl=True) whatever the plan says) and the kernel Config fields
 ATTENTION_ABLATIONS = {
-    "rubin-attn-late-trigger": {"early_trigger": False},
-    "rubin-attn-l2-prefetch": {"prefetch_tiles": 2},
-    "rubin-attn-nopdl": {"pdl": False},  # not a Config field: attention.run is given Launch(pdl=False)
+    "rubin-attn-pdl": {},
+    "rubin-attn-pdl-late-trigger": {"early_trigger": False},
+    "rubin-attn-pdl-l2-prefetch": {"prefetch_tiles": 2},
 }
 
 
 @contextlib.contextmanager
 def attention_config(variant: str):
-    """``kernels/triton/attention.config_for`` with ``ATTENTION_ABLATIONS[variant]`` applied (nothing else changes)."""
+    """For an ``ATTENTION_ABLATIONS`` variant: ``kernels/triton/attention.run`` launched with PDL and ``config_for``
+    with the variant's Config fields (nothing else changes); other variants run as planned."""
     from rubin_compile.kernels.triton import attention
+    from rubin_compile.ops.registry import Launch
 
-    change = dict(ATTENTION_ABLATIONS.get(variant, {}))
-    if not change:
+    if variant not in ATTENTION_ABLATIONS:
         yield
         return
+    change = ATTENTION_ABLATIONS[variant]
     original_config, original_run = attention.config_for, attention.run
-    if change.pop("pdl", True) is False:
-        from rubin_compile.ops.registry import Launch
-
-        attention.run = lambda args, launch=Launch(), **kw: original_run(args, Launch(False, launch.placement), **kw)
-    if change:
-        attention.config_for = lambda *a: dataclasses.replace(original_config(*a), **change)
+    attention.run = lambda args, launch=Launch(), **kw: original_run(args, Launch(True, launch.placement), **kw)
+    attention.config_for = lambda *a: dataclasses.replace(original_config(*a), **change)
     try:
         yield
     finally:
