@@ -1,10 +1,28 @@
-"""Issue 16: why generate() at 4k is host-bound under rubin (step 3: per token 2170 us against a ~560 us decode step;
-Inductor 2316 us against ~1290). For each backend, generate()'s compiled decode step (compile_config,
-mode="reduce-overhead"): Inductor's cudagraph skip counter and reasons, and the host time of one compiled decode
-call (the wall time of the compiled call alone, synchronised, median), against the same call's GPU time."""
+"""Issue 16: why generate() at 4k is host-bound under rubin (2026-12-02 step 3: per token 2170 us against a ~560 us
+decode step; Inductor 2316 us against ~1290). For each backend, generate()'s compiled decode step (compile_config,
+mode="reduce-overhead"), after a first generate() that compiles:
+
+* wall time of generate(N) for N = 1, 2, 65, 129 (median of --repeats): the fixed cost of a generate() call's first
+  decode step (t(2) - t(1): transformers makes a new static cache per call, so the CUDA graph is recorded again
+  for its addresses) and the per-token cost once running ((t(129) - t(65)) / 64);
+* host time of each compiled decode call (synchronised before; the wall time of the call alone), median;
+* what the CUDA-graph tree manager did per call (replays, recordings, eager runs, recordings per function);
+* a cProfile of one warm generate(65): the top functions by own and by cumulative time (``--profile-out``).
+
+``--log`` turns on the cudagraph trees' debug log (Re-recording reasons): with it, every call that checks a stale
+recording first formats the reason with stack traces, which inflates host time (the first run of this script,
+2026-12-02 step 5, had it on: 1014 us for rubin). Timings are taken with it off.
+
+    PYTHONPATH=/tmp/site:. python3 benchmarks/h200/generate_host_diagnose.py --context 4096 --profile-out $OUT
+"""
 
 from __future__ import annotations
 
+import argparse
+import collections
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -16,24 +34,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generate import example  # noqa: E402  (benchmarks/generate.py's loader of examples/generate.py)
 
 
+def _count_tree_manager(counts: collections.Counter) -> None:
+    """Count what cudagraph trees does per call: replay a recording, record one, or run eagerly (warm-up)."""
+    from torch._inductor import cudagraph_trees as ct
+
+    mgr = ct.CUDAGraphTreeManager
+    for name in ("execute_node", "record_function", "run_eager"):
+        orig = getattr(mgr, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **k):
+            counts[_name] += 1
+            return _orig(self, *a, **k)
+
+        setattr(mgr, name, wrapped)
+    orig_run = mgr._run
+
+    def run(self, new_inputs, function_id, _orig=orig_run):
+        counts["calls"] += 1
+        counts["recordings_of_function"] = len(self.roots.get(function_id, []))
+        return _orig(self, new_inputs, function_id)
+
+    mgr._run = run
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backends", default="inductor,rubin")
+    ap.add_argument("--log", action="store_true", help="cudagraph trees' debug log (inflates host time)")
+    ap.add_argument("--profile-out", default=None, help="folder for profile-<backend>.txt")
+    args = ap.parse_args()
+    if args.log:
+        torch._logging.set_logs(cudagraphs=True, perf_hints=True)
 
-    from torch._dynamo.utils import counters
-
-    torch._logging.set_logs(cudagraphs=True, perf_hints=True)  # prints "skipping cudagraphs due to ..."
-
-    model = example.build_model("qwen3-30b-a3b-8l", torch.bfloat16, "cuda", 4096 + 64 + 8)
-    prompt = torch.randint(1, 4000, (1, 4096), device="cuda")
-    for backend in ("inductor", "rubin"):
+    counts: collections.Counter = collections.Counter()
+    _count_tree_manager(counts)
+    model = example.build_model("qwen3-30b-a3b-8l", torch.bfloat16, "cuda", args.context + 129 + 8)
+    prompt = torch.randint(1, 4000, (1, args.context), device="cuda")
+    rows = []
+    for backend in args.backends.split(","):
         torch._dynamo.reset()
-        counters.clear()
+        # every backend gets the same cache length (transformers keeps the longest one it made)
+        model._previous_max_cache_length = args.context + 129
         cfg = example.compile_config_setup(backend, "cuda")(model)
+        t0 = time.perf_counter()
         example.generate_once(model, prompt, 16, cfg)
         torch.cuda.synchronize()
-        skips = dict(counters["inductor"])
-        calls: list[tuple[float, float]] = []
+        compile_s = time.perf_counter() - t0
 
-        # time every compiled decode call generate() makes: wrap the compiled callable transformers keeps
+        def gen(n):
+            return lambda: example.generate_once(model, prompt, n, cfg)
+
+        walls = {n: example.timed(gen(n), "cuda", args.repeats)[1] for n in (1, 2, 65, 129)}
+
+        calls: list[float] = []
         get = model.get_compiled_call
 
         def timed_get(compile_config, _get=get):
@@ -43,24 +98,51 @@ def main() -> None:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 out = fn(*a, **k)
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                calls.append((t1 - t0, time.perf_counter() - t0))
+                calls.append(time.perf_counter() - t0)
                 return out
 
             return wrapper
 
         model.get_compiled_call = timed_get
+        counts.clear()
         try:
-            example.generate_once(model, prompt, 32, cfg)
+            example.generate_once(model, prompt, 65, cfg)
         finally:
             del model.get_compiled_call
-        host = statistics.median(c[0] for c in calls[2:]) * 1e6 if len(calls) > 2 else float("nan")
-        total = statistics.median(c[1] for c in calls[2:]) * 1e6 if len(calls) > 2 else float("nan")
+        tree = dict(counts)
+
+        if args.profile_out:
+            prof = cProfile.Profile()
+            prof.enable()
+            example.generate_once(model, prompt, 65, cfg)
+            torch.cuda.synchronize()
+            prof.disable()
+            s = io.StringIO()
+            st = pstats.Stats(prof, stream=s)
+            st.sort_stats("tottime").print_stats(45)
+            st.sort_stats("cumulative").print_stats(60)
+            Path(args.profile_out, f"profile-{backend}.txt").write_text(s.getvalue())
+
+        row = dict(
+            backend=backend,
+            compile_s=compile_s,
+            fixed_ms=(walls[2] - walls[1]) * 1e3,
+            per_token_us=(walls[129] - walls[65]) / 64 * 1e6,
+            per_token_issue_us=(walls[129] - walls[1]) / 128 * 1e6,
+            host_call_us=statistics.median(calls[2:]) * 1e6,
+            tree=tree,
+        )
+        rows.append(row)
+        print(row, flush=True)
+    print(
+        "| backend | compile s | first decode call of a generate() (t2 - t1) ms | per token (t129 - t65)/64 us "
+        "| per token (t129 - t1)/128 us | host per compiled call us | tree manager (64 calls) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
         print(
-            f"{backend}: compiled decode calls {len(calls)}, host (call returns) {host:.0f} us, call + GPU {total:.0f} us; "
-            f"inductor counters { ({k: v for k, v in skips.items() if 'cudagraph' in k or 'skip' in k}) }",
-            flush=True,
+            f"| {r['backend']} | {r['compile_s']:.0f} | {r['fixed_ms']:.1f} | {r['per_token_us']:.0f} | "
+            f"{r['per_token_issue_us']:.0f} | {r['host_call_us']:.0f} | {r['tree']} |"
         )
 
 
