@@ -61,41 +61,47 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="qwen3-30b-a3b-8l")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny model)")
     ap.add_argument("--backends", default="inductor,rubin")
     ap.add_argument("--log", action="store_true", help="cudagraph trees' debug log (inflates host time)")
     ap.add_argument("--profile-out", default=None, help="folder for profile-<backend>.txt")
+    ap.add_argument(
+        "--setup",
+        choices=["compile_config", "forward"],
+        default="compile_config",
+        help="how generate() is compiled: its compile_config (CUDA graphs) or model.forward (no CUDA graphs)",
+    )
     args = ap.parse_args()
     if args.log:
         torch._logging.set_logs(cudagraphs=True, perf_hints=True)
 
     counts: collections.Counter = collections.Counter()
     _count_tree_manager(counts)
-    model = example.build_model("qwen3-30b-a3b-8l", torch.bfloat16, "cuda", args.context + 129 + 8)
-    prompt = torch.randint(1, 4000, (1, args.context), device="cuda")
+    model = example.build_model(args.model, torch.bfloat16, args.device, args.context + 129 + 8)
+    prompt = torch.randint(1, model.config.vocab_size, (1, args.context), device=args.device)
     rows = []
     for backend in args.backends.split(","):
         torch._dynamo.reset()
         # every backend gets the same cache length (transformers keeps the longest one it made)
         model._previous_max_cache_length = args.context + 129
-        cfg = example.compile_config_setup(backend, "cuda")(model)
+        setup = example.compile_config_setup if args.setup == "compile_config" else example.forward_setup
+        cfg = setup(backend, args.device)(model)
         t0 = time.perf_counter()
         example.generate_once(model, prompt, 16, cfg)
-        torch.cuda.synchronize()
+        example._sync(args.device)
         compile_s = time.perf_counter() - t0
 
         def gen(n):
             return lambda: example.generate_once(model, prompt, n, cfg)
 
-        walls = {n: example.timed(gen(n), "cuda", args.repeats)[1] for n in (1, 2, 65, 129)}
+        walls = {n: example.timed(gen(n), args.device, args.repeats)[1] for n in (1, 2, 65, 129)}
 
         calls: list[float] = []
-        get = model.get_compiled_call
 
-        def timed_get(compile_config, _get=get):
-            fn = _get(compile_config)
-
+        def timed(fn):
             def wrapper(*a, **k):
-                torch.cuda.synchronize()
+                example._sync(args.device)
                 t0 = time.perf_counter()
                 out = fn(*a, **k)
                 calls.append(time.perf_counter() - t0)
@@ -103,25 +109,34 @@ def main() -> None:
 
             return wrapper
 
-        model.get_compiled_call = timed_get
         counts.clear()
-        try:
-            example.generate_once(model, prompt, 65, cfg)
-        finally:
-            del model.get_compiled_call
+        if args.setup == "compile_config":  # the compiled callable generate() asks the model for
+            get = model.get_compiled_call
+            model.get_compiled_call = lambda compile_config, _get=get: timed(_get(compile_config))
+            try:
+                example.generate_once(model, prompt, 65, cfg)
+            finally:
+                del model.get_compiled_call
+        else:  # the compiled model.forward (its first call is the prefill, left out of the median below)
+            compiled = model.forward
+            model.forward = timed(compiled)
+            try:
+                example.generate_once(model, prompt, 65, cfg)
+            finally:
+                model.forward = compiled
         tree = dict(counts)
 
         if args.profile_out:
             prof = cProfile.Profile()
             prof.enable()
             example.generate_once(model, prompt, 65, cfg)
-            torch.cuda.synchronize()
+            example._sync(args.device)
             prof.disable()
             s = io.StringIO()
             st = pstats.Stats(prof, stream=s)
             st.sort_stats("tottime").print_stats(45)
             st.sort_stats("cumulative").print_stats(60)
-            Path(args.profile_out, f"profile-{backend}.txt").write_text(s.getvalue())
+            Path(args.profile_out, f"profile-{args.setup}-{backend}.txt").write_text(s.getvalue())
 
         row = dict(
             backend=backend,
@@ -129,7 +144,7 @@ def main() -> None:
             fixed_ms=(walls[2] - walls[1]) * 1e3,
             per_token_us=(walls[129] - walls[65]) / 64 * 1e6,
             per_token_issue_us=(walls[129] - walls[1]) / 128 * 1e6,
-            host_call_us=statistics.median(calls[2:]) * 1e6,
+            host_call_us=statistics.median(calls[2:]) * 1e6 if len(calls) > 2 else float("nan"),
             tree=tree,
         )
         rows.append(row)
