@@ -48,6 +48,7 @@ from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
 from rubin_compile.ops.registry import Launch
+from rubin_compile.ops.weights import made_outside_cudagraph_pools
 
 
 FMA_MAX_M = 4  # rows the FMA (GEMV) form takes; more rows run on the tensor cores
@@ -76,6 +77,7 @@ class GemmConfig:
     prefetch: bool = False
     mma: bool = True  # tensor-core tiles (M padded to 16); False: FMA over the real rows (M <= 4)
     early: bool = False  # load the first weight tile into registers before gdc_wait (its latency overlaps)
+    stream_k: int = 0  # > 0: the stream-K form, stream_k programs per SM sharing the units evenly (split_k unused)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +91,8 @@ class GemmConfig:
         pf = "+pf" if self.prefetch else ""
         early = "+early" if self.early else ""
         fma = "" if self.mma else " fma"
-        return f"n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
+        split = f"sk{self.stream_k}" if self.stream_k else f"s{self.split_k}"
+        return f"n{self.block_n} k{self.block_k} {split} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
 
 
 def weight_format(args: GemmArgs) -> str:
@@ -482,6 +485,175 @@ def _gemm_kernel(
         )
 
 
+@triton.jit
+def _sk_owner(x, G, TOTAL):
+    """The stream-K program that holds unit ``x`` when ``TOTAL`` units are cut into ``G`` contiguous runs, program
+    ``p`` taking ``[p * TOTAL // G, (p + 1) * TOTAL // G)``."""
+    return (((x + 1).to(tl.int64) * G - 1) // TOTAL).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["M", "PF_BYTES"])
+def _gemm_streamk_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    tick_ptr,
+    bias_ptr,
+    res_ptr,
+    sa_ptr,
+    sb_ptr,
+    M,
+    K,
+    N_OUT,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_om,
+    stride_rm,
+    stride_sam,
+    stride_sbk,
+    stride_sbn,
+    K_TILES,
+    J_MAX,
+    PF_BYTES,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PF_CHUNK: tl.constexpr,
+    PF_NCHUNK: tl.constexpr,
+    GDC: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    ESIZE: tl.constexpr,
+    MMA: tl.constexpr,
+    EARLY: tl.constexpr,
+):
+    """Stream-K: the (N tile, K tile) units of the one M tile, ``N tiles x K_TILES`` in N-major order, cut into one
+    contiguous run per program, so every program streams the same number of weight bytes whatever the shape (with
+    ``tiles x splits`` programs, a count that is not a multiple of the SMs leaves some SMs a whole tile more).
+    A run covers the end of one N tile, whole tiles, and the start of another. A whole tile is finished in place;
+    a part writes fp32 partials to slot ``j`` (its rank among the tile's programs) and counts itself in the
+    tile's ticket: the last of them sums the slots in rank order (deterministic, no float atomics), finishes the
+    tile and zeroes the ticket for the next call."""
+    GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
+    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    TOTAL = tl.cdiv(N_OUT, BLOCK_N).to(tl.int64) * K_TILES
+    u0 = (pid.to(tl.int64) * TOTAL // G).to(tl.int32)
+    u1 = ((pid + 1).to(tl.int64) * TOTAL // G).to(tl.int32)
+    n0 = u0 // K_TILES
+    k_first = (u0 - n0 * K_TILES) * BLOCK_K
+    offs_n0 = n0 * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols0 = tl.where(offs_n0 < N_OUT, offs_n0, 0)
+    if PREFETCH:
+        # Weights never depend on the previous kernel: request the first PF_BYTES per row of this run now.
+        k_end0 = tl.minimum(tl.minimum(u1 - n0 * K_TILES, K_TILES) * BLOCK_K, K)
+        nbytes = tl.minimum(PF_BYTES, (k_end0 - k_first) * ESIZE)
+        _prefetch_rows(b_ptr + cols0 * stride_bn + k_first, nbytes, PF_CHUNK, PF_NCHUNK)
+        if GATED_EPI:
+            _prefetch_rows(b_ptr + (cols0 + N_OUT) * stride_bn + k_first, nbytes, PF_CHUNK, PF_NCHUNK)
+    if EARLY:
+        # ... and load the run's first weight tile into registers: its DRAM round trip overlaps the previous kernel.
+        offs_k0 = k_first + tl.arange(0, BLOCK_K)
+        k_ok0 = offs_k0 < K
+        w0 = tl.load(b_ptr + offs_k0[:, None] * stride_bk + cols0[None, :] * stride_bn, mask=k_ok0[:, None], other=0.0)
+        w0_up = w0
+        if GATED_EPI:
+            w0_up = tl.load(
+                b_ptr + offs_k0[:, None] * stride_bk + (cols0 + N_OUT)[None, :] * stride_bn,
+                mask=k_ok0[:, None],
+                other=0.0,
+            )
+    if GDC:
+        gdc_wait()  # activations, scales of a and the residual are written by earlier kernels
+        gdc_launch_dependents()
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = tl.where(m_ok, offs_m, 0)
+    u = u0
+    while u < u1:
+        n = u // K_TILES
+        t_lo = u - n * K_TILES
+        t_hi = tl.minimum(u1 - n * K_TILES, K_TILES)
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_OUT
+        cols = tl.where(n_ok, offs_n, 0)  # masked-off columns read column 0 (in bounds), never stored
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        t_start = t_lo
+        if EARLY:
+            if u == u0:  # the first weight tile, loaded above before the wait, meets its activations
+                a = tl.load(
+                    a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
+                    mask=m_ok[:, None] & k_ok0[None, :],
+                    other=0.0,
+                )
+                acc, acc_up = _step(
+                    acc, acc_up, a, w0, w0_up, k_first, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam,
+                    stride_sbk, stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+                )  # fmt: skip
+                t_start = t_lo + 1
+        for t in range(t_start, t_hi):
+            k0 = t * BLOCK_K
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(
+                a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
+            w_up = w
+            if GATED_EPI:
+                w_up = tl.load(
+                    b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                    mask=k_ok[:, None],
+                    other=0.0,
+                )
+            acc, acc_up = _step(
+                acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
+                stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+            )  # fmt: skip
+        if (t_lo == 0) & (t_hi == K_TILES):  # the whole tile is this program's
+            _finish(
+                acc, acc_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
+                sb_ptr, A_SCALE if A_SCALE != 3 else 0, B_SCALE if B_SCALE != 3 else 0, HAS_BIAS, EPILOGUE,
+            )  # fmt: skip
+        else:
+            p_first = _sk_owner(n * K_TILES, G, TOTAL)
+            count = _sk_owner((n + 1) * K_TILES - 1, G, TOTAL) - p_first + 1
+            slot = ws_ptr + (n * J_MAX + (pid - p_first)).to(tl.int64) * (BLOCK_M * BN_FULL)
+            offs_w = offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(slot + offs_w, acc)
+            if GATED_EPI:
+                tl.store(slot + offs_w + BLOCK_N, acc_up)
+            # Publish the partials, then count this program in the tile's ticket (acq_rel: the last to arrive
+            # sees every other program's partials).
+            tl.debug_barrier()
+            old = tl.atomic_add(tick_ptr + n, 1, sem="acq_rel", scope="gpu")
+            if old == count - 1:
+                first = ws_ptr + (n * J_MAX).to(tl.int64) * (BLOCK_M * BN_FULL)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in range(0, count):
+                    acc += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w, cache_modifier=".cg")
+                    if GATED_EPI:
+                        acc_up += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w + BLOCK_N, cache_modifier=".cg")
+                _finish(
+                    acc, acc_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
+                    sb_ptr, A_SCALE if A_SCALE != 3 else 0, B_SCALE if B_SCALE != 3 else 0, HAS_BIAS, EPILOGUE,
+                )  # fmt: skip
+                tl.atomic_xchg(tick_ptr + n, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+        u = n * K_TILES + t_hi
+
+
 @triton.jit(do_not_specialize=["M"])
 def _splitk_reduce(
     ws_ptr,
@@ -553,6 +725,34 @@ def _device_facts(index: int) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
+TICKET_RING = 1 << 16  # int32 tickets per device for the stream-K form (256 KB)
+_TICKETS: dict[str, list] = {}  # device -> [ring, next free slot]
+
+
+def _tickets(device: torch.device, count: int) -> Optional[torch.Tensor]:
+    """``count`` stream-K tickets (zero, and zero again when the kernel ends), from a ring made once per device and
+    kept: each call takes the next ``count`` slots, so calls in flight at the same time -- on other streams, or
+    captured side by side in one CUDA graph and replayed -- never share one. None when the ring cannot be made now
+    (first asked for during a CUDA-graph capture: made outside cudagraph trees' pool, as kept weights are) or
+    ``count`` does not fit it; the caller then runs the tiles x splits form."""
+    if count > TICKET_RING:
+        return None
+    key = str(device)
+    if key not in _TICKETS:
+        make = lambda: torch.zeros(TICKET_RING, dtype=torch.int32, device=device)  # noqa: E731
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            ring = made_outside_cudagraph_pools(make, device)
+        else:
+            ring = make()
+        _TICKETS[key] = [ring, 0]
+    entry = _TICKETS[key]
+    start = entry[1] if entry[1] + count <= TICKET_RING else 0
+    entry[1] = start + count
+    return entry[0][start : start + count]
+
+
 def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tensor:
     """Run ``args`` with ``config`` (any ``M``; ``M > MAX_M`` runs several M tiles). ``pdl``: launch with
     Programmatic Dependent Launch (the kernels wait before reading anything an earlier kernel writes)."""
@@ -576,9 +776,17 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     m_tiles = triton.cdiv(M, block_m)
     n_tiles = triton.cdiv(n_out, config.block_n)
     k_tiles = triton.cdiv(K, config.block_k)
-    split = max(1, min(config.split_k, k_tiles))
+    tickets = None
+    if config.stream_k and m_tiles == 1:
+        programs = min(
+            config.stream_k * (_device_facts(a.device.index or 0)[1] if a.is_cuda else 132), n_tiles * k_tiles
+        )
+        tickets = _tickets(a.device, n_tiles)  # None during a capture before any call made the ring: tiles x splits
+    split = max(1, min(config.split_k, k_tiles)) if tickets is None else 1
     k_split = triton.cdiv(k_tiles, split) * config.block_k
     split = triton.cdiv(K, k_split)
+    if tickets is not None:  # the longest run of one program
+        k_split = triton.cdiv(n_tiles * k_tiles, programs) * config.block_k
     gdc = has_gdc()
     esize = b.element_size()
     # L2 prefetch: rows of b contiguous along K (an nn.Linear weight's b = W.t()), 16-byte aligned row starts.
@@ -588,6 +796,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         and b.stride(0) == 1
         and (b.stride(1) * esize) % 16 == 0
         and b.data_ptr() % 16 == 0
+        and (config.block_k * esize) % 16 == 0
         and (k_split * esize) % 16 == 0
     )
     pf_bytes = 0
@@ -614,18 +823,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     stride_sam = sa.stride(0) if a_kind == "group" else 0
     stride_sbk, stride_sbn = (sb.stride(0), sb.stride(1)) if b_kind == "block" else (0, 0)
     extra = {"launch_pdl": True} if (pdl and gdc) else {}
-    _gemm_kernel[(m_tiles, n_tiles, split)](
-        a,
-        b,
-        out,
-        ws,
-        bias,
-        res,
-        sa,
-        sb,
-        M,
-        K,
-        n_out,
+    strides = (
         a.stride(0),
         a.stride(1),
         b.stride(0),
@@ -635,12 +833,11 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         stride_sam,
         stride_sbk,
         stride_sbn,
-        k_split,
-        pf_bytes,
+    )
+    meta = dict(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        SPLIT=split > 1,
         A_SCALE=_A_SCALE[a_kind],
         B_SCALE=_B_SCALE[b_kind],
         HAS_BIAS=args.bias is not None,
@@ -656,6 +853,18 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,
+    )
+    if tickets is not None:
+        # slots: the partials of a tile's programs, at most one more than a tile's units over the shortest run
+        j_max = triton.cdiv(k_tiles, (n_tiles * k_tiles) // programs) + 1
+        bn_full = config.block_n * (2 if args.epilogue in GATED else 1)
+        ws = torch.empty((n_tiles * j_max * block_m * bn_full,), dtype=torch.float32, device=a.device)
+        _gemm_streamk_kernel[(programs,)](
+            a, b, out, ws, tickets, bias, res, sa, sb, M, K, n_out, *strides, k_tiles, j_max, pf_bytes, **meta
+        )
+        return out
+    _gemm_kernel[(m_tiles, n_tiles, split)](
+        a, b, out, ws, bias, res, sa, sb, M, K, n_out, *strides, k_split, pf_bytes, SPLIT=split > 1, **meta
     )
     if split > 1:
         rbn = 64
