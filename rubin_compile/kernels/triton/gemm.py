@@ -492,6 +492,87 @@ def _sk_owner(x, G, TOTAL):
     return (((x + 1).to(tl.int64) * G - 1) // TOTAL).to(tl.int32)
 
 
+@triton.jit
+def _sk_slot(ws_ptr, n, pid, G, TOTAL, K_TILES, J_MAX, BLOCK_M: tl.constexpr, BN_FULL: tl.constexpr):
+    """Start of program ``pid``'s fp32 slot for N tile ``n``: slot ``pid - (the tile's first program)``."""
+    rank = pid - _sk_owner(n * K_TILES, G, TOTAL)
+    return ws_ptr + (n * J_MAX + rank).to(tl.int64) * (BLOCK_M * BN_FULL)
+
+
+@triton.jit
+def _sk_park(acc, acc_up, n, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, GATED_EPI: tl.constexpr):  # fmt: skip
+    """Write a run's sums over its part of N tile ``n`` to the tile's slot of this program."""
+    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
+    ptrs = _sk_slot(ws_ptr, n, pid, G, TOTAL, K_TILES, J_MAX, BLOCK_M, BN_FULL)
+    ptrs += offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(ptrs, acc)
+    if GATED_EPI:
+        tl.store(ptrs + BLOCK_N, acc_up)
+
+
+@triton.jit
+def _sk_finish_tiles(
+    n_first,
+    n_last,
+    pid,
+    G,
+    TOTAL,
+    K_TILES,
+    J_MAX,
+    ws_ptr,
+    tick_ptr,
+    offs_m,
+    M,
+    N_OUT,
+    out_ptr,
+    stride_om,
+    bias_ptr,
+    res_ptr,
+    stride_rm,
+    sa_ptr,
+    sb_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
+    """After a stream-K run has parked its sums: for each N tile it touched, a tile no other program shares is
+    finished from the slot; for a shared one the program counts itself in the tile's ticket (acq_rel: the last to
+    arrive sees every other program's slot), and the last sums the slots in rank order (deterministic, no float
+    atomics), finishes the tile and zeroes the ticket for the next call. Block / group scales were applied per K
+    tile; ``_finish`` applies the others."""
+    GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
+    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
+    A_FIN: tl.constexpr = A_SCALE if A_SCALE != 3 else 0
+    B_FIN: tl.constexpr = B_SCALE if B_SCALE != 3 else 0
+    offs_w = offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
+    tl.debug_barrier()  # this program's slots are written (and, below, published) before anything reads them
+    for n in range(n_first, n_last + 1):
+        p_first = _sk_owner(n * K_TILES, G, TOTAL)
+        count = _sk_owner((n + 1) * K_TILES - 1, G, TOTAL) - p_first + 1
+        first = ws_ptr + (n * J_MAX).to(tl.int64) * (BLOCK_M * BN_FULL)
+        last = count == 1
+        if count > 1:
+            last = tl.atomic_add(tick_ptr + n, 1, sem="acq_rel", scope="gpu") == count - 1
+        if last:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            tot_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(0, count):
+                tot += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w, cache_modifier=".cg")
+                if GATED_EPI:
+                    tot_up += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w + BLOCK_N, cache_modifier=".cg")
+            offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _finish(
+                tot, tot_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
+                sb_ptr, A_FIN, B_FIN, HAS_BIAS, EPILOGUE,
+            )  # fmt: skip
+            if count > 1:
+                tl.atomic_xchg(tick_ptr + n, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+
+
 @triton.jit(do_not_specialize=["M", "PF_BYTES"])
 def _gemm_streamk_kernel(
     a_ptr,
@@ -537,12 +618,11 @@ def _gemm_streamk_kernel(
     """Stream-K: the (N tile, K tile) units of the one M tile, ``N tiles x K_TILES`` in N-major order, cut into one
     contiguous run per program, so every program streams the same number of weight bytes whatever the shape (with
     ``tiles x splits`` programs, a count that is not a multiple of the SMs leaves some SMs a whole tile more).
-    A run covers the end of one N tile, whole tiles, and the start of another. A whole tile is finished in place;
-    a part writes fp32 partials to slot ``j`` (its rank among the tile's programs) and counts itself in the
-    tile's ticket: the last of them sums the slots in rank order (deterministic, no float atomics), finishes the
-    tile and zeroes the ticket for the next call."""
+    A run covers the end of one N tile, whole tiles, and the start of another. Its sums over each tile go to the
+    tile's fp32 slot of its rank among the tile's programs (``_sk_park``); then ``_sk_finish_tiles`` finishes the
+    tiles it holds alone and, through a ticket per shared tile, lets the last of its programs sum the slots in
+    rank order (deterministic, no float atomics), finish it and zero the ticket for the next call."""
     GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
-    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     TOTAL = tl.cdiv(N_OUT, BLOCK_N).to(tl.int64) * K_TILES
@@ -577,81 +657,61 @@ def _gemm_streamk_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rows = tl.where(m_ok, offs_m, 0)
-    u = u0
-    while u < u1:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u_start = u0
+    if EARLY:  # the first weight tile, loaded above before the wait, meets its activations
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
+            mask=m_ok[:, None] & k_ok0[None, :],
+            other=0.0,
+        )
+        acc, acc_up = _step(
+            acc, acc_up, a, w0, w0_up, k_first, rows, m_ok, cols0, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
+            stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+        )  # fmt: skip
+        if (u0 - n0 * K_TILES == K_TILES - 1) | (u0 + 1 == u1):
+            _sk_park(acc, acc_up, n0, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M, BLOCK_N, GATED_EPI)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        u_start = u0 + 1
+    # One flat loop over the run's units, so the weight stream stays pipelined across tile boundaries; at a tile's
+    # last unit in the run its sums are parked in the tile's slot (a store: the loop stays one the software
+    # pipeliner takes; with the tickets inside it, Triton 3.9 issued the weight loads synchronously).
+    for u in range(u_start, u1):
         n = u // K_TILES
-        t_lo = u - n * K_TILES
-        t_hi = tl.minimum(u1 - n * K_TILES, K_TILES)
+        t = u - n * K_TILES
         offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N_OUT
-        cols = tl.where(n_ok, offs_n, 0)  # masked-off columns read column 0 (in bounds), never stored
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        t_start = t_lo
-        if EARLY:
-            if u == u0:  # the first weight tile, loaded above before the wait, meets its activations
-                a = tl.load(
-                    a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
-                    mask=m_ok[:, None] & k_ok0[None, :],
-                    other=0.0,
-                )
-                acc, acc_up = _step(
-                    acc, acc_up, a, w0, w0_up, k_first, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam,
-                    stride_sbk, stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
-                )  # fmt: skip
-                t_start = t_lo + 1
-        for t in range(t_start, t_hi):
-            k0 = t * BLOCK_K
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            a = tl.load(
-                a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=m_ok[:, None] & k_ok[None, :],
+        cols = tl.where(offs_n < N_OUT, offs_n, 0)  # masked-off columns read column 0 (in bounds), never stored
+        k0 = t * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
+        w_up = w
+        if GATED_EPI:
+            w_up = tl.load(
+                b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                mask=k_ok[:, None],
                 other=0.0,
             )
-            w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
-            w_up = w
-            if GATED_EPI:
-                w_up = tl.load(
-                    b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
-                    mask=k_ok[:, None],
-                    other=0.0,
-                )
-            acc, acc_up = _step(
-                acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
-                stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
-            )  # fmt: skip
-        if (t_lo == 0) & (t_hi == K_TILES):  # the whole tile is this program's
-            _finish(
-                acc, acc_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
-                sb_ptr, A_SCALE if A_SCALE != 3 else 0, B_SCALE if B_SCALE != 3 else 0, HAS_BIAS, EPILOGUE,
-            )  # fmt: skip
-        else:
-            p_first = _sk_owner(n * K_TILES, G, TOTAL)
-            count = _sk_owner((n + 1) * K_TILES - 1, G, TOTAL) - p_first + 1
-            slot = ws_ptr + (n * J_MAX + (pid - p_first)).to(tl.int64) * (BLOCK_M * BN_FULL)
-            offs_w = offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(slot + offs_w, acc)
-            if GATED_EPI:
-                tl.store(slot + offs_w + BLOCK_N, acc_up)
-            # Publish the partials, then count this program in the tile's ticket (acq_rel: the last to arrive
-            # sees every other program's partials).
-            tl.debug_barrier()
-            old = tl.atomic_add(tick_ptr + n, 1, sem="acq_rel", scope="gpu")
-            if old == count - 1:
-                first = ws_ptr + (n * J_MAX).to(tl.int64) * (BLOCK_M * BN_FULL)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for j in range(0, count):
-                    acc += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w, cache_modifier=".cg")
-                    if GATED_EPI:
-                        acc_up += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w + BLOCK_N, cache_modifier=".cg")
-                _finish(
-                    acc, acc_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
-                    sb_ptr, A_SCALE if A_SCALE != 3 else 0, B_SCALE if B_SCALE != 3 else 0, HAS_BIAS, EPILOGUE,
-                )  # fmt: skip
-                tl.atomic_xchg(tick_ptr + n, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-        u = n * K_TILES + t_hi
+        acc, acc_up = _step(
+            acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn,
+            BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+        )  # fmt: skip
+        if (t == K_TILES - 1) | (u == u1 - 1):
+            _sk_park(acc, acc_up, n, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M, BLOCK_N, GATED_EPI)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    _sk_finish_tiles(
+        n0, (u1 - 1) // K_TILES, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, tick_ptr, offs_m, M, N_OUT, out_ptr,
+        stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr, sb_ptr, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, HAS_BIAS,
+        EPILOGUE,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -106,8 +106,8 @@ CASES = [
     (3, 200, 300, "fp8_block", "gelu_tanh_and_mul", True, dict(block_n=32, block_k=128, split_k=2, early=True)),
     (3, 200, 300, "a8_group", "none", False, dict(block_n=32, block_k=128, early=True)),
     (1, 64, 300, "bf16", "none", False, dict(block_n=32, block_k=64, mma=False, early=True)),
-    # stream-K (132 programs per stream_k on the CPU): runs that end tiles, hold whole ones and start others
-    # (273 units over 132 and 264 programs), one unit each with 16 programs per tile (the gated epilogue),
+    # stream-K (132 programs per stream_k on the CPU): runs that end tiles and start others (273 units over 132
+    # and 264 programs), one unit each with 16 programs per tile (the gated epilogue), runs of whole tiles,
     # block / group scales, the early tile, the FMA form; two M tiles fall back to tiles x splits
     (1, 200, 1300, "bf16", "none", True, dict(block_n=16, block_k=64, stream_k=1)),
     (2, 200, 1300, "bf16", "residual_add", False, dict(block_n=16, block_k=64, stream_k=2, early=True)),
@@ -116,6 +116,7 @@ CASES = [
     (3, 200, 1300, "a8_group", "residual_add", False, dict(block_n=32, block_k=128, stream_k=1)),
     (2, 200, 1300, "fp8_column", "none", True, dict(block_n=16, block_k=64, stream_k=1)),
     (1, 64, 3000, "bf16", "none", False, dict(block_n=16, block_k=64, stream_k=1, mma=False)),
+    (2, 4000, 128, "bf16", "residual_add", True, dict(block_n=16, block_k=64, stream_k=1)),  # runs of whole tiles
     (70, 40, 100, "bf16", "residual_add", True, dict(block_n=16, block_k=64, stream_k=1)),
 ]
 
