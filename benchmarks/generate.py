@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -68,9 +67,6 @@ STEP_VARIANTS = {
     "rubin-attn-pdl": ("rubin", {"cudagraphs": "external"}),
     "rubin-attn-pdl-late-trigger": ("rubin", {"cudagraphs": "external"}),
     "rubin-attn-pdl-l2-prefetch": ("rubin", {"cudagraphs": "external"}),
-    # rubin with the GEMM table of another commit (a before / after of a retune in one run): the JSON file named by
-    # RUBIN_GEMM_TABLE_BEFORE replaces the committed table while the step is compiled, warmed up and captured
-    "rubin-gemm-table-before": ("rubin", {"cudagraphs": "external"}),
 }
 # what an attention ablation changes, for every call while the step is warmed up and captured: the launch it is
 # given (Launch(pdl=True) whatever the plan says) and the kernel Config fields
@@ -99,27 +95,6 @@ def attention_config(variant: str):
         yield
     finally:
         attention.config_for, attention.run = original_config, original_run
-
-
-@contextlib.contextmanager
-def gemm_table(variant: str):
-    """For ``rubin-gemm-table-before``: ``kernels/triton/gemm.load_table`` returns the table in the file
-    ``$RUBIN_GEMM_TABLE_BEFORE`` (every other variant reads the committed one)."""
-    from rubin_compile.kernels.triton import gemm
-
-    if variant != "rubin-gemm-table-before":
-        yield
-        return
-    path = os.environ.get("RUBIN_GEMM_TABLE_BEFORE")
-    if not path:
-        raise SystemExit("rubin-gemm-table-before needs RUBIN_GEMM_TABLE_BEFORE=<a gemm_configs JSON file>")
-    before = json.loads(Path(path).read_text())
-    original = gemm.load_table
-    gemm.load_table = lambda device_name, directory=None: before
-    try:
-        yield
-    finally:
-        gemm.load_table = original
 
 
 def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps: float) -> dict:
@@ -154,7 +129,7 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
                 n.fill_(context)
 
     t0 = time.perf_counter()
-    with torch.inference_mode(), attention_config(variant), gemm_table(variant):
+    with torch.inference_mode(), attention_config(variant):
         for _ in range(3):
             rewind()
             step()

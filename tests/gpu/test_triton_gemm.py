@@ -156,58 +156,6 @@ def test_pdl_bitwise_under_graph_replay(split, wfmt, epilogue):
 
 
 @needs_sm90
-@pytest.mark.parametrize("wfmt", FORMATS)
-@pytest.mark.parametrize("stream_k", [1, 3])
-def test_stream_k_formats_and_epilogues(wfmt, stream_k):
-    """The stream-K form (runs that end one N tile and start another, partials summed by the tile's last program)
-    for every format, each epilogue, with and without the early tile, M of one row and of 33, two calls in a row
-    (the tickets are zero again after each)."""
-    from rubin_compile.kernels.triton import gemm as G
-
-    act = torch.float16 if wfmt == "fp16" else torch.bfloat16
-    for M, epilogue, early in ((1, "none", False), (33, "silu_and_mul", True), (5, "residual_add", False),
-                               (2, "gelu_tanh_and_mul", False)):  # fmt: skip
-        args = _args(M, 384, 1000, wfmt, epilogue, bias=epilogue != "residual_add", act=act, seed=M)
-        cfg = G.GemmConfig(block_n=16, block_k=64 if not wfmt.endswith(("block", "group")) else 128,
-                           num_stages=3, stream_k=stream_k, early=early)  # fmt: skip
-        for _ in range(2):
-            _check(G.launch(args, cfg, pdl=True), args)
-
-
-@needs_sm90
-@pytest.mark.parametrize("wfmt,epilogue", [("bf16", "residual_add"), ("fp8_block", "silu_and_mul")])
-def test_stream_k_pdl_bitwise_under_graph_replay_and_equal_to_its_reference(wfmt, epilogue):
-    """Stream-K under graph replay with fresh inputs: PDL on and off and the early tile bitwise equal (the slots
-    are summed in rank order, whatever order the programs finish in)."""
-    from rubin_compile.kernels.triton import gemm as G
-
-    def args_of(seed):
-        return _args(4, 5120, 2048, wfmt, epilogue, seed=seed)
-
-    cfg = G.GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, stream_k=2)
-    on = _graph_outputs(args_of, cfg, True)
-    off = _graph_outputs(args_of, cfg, False)
-    early = _graph_outputs(args_of, G.GemmConfig(**{**cfg.to_json(), "early": True, "prefetch": True}), True)
-    for r_on, r_off, r_early in zip(on, off, early):
-        for y_on, y_off, y_early in zip(r_on, r_off, r_early):
-            assert torch.equal(y_on, y_off) and torch.equal(y_on, y_early)
-
-
-@needs_sm90
-def test_stream_k_deterministic_and_ring_reused():
-    """Many calls in a row (the ticket ring wraps) give the same bits."""
-    from rubin_compile.kernels.triton import gemm as G
-
-    args = _args(8, 2048, 4096, "bf16", bias=True)
-    cfg = G.GemmConfig(block_n=16, block_k=64, stream_k=4)
-    first = G.launch(args, cfg)
-    _check(first, args)
-    calls = G.TICKET_RING // 128 + 3  # 128 tiles per call: past the end of the ring
-    for _ in range(calls):
-        assert torch.equal(G.launch(args, cfg), first)
-
-
-@needs_sm90
 def test_split_k_deterministic():
     from rubin_compile.kernels.triton import gemm as G
 

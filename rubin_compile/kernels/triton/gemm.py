@@ -48,7 +48,6 @@ from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
 from rubin_compile.ops.registry import Launch
-from rubin_compile.ops.weights import made_outside_cudagraph_pools
 
 
 FMA_MAX_M = 4  # rows the FMA (GEMV) form takes; more rows run on the tensor cores
@@ -77,7 +76,6 @@ class GemmConfig:
     prefetch: bool = False
     mma: bool = True  # tensor-core tiles (M padded to 16); False: FMA over the real rows (M <= 4)
     early: bool = False  # load the first weight tile into registers before gdc_wait (its latency overlaps)
-    stream_k: int = 0  # > 0: the stream-K form, stream_k programs per SM sharing the units evenly (split_k unused)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,8 +89,7 @@ class GemmConfig:
         pf = "+pf" if self.prefetch else ""
         early = "+early" if self.early else ""
         fma = "" if self.mma else " fma"
-        split = f"sk{self.stream_k}" if self.stream_k else f"s{self.split_k}"
-        return f"n{self.block_n} k{self.block_k} {split} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
+        return f"n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
 
 
 def weight_format(args: GemmArgs) -> str:
@@ -485,235 +482,6 @@ def _gemm_kernel(
         )
 
 
-@triton.jit
-def _sk_owner(x, G, TOTAL):
-    """The stream-K program that holds unit ``x`` when ``TOTAL`` units are cut into ``G`` contiguous runs, program
-    ``p`` taking ``[p * TOTAL // G, (p + 1) * TOTAL // G)``."""
-    return (((x + 1).to(tl.int64) * G - 1) // TOTAL).to(tl.int32)
-
-
-@triton.jit
-def _sk_slot(ws_ptr, n, pid, G, TOTAL, K_TILES, J_MAX, BLOCK_M: tl.constexpr, BN_FULL: tl.constexpr):
-    """Start of program ``pid``'s fp32 slot for N tile ``n``: slot ``pid - (the tile's first program)``."""
-    rank = pid - _sk_owner(n * K_TILES, G, TOTAL)
-    return ws_ptr + (n * J_MAX + rank).to(tl.int64) * (BLOCK_M * BN_FULL)
-
-
-@triton.jit
-def _sk_park(acc, acc_up, n, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, GATED_EPI: tl.constexpr):  # fmt: skip
-    """Write a run's sums over its part of N tile ``n`` to the tile's slot of this program."""
-    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
-    ptrs = _sk_slot(ws_ptr, n, pid, G, TOTAL, K_TILES, J_MAX, BLOCK_M, BN_FULL)
-    ptrs += offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(ptrs, acc)
-    if GATED_EPI:
-        tl.store(ptrs + BLOCK_N, acc_up)
-
-
-@triton.jit
-def _sk_finish_tiles(
-    n_first,
-    n_last,
-    pid,
-    G,
-    TOTAL,
-    K_TILES,
-    J_MAX,
-    ws_ptr,
-    tick_ptr,
-    offs_m,
-    M,
-    N_OUT,
-    out_ptr,
-    stride_om,
-    bias_ptr,
-    res_ptr,
-    stride_rm,
-    sa_ptr,
-    sb_ptr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    A_SCALE: tl.constexpr,
-    B_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-):
-    """After a stream-K run has parked its sums: for each N tile it touched, a tile no other program shares is
-    finished from the slot; for a shared one the program counts itself in the tile's ticket (acq_rel: the last to
-    arrive sees every other program's slot), and the last sums the slots in rank order (deterministic, no float
-    atomics), finishes the tile and zeroes the ticket for the next call. Block / group scales were applied per K
-    tile; ``_finish`` applies the others."""
-    GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
-    BN_FULL: tl.constexpr = 2 * BLOCK_N if GATED_EPI else BLOCK_N
-    A_FIN: tl.constexpr = A_SCALE if A_SCALE != 3 else 0
-    B_FIN: tl.constexpr = B_SCALE if B_SCALE != 3 else 0
-    offs_w = offs_m[:, None] * BN_FULL + tl.arange(0, BLOCK_N)[None, :]
-    tl.debug_barrier()  # this program's slots are written (and, below, published) before anything reads them
-    for n in range(n_first, n_last + 1):
-        p_first = _sk_owner(n * K_TILES, G, TOTAL)
-        count = _sk_owner((n + 1) * K_TILES - 1, G, TOTAL) - p_first + 1
-        first = ws_ptr + (n * J_MAX).to(tl.int64) * (BLOCK_M * BN_FULL)
-        last = count == 1
-        if count > 1:
-            last = tl.atomic_add(tick_ptr + n, 1, sem="acq_rel", scope="gpu") == count - 1
-        if last:
-            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            tot_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(0, count):
-                tot += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w, cache_modifier=".cg")
-                if GATED_EPI:
-                    tot_up += tl.load(first + j * (BLOCK_M * BN_FULL) + offs_w + BLOCK_N, cache_modifier=".cg")
-            offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _finish(
-                tot, tot_up, offs_m, offs_n, M, N_OUT, out_ptr, stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr,
-                sb_ptr, A_FIN, B_FIN, HAS_BIAS, EPILOGUE,
-            )  # fmt: skip
-            if count > 1:
-                tl.atomic_xchg(tick_ptr + n, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-
-
-@triton.jit(do_not_specialize=["M", "PF_BYTES"])
-def _gemm_streamk_kernel(
-    a_ptr,
-    b_ptr,
-    out_ptr,
-    ws_ptr,
-    tick_ptr,
-    bias_ptr,
-    res_ptr,
-    sa_ptr,
-    sb_ptr,
-    M,
-    K,
-    N_OUT,
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_om,
-    stride_rm,
-    stride_sam,
-    stride_sbk,
-    stride_sbn,
-    K_TILES,
-    J_MAX,
-    PF_BYTES,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    A_SCALE: tl.constexpr,
-    B_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_CHUNK: tl.constexpr,
-    PF_NCHUNK: tl.constexpr,
-    GDC: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    ESIZE: tl.constexpr,
-    MMA: tl.constexpr,
-    EARLY: tl.constexpr,
-):
-    """Stream-K: the (N tile, K tile) units of the one M tile, ``N tiles x K_TILES`` in N-major order, cut into one
-    contiguous run per program, so every program streams the same number of weight bytes whatever the shape (with
-    ``tiles x splits`` programs, a count that is not a multiple of the SMs leaves some SMs a whole tile more).
-    A run covers the end of one N tile, whole tiles, and the start of another. Its sums over each tile go to the
-    tile's fp32 slot of its rank among the tile's programs (``_sk_park``); then ``_sk_finish_tiles`` finishes the
-    tiles it holds alone and, through a ticket per shared tile, lets the last of its programs sum the slots in
-    rank order (deterministic, no float atomics), finish it and zero the ticket for the next call."""
-    GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    TOTAL = tl.cdiv(N_OUT, BLOCK_N).to(tl.int64) * K_TILES
-    u0 = (pid.to(tl.int64) * TOTAL // G).to(tl.int32)
-    u1 = ((pid + 1).to(tl.int64) * TOTAL // G).to(tl.int32)
-    n0 = u0 // K_TILES
-    k_first = (u0 - n0 * K_TILES) * BLOCK_K
-    offs_n0 = n0 * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols0 = tl.where(offs_n0 < N_OUT, offs_n0, 0)
-    if PREFETCH:
-        # Weights never depend on the previous kernel: request the first PF_BYTES per row of this run now.
-        k_end0 = tl.minimum(tl.minimum(u1 - n0 * K_TILES, K_TILES) * BLOCK_K, K)
-        nbytes = tl.minimum(PF_BYTES, (k_end0 - k_first) * ESIZE)
-        _prefetch_rows(b_ptr + cols0 * stride_bn + k_first, nbytes, PF_CHUNK, PF_NCHUNK)
-        if GATED_EPI:
-            _prefetch_rows(b_ptr + (cols0 + N_OUT) * stride_bn + k_first, nbytes, PF_CHUNK, PF_NCHUNK)
-    if EARLY:
-        # ... and load the run's first weight tile into registers: its DRAM round trip overlaps the previous kernel.
-        offs_k0 = k_first + tl.arange(0, BLOCK_K)
-        k_ok0 = offs_k0 < K
-        w0 = tl.load(b_ptr + offs_k0[:, None] * stride_bk + cols0[None, :] * stride_bn, mask=k_ok0[:, None], other=0.0)
-        w0_up = w0
-        if GATED_EPI:
-            w0_up = tl.load(
-                b_ptr + offs_k0[:, None] * stride_bk + (cols0 + N_OUT)[None, :] * stride_bn,
-                mask=k_ok0[:, None],
-                other=0.0,
-            )
-    if GDC:
-        gdc_wait()  # activations, scales of a and the residual are written by earlier kernels
-        gdc_launch_dependents()
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    rows = tl.where(m_ok, offs_m, 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u_start = u0
-    if EARLY:  # the first weight tile, loaded above before the wait, meets its activations
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
-            mask=m_ok[:, None] & k_ok0[None, :],
-            other=0.0,
-        )
-        acc, acc_up = _step(
-            acc, acc_up, a, w0, w0_up, k_first, rows, m_ok, cols0, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
-            stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
-        )  # fmt: skip
-        if (u0 - n0 * K_TILES == K_TILES - 1) | (u0 + 1 == u1):
-            _sk_park(acc, acc_up, n0, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M, BLOCK_N, GATED_EPI)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        u_start = u0 + 1
-    # One flat loop over the run's units, so the weight stream stays pipelined across tile boundaries; at a tile's
-    # last unit in the run its sums are parked in the tile's slot (a store: the loop stays one the software
-    # pipeliner takes; with the tickets inside it, Triton 3.9 issued the weight loads synchronously).
-    for u in range(u_start, u1):
-        n = u // K_TILES
-        t = u - n * K_TILES
-        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.where(offs_n < N_OUT, offs_n, 0)  # masked-off columns read column 0 (in bounds), never stored
-        k0 = t * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
-        w_up = w
-        if GATED_EPI:
-            w_up = tl.load(
-                b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
-                mask=k_ok[:, None],
-                other=0.0,
-            )
-        acc, acc_up = _step(
-            acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn,
-            BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
-        )  # fmt: skip
-        if (t == K_TILES - 1) | (u == u1 - 1):
-            _sk_park(acc, acc_up, n, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, offs_m, BLOCK_M, BLOCK_N, GATED_EPI)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    _sk_finish_tiles(
-        n0, (u1 - 1) // K_TILES, pid, G, TOTAL, K_TILES, J_MAX, ws_ptr, tick_ptr, offs_m, M, N_OUT, out_ptr,
-        stride_om, bias_ptr, res_ptr, stride_rm, sa_ptr, sb_ptr, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, HAS_BIAS,
-        EPILOGUE,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["M"])
 def _splitk_reduce(
     ws_ptr,
@@ -785,34 +553,6 @@ def _device_facts(index: int) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
-TICKET_RING = 1 << 16  # int32 tickets per device for the stream-K form (256 KB)
-_TICKETS: dict[str, list] = {}  # device -> [ring, next free slot]
-
-
-def _tickets(device: torch.device, count: int) -> Optional[torch.Tensor]:
-    """``count`` stream-K tickets (zero, and zero again when the kernel ends), from a ring made once per device and
-    kept: each call takes the next ``count`` slots, so calls in flight at the same time -- on other streams, or
-    captured side by side in one CUDA graph and replayed -- never share one. None when the ring cannot be made now
-    (first asked for during a CUDA-graph capture: made outside cudagraph trees' pool, as kept weights are) or
-    ``count`` does not fit it; the caller then runs the tiles x splits form."""
-    if count > TICKET_RING:
-        return None
-    key = str(device)
-    if key not in _TICKETS:
-        make = lambda: torch.zeros(TICKET_RING, dtype=torch.int32, device=device)  # noqa: E731
-        if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            ring = made_outside_cudagraph_pools(make, device)
-        else:
-            ring = make()
-        _TICKETS[key] = [ring, 0]
-    entry = _TICKETS[key]
-    start = entry[1] if entry[1] + count <= TICKET_RING else 0
-    entry[1] = start + count
-    return entry[0][start : start + count]
-
-
 def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tensor:
     """Run ``args`` with ``config`` (any ``M``; ``M > MAX_M`` runs several M tiles). ``pdl``: launch with
     Programmatic Dependent Launch (the kernels wait before reading anything an earlier kernel writes)."""
@@ -836,17 +576,9 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     m_tiles = triton.cdiv(M, block_m)
     n_tiles = triton.cdiv(n_out, config.block_n)
     k_tiles = triton.cdiv(K, config.block_k)
-    tickets = None
-    if config.stream_k and m_tiles == 1:
-        programs = min(
-            config.stream_k * (_device_facts(a.device.index or 0)[1] if a.is_cuda else 132), n_tiles * k_tiles
-        )
-        tickets = _tickets(a.device, n_tiles)  # None during a capture before any call made the ring: tiles x splits
-    split = max(1, min(config.split_k, k_tiles)) if tickets is None else 1
+    split = max(1, min(config.split_k, k_tiles))
     k_split = triton.cdiv(k_tiles, split) * config.block_k
     split = triton.cdiv(K, k_split)
-    if tickets is not None:  # the longest run of one program
-        k_split = triton.cdiv(n_tiles * k_tiles, programs) * config.block_k
     gdc = has_gdc()
     esize = b.element_size()
     # L2 prefetch: rows of b contiguous along K (an nn.Linear weight's b = W.t()), 16-byte aligned row starts.
@@ -856,7 +588,6 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         and b.stride(0) == 1
         and (b.stride(1) * esize) % 16 == 0
         and b.data_ptr() % 16 == 0
-        and (config.block_k * esize) % 16 == 0
         and (k_split * esize) % 16 == 0
     )
     pf_bytes = 0
@@ -883,7 +614,18 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     stride_sam = sa.stride(0) if a_kind == "group" else 0
     stride_sbk, stride_sbn = (sb.stride(0), sb.stride(1)) if b_kind == "block" else (0, 0)
     extra = {"launch_pdl": True} if (pdl and gdc) else {}
-    strides = (
+    _gemm_kernel[(m_tiles, n_tiles, split)](
+        a,
+        b,
+        out,
+        ws,
+        bias,
+        res,
+        sa,
+        sb,
+        M,
+        K,
+        n_out,
         a.stride(0),
         a.stride(1),
         b.stride(0),
@@ -893,11 +635,12 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         stride_sam,
         stride_sbk,
         stride_sbn,
-    )
-    meta = dict(
+        k_split,
+        pf_bytes,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        SPLIT=split > 1,
         A_SCALE=_A_SCALE[a_kind],
         B_SCALE=_B_SCALE[b_kind],
         HAS_BIAS=args.bias is not None,
@@ -913,18 +656,6 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,
-    )
-    if tickets is not None:
-        # slots: the partials of a tile's programs, at most one more than a tile's units over the shortest run
-        j_max = triton.cdiv(k_tiles, (n_tiles * k_tiles) // programs) + 1
-        bn_full = config.block_n * (2 if args.epilogue in GATED else 1)
-        ws = torch.empty((n_tiles * j_max * block_m * bn_full,), dtype=torch.float32, device=a.device)
-        _gemm_streamk_kernel[(programs,)](
-            a, b, out, ws, tickets, bias, res, sa, sb, M, K, n_out, *strides, k_tiles, j_max, pf_bytes, **meta
-        )
-        return out
-    _gemm_kernel[(m_tiles, n_tiles, split)](
-        a, b, out, ws, bias, res, sa, sb, M, K, n_out, *strides, k_split, pf_bytes, SPLIT=split > 1, **meta
     )
     if split > 1:
         rbn = 64

@@ -123,8 +123,8 @@ def _smem_ok(M: int, cfg: G.GemmConfig, esize: int, limit: int = 200 << 10) -> b
 def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmConfig]:
     """Tensor-core tiles whose programs cover the SMs between half and four times over, split-K where N alone
     cannot; each with 4 warps and 4 stages, 6 stages (more weight tiles in flight), and 8 warps for wide tiles;
-    K tiles of 256 where no block scale forces 128; the stream-K form with 1, 2 or 4 programs per SM; for up to
-    four rows also the FMA form with long K tiles; the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
+    K tiles of 256 where no block scale forces 128; for up to four rows also the FMA form with long K tiles;
+    the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
     the fastest)."""
     esize = 1 if wfmt.startswith("fp8") else 2
     out = {G.heuristic(M, N, K, wfmt, num_sms)}
@@ -146,17 +146,6 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                     cfg = G.GemmConfig(bn, bk, split, warps, stages, False)
                     if _smem_ok(M, cfg, esize):
                         out.add(cfg)
-    # stream-K: every SM streams the same bytes (runs of at least two K tiles per program)
-    for bn in (16, 32, 64):
-        for bk in block_ks:
-            units = -(-N // bn) * -(-K // bk)
-            for sk in (1, 2, 4):
-                if units < 2 * sk * num_sms:
-                    continue
-                for warps, stages in ((4, 4), (4, 6)):
-                    cfg = G.GemmConfig(bn, bk, 1, warps, stages, False, stream_k=sk)
-                    if _smem_ok(M, cfg, esize):
-                        out.add(cfg)
     if M <= G.FMA_MAX_M:
         for bn, bk in ((8, 512), (16, 512), (16, 256)):
             tiles = -(-N // bn)
@@ -164,9 +153,7 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                 if split > 1 and (tiles * split > 4 * num_sms or -(-K // bk) // split < 2):
                     continue
                 out.add(G.GemmConfig(bn, bk, split, 4, 3, False, False))  # plain loads: no pipeline depth
-    return sorted(
-        out, key=lambda c: (not c.mma, c.stream_k, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)
-    )
+    return sorted(out, key=lambda c: (not c.mma, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
 
 
 def flipped(cfg: G.GemmConfig, **flags: bool) -> G.GemmConfig:
