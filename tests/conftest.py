@@ -53,6 +53,9 @@ class RubinRun:
     def rewrites(self, pass_name: str = "match_moe") -> list[dict]:
         return [r for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for r in p["rewrites"]]
 
+    def notes(self, pass_name: str) -> list[str]:
+        return [n for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for n in p["notes"]]
+
     def unchanged(self, pass_name: str = "match_moe") -> list[dict]:
         return [u for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for u in p["unchanged"]]
 
