@@ -18,14 +18,13 @@ floor = T.floor_us(1, N, K, "bf16", 4200)
 print(f"N={N} K={K} M=1, floor {floor:.2f} us at 4.2 TB/s")
 print("| block_n | block_k | stages | warps | programs | KB in flight per program | us | % of floor |")
 print("|---|---|---|---|---|---|---|---|")
-rows = []
 for bn, bk, stages, warps in [
     (64, 128, 4, 4), (64, 128, 6, 4), (64, 128, 8, 4), (64, 128, 10, 4), (64, 128, 6, 8), (64, 128, 8, 8),
     (64, 256, 3, 4), (64, 256, 4, 4), (64, 256, 5, 4), (64, 256, 4, 8),
     (32, 128, 6, 4), (32, 128, 8, 4), (32, 128, 12, 4), (32, 256, 6, 4), (32, 256, 8, 4),
     (128, 128, 4, 4), (128, 128, 6, 8), (16, 256, 8, 4), (16, 512, 6, 4),
 ]:  # fmt: skip
-    cfg = G.GemmConfig(bn, bk, 1, warps, stages, False, True, False)
+    cfg = G.GemmConfig(block_n=bn, block_k=bk, split_k=1, num_warps=warps, num_stages=stages)
     inflight = (stages - 1) * bn * bk * 2 / 1024
     try:
         us = T.ours_time(x, ws, cfg, True, 30)

@@ -13,7 +13,7 @@ from rubin_compile.kernels.triton import gemm as G
 from rubin_compile.kernels.triton import tune_gemm as T
 
 K = 2048
-cfg = G.GemmConfig(64, 128, 1, 4, 6, False, True, True)
+cfg = G.GemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6, early=True)
 print(f"config {cfg.describe()}, K = {K}, M = 1")
 print("| N | programs | MB | ours us | GB/s | per program GB/s | cuBLAS us | cuBLAS GB/s |")
 print("|---|---|---|---|---|---|---|---|")

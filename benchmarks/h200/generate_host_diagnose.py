@@ -2,12 +2,14 @@
 decode step; Inductor 2316 us against ~1290). For each backend, generate()'s compiled decode step (compile_config,
 mode="reduce-overhead"), after a first generate() that compiles:
 
-* wall time of generate(N) for N = 1, 2, 65, 129 (median of --repeats): the fixed cost of a generate() call's first
-  decode step (t(2) - t(1): transformers makes a new static cache per call, so the CUDA graph is recorded again
-  for its addresses) and the per-token cost once running ((t(129) - t(65)) / 64);
+* wall time of generate(N) for N = 1, 2, 65, 129 (median of --repeats): the cost of a generate() call's first
+  decode step (t(2) - t(1): transformers makes a new static cache per call, and where its addresses are new the CUDA
+  graph is recorded again) and the per-token cost once running ((t(129) - t(65)) / 64);
 * host time of each compiled decode call (synchronised before; the wall time of the call alone), median;
 * what the CUDA-graph tree manager did per call (replays, recordings, eager runs, recordings per function);
 * a cProfile of one warm generate(65): the top functions by own and by cumulative time (``--profile-out``).
+
+``--setup forward`` compiles ``model.forward`` instead (examples/generate.py's second way, no CUDA graphs).
 
 ``--log`` turns on the cudagraph trees' debug log (Re-recording reasons): with it, every call that checks a stale
 recording first formats the reason with stack traces, which inflates host time (the first run of this script,
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny model)")
     ap.add_argument("--backends", default="inductor,rubin")
     ap.add_argument("--log", action="store_true", help="cudagraph trees' debug log (inflates host time)")
-    ap.add_argument("--profile-out", default=None, help="folder for profile-<backend>.txt")
+    ap.add_argument("--profile-out", default=None, help="folder for profile-<setup>-<backend>.txt")
     ap.add_argument(
         "--setup",
         choices=["compile_config", "forward"],
