@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.attention import AttentionArgs
 from rubin_compile.ops.registry import Launch
@@ -359,8 +360,8 @@ def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
     """How many splits of the sequence: enough (batch, KV head, split) programs for ``config.programs_per_sm``
     per SM (a decode program is latency-bound: several per SM keep loads in flight), each split at least
     ``config.min_split_tiles`` tiles long."""
-    tiles = triton.cdiv(Skv, config.block_n)
-    wanted = triton.cdiv(config.programs_per_sm * sms, max(B * Hkv, 1))
+    tiles = cdiv(Skv, config.block_n)
+    wanted = cdiv(config.programs_per_sm * sms, max(B * Hkv, 1))
     return max(1, min(wanted, tiles // config.min_split_tiles))
 
 
@@ -386,7 +387,7 @@ def run(
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.stride(3) != 1:
             raise NotImplementedError(f"rubin.attention[triton]: {name} needs a contiguous last (head) dim")
-    ROWS = max(16, triton.next_power_of_2(rows))
+    ROWS = max(16, next_power_of_2(rows))
     mask = args.attn_mask
     if mask is None:
         mask_kind, mask_arg, mask_strides, shared = 0, q, (0, 0, 0, 0), True
@@ -397,10 +398,10 @@ def run(
         shared = (Hq == 1 or full.stride(1) == 0) and (S == 1 or full.stride(2) == 0)
     k_scale, v_scale = args.k_scale, args.v_scale
     nsplit = splits if splits is not None else num_splits(B, Hkv, Skv, _sm_count(q.device.index or 0), cfg)
-    nsplit = max(1, min(nsplit, triton.cdiv(Skv, cfg.block_n)))
-    split_len = triton.cdiv(triton.cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n
-    nsplit = triton.cdiv(Skv, split_len) if Skv > 0 else 1
-    BDV = max(16, triton.next_power_of_2(Dv))
+    nsplit = max(1, min(nsplit, cdiv(Skv, cfg.block_n)))
+    split_len = cdiv(cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n
+    nsplit = cdiv(Skv, split_len) if Skv > 0 else 1
+    BDV = max(16, next_power_of_2(Dv))
     direct = nsplit == 1
     # Without PDL the kernels carry no griddepcontrol at all and the combine launches after the split kernel, as
     # before PDL was added: measured on the H200, an always-PDL combine (its CTAs resident and waiting from the
@@ -420,7 +421,7 @@ def run(
         part_ml = torch.empty((B * Hkv * nsplit * ROWS, 2), dtype=torch.float32, device=q.device)
     scale = args.scale if args.scale is not None else 1.0 / math.sqrt(D)
     so = out.stride()
-    _split_kv[(nsplit, B * Hkv)](
+    launcher(_split_kv)[(nsplit, B * Hkv)](
         q,
         k,
         v,
@@ -452,7 +453,7 @@ def run(
         ROWS=ROWS,
         D=D,
         DV=Dv,
-        BD=max(16, triton.next_power_of_2(D)),
+        BD=max(16, next_power_of_2(D)),
         BDV=BDV,
         BLOCK_N=cfg.block_n,
         MASK_KIND=mask_kind,
@@ -474,7 +475,7 @@ def run(
         **({"launch_pdl": True} if pdl else {}),
     )
     if not direct:
-        _combine[(B * Hkv, rows)](
+        launcher(_combine)[(B * Hkv, rows)](
             part_o,
             part_ml,
             out,

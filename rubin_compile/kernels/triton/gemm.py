@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton.launch import cdiv, launcher
 from rubin_compile.kernels.triton.moe import _gelu_tanh, _silu, device_file_name
 from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
@@ -125,10 +126,10 @@ def heuristic(M: int, N: int, K: int, wfmt: str, num_sms: int = 132) -> GemmConf
     at least four K tiles). No L2 prefetch: measured, it slowed most shapes (docs/kernels/gemm.md)."""
     block_k = 128
     block_n = 64
-    while block_n > 16 and triton.cdiv(N, block_n) < num_sms:
+    while block_n > 16 and cdiv(N, block_n) < num_sms:
         block_n //= 2
-    tiles = triton.cdiv(N, block_n)
-    k_tiles = triton.cdiv(K, block_k)
+    tiles = cdiv(N, block_n)
+    k_tiles = cdiv(K, block_k)
     split = 1
     while tiles * split * 2 <= 2 * num_sms and k_tiles // (split * 2) >= 4:
         split *= 2
@@ -573,12 +574,12 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     if not config.mma and M > FMA_MAX_M:
         config = GemmConfig(**{**config.to_json(), "mma": True})
     block_m = _block_m(M, config.mma)
-    m_tiles = triton.cdiv(M, block_m)
-    n_tiles = triton.cdiv(n_out, config.block_n)
-    k_tiles = triton.cdiv(K, config.block_k)
+    m_tiles = cdiv(M, block_m)
+    n_tiles = cdiv(n_out, config.block_n)
+    k_tiles = cdiv(K, config.block_k)
     split = max(1, min(config.split_k, k_tiles))
-    k_split = triton.cdiv(k_tiles, split) * config.block_k
-    split = triton.cdiv(K, k_split)
+    k_split = cdiv(k_tiles, split) * config.block_k
+    split = cdiv(K, k_split)
     gdc = has_gdc()
     esize = b.element_size()
     # L2 prefetch: rows of b contiguous along K (an nn.Linear weight's b = W.t()), 16-byte aligned row starts.
@@ -614,7 +615,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
     stride_sam = sa.stride(0) if a_kind == "group" else 0
     stride_sbk, stride_sbn = (sb.stride(0), sb.stride(1)) if b_kind == "block" else (0, 0)
     extra = {"launch_pdl": True} if (pdl and gdc) else {}
-    _gemm_kernel[(m_tiles, n_tiles, split)](
+    launcher(_gemm_kernel)[(m_tiles, n_tiles, split)](
         a,
         b,
         out,
@@ -661,7 +662,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         rbn = 64
         # Our own second kernel: PDL between the two is always safe (it waits for the partials).
         chain = {"launch_pdl": True} if gdc else {}
-        _splitk_reduce[(m_tiles, triton.cdiv(n_out, rbn))](
+        launcher(_splitk_reduce)[(m_tiles, cdiv(n_out, rbn))](
             ws,
             out,
             bias,
@@ -704,7 +705,7 @@ def fallback(args: GemmArgs) -> torch.Tensor:
     if M == 0 or n_out == 0 or _INTERPRET:
         return apply_epilogue(y, args.epilogue, None)
     block_m, block_n = 16, 64
-    _splitk_reduce[(triton.cdiv(M, block_m), triton.cdiv(n_out, block_n))](
+    launcher(_splitk_reduce)[(cdiv(M, block_m), cdiv(n_out, block_n))](
         y,
         out,
         out,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -168,7 +169,7 @@ def heuristic_config(
         for bn in (128, 64, 32):
             if bn > widest:
                 continue
-            if groups * triton.cdiv(n, bn) >= 2 * num_sms:
+            if groups * cdiv(n, bn) >= 2 * num_sms:
                 return bn
         return 16
 
@@ -259,6 +260,13 @@ def lookup_config(
         cfg = MoEConfig.from_json(entry[str(best)])
         return _fit_mode(cfg, T, k), f"table:{shape_key(E, H, I, k, weight_dtype, block_shape)}@T={best}"
     return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms), "heuristic"
+
+
+@functools.lru_cache(maxsize=4096)
+def _tuned_config(T: int, E: int, H: int, I: int, k: int, weight_dtype, block_shape, device_name: str, num_sms: int):
+    """``lookup_config``'s config for this GPU's table, found once per call signature (``run`` asks on every call;
+    the table itself is read once per process)."""
+    return lookup_config(T, E, H, I, k, weight_dtype, block_shape, device_name, num_sms)[0]
 
 
 def _fit_mode(cfg: MoEConfig, T: int, k: int) -> MoEConfig:
@@ -1021,7 +1029,7 @@ def _clamp_bk(cfg: GemmConfig, block_shape, k_extent: int) -> GemmConfig:
     bk = cfg.BK
     if block_shape is not None:
         bk = min(bk, _largest_pow2_divisor(int(block_shape[1]), bk))
-    bk = max(16, min(bk, triton.next_power_of_2(max(k_extent, 16))))
+    bk = max(16, min(bk, next_power_of_2(max(k_extent, 16))))
     return cfg if bk == cfg.BK else replace(cfg, BK=bk)
 
 
@@ -1096,9 +1104,9 @@ class MoEPlan:
         sorted_slots = torch.empty(S, dtype=i32, device=dev)
         gexp, gcount = torch.empty(G, dtype=i32, device=dev), torch.empty(G, dtype=i32, device=dev)
         gstart = torch.empty(G + 1, dtype=i32, device=dev)
-        s_p2 = triton.next_power_of_2(S)
+        s_p2 = next_power_of_2(S)
         scratch = torch.empty(s_p2, dtype=i32, device=dev)
-        _moe_route_kernel[(1,)](
+        launcher(_moe_route_kernel)[(1,)](
             ids,
             S,
             G,
@@ -1109,7 +1117,7 @@ class MoEPlan:
             gcount,
             scratch,
             S_P2=s_p2,
-            G_P2=triton.next_power_of_2(G),
+            G_P2=next_power_of_2(G),
             GDC=self.gdc,
             num_warps=4 if s_p2 <= 1024 else 8,
             **self._pdl(self.first_pdl),
@@ -1135,13 +1143,13 @@ class MoEPlan:
         """With ``split_sum``: one arrival ticket per (group, FC1 N tile), zeroed by ``quantise``'s kernel."""
         if not self.split_sum:
             return None
-        return torch.empty(self.groups * triton.cdiv(self.I, self.fc1.BN), dtype=torch.int32, device=dev)
+        return torch.empty(self.groups * cdiv(self.I, self.fc1.BN), dtype=torch.int32, device=dev)
 
     def inter_scales(self, dev: torch.device) -> Optional[torch.Tensor]:
         """The e4m3 intermediate's scales [S, I / fc1.BN] (``q_inter``), else None."""
         if not self.q_inter:
             return None
-        return torch.empty((self.S, triton.cdiv(self.I, self.fc1.BN)), dtype=torch.float32, device=dev)
+        return torch.empty((self.S, cdiv(self.I, self.fc1.BN)), dtype=torch.float32, device=dev)
 
     def quantise(
         self, x: torch.Tensor, pdl: bool, tick: Optional[torch.Tensor] = None
@@ -1153,8 +1161,8 @@ class MoEPlan:
         G = self.fc1.BK
         ng = max(1, 2048 // G)
         q = torch.empty((self.T, self.H), dtype=torch.float8_e4m3fn, device=x.device)
-        xs = torch.empty((self.T, triton.cdiv(self.H, G)), dtype=torch.float32, device=x.device)
-        _quant_fp8_kernel[(self.T, triton.cdiv(triton.cdiv(self.H, G), ng))](
+        xs = torch.empty((self.T, cdiv(self.H, G)), dtype=torch.float32, device=x.device)
+        launcher(_quant_fp8_kernel)[(self.T, cdiv(cdiv(self.H, G), ng))](
             x,
             q,
             xs,
@@ -1199,11 +1207,11 @@ class MoEPlan:
         if self.split > 1:
             pf1 = 0  # a program's K range of a weight row is not one contiguous run
         # FC1 pulls w2 into L2 in equal shares, one instruction per thread (w2[e] must be one aligned block)
-        nt1 = triton.cdiv(i_len, fc1.BN)
+        nt1 = cdiv(i_len, fc1.BN)
         w2_l2_bytes = w2_chunk = 0
         if w2_l2:
             threads = 32 * fc1.num_warps
-            w2_chunk = triton.cdiv(triton.cdiv(H * self.I * elt, nt1 * self.split * threads), 16) * 16
+            w2_chunk = cdiv(cdiv(H * self.I * elt, nt1 * self.split * threads), 16) * 16
             w2_l2_bytes = w2_chunk * threads
         x, out = c.x, c.out
         bb = b if b is not None else out
@@ -1217,7 +1225,7 @@ class MoEPlan:
         if self.split > 1 and i_len < self.I:
             # a domain's float32 partials: [gate | up] of its own width, at 2 * col0 (never another domain's)
             inter_v, p_up = c.inter[:, :, 2 * col0 :], i_len
-        _moe_fc1_kernel[(self.groups, nt1, self.split)](
+        launcher(_moe_fc1_kernel)[(self.groups, nt1, self.split)](
             x,
             xs,
             w,
@@ -1301,7 +1309,7 @@ class MoEPlan:
         scale, s_e, s_n, s_k = sc
         a_pre = c.isc is not None and q_in
         isc = c.isc if a_pre else c.out
-        _moe_fc2_kernel[(self.groups, triton.cdiv(h_len, fc2.BN))](
+        launcher(_moe_fc2_kernel)[(self.groups, cdiv(h_len, fc2.BN))](
             inter,
             isc,
             w,
@@ -1354,7 +1362,7 @@ class MoEPlan:
     def run_whole(self, c: "_Call") -> None:
         """FC1 then FC2 (and the top-k sum, unless FC2 fuses it) on the current stream."""
         args, dev = c.args, c.out.device
-        nt2 = triton.cdiv(self.H, self.fc2.BN)
+        nt2 = cdiv(self.H, self.fc2.BN)
         cnt = torch.empty((self.T, nt2), dtype=torch.int32, device=dev) if self.config.fused_sum else c.out
         w2, elt = args.w2, args.w2.element_size()
         w2_l2 = bool(
@@ -1384,8 +1392,8 @@ class MoEPlan:
         )
         self.launch_fc2(c, w2, self.H, args.w2_bias, c.s2, c.part, c.out, cnt, self.chain_pdl, q_in=self.q_inter)
         if not self.config.fused_sum:
-            block = min(1024, triton.next_power_of_2(self.H))
-            _moe_sum_kernel[(self.T, triton.cdiv(self.H, block))](
+            block = min(1024, next_power_of_2(self.H))
+            launcher(_moe_sum_kernel)[(self.T, cdiv(self.H, block))](
                 c.part,
                 c.out,
                 self.H,
@@ -1422,9 +1430,7 @@ class MoEPlan:
             sc2 = [_scale_args(s, True) for s in locality.shards(c.s2[0], dom, "s2", blk(hb))]
         else:  # per-tensor / per-expert scales (or none) are shared
             sc13, sc2 = [c.s13] * n, [c.s2] * n
-        cnts = [
-            torch.empty((self.T, triton.cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb
-        ]
+        cnts = [torch.empty((self.T, cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb]
 
         def fc1(d: int) -> None:
             lo, hi = ib[d]
@@ -1571,8 +1577,8 @@ def plan_call(
         route, cap = 1, min(cap, S)
         groups = S // cap + min(E, S)
     # split K: chunks of whole BK tiles; no empty chunk
-    kch = triton.cdiv(triton.cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
-    split = triton.cdiv(H, kch)
+    kch = cdiv(cdiv(H, max(1, fc1.split_k)), fc1.BK) * fc1.BK
+    split = cdiv(H, kch)
     w_scale = (2 if block_shape is not None else 1) if fp8 else 0
     split_sum = q_inter and split > 1
     if split > 1 and not split_sum:  # FC2 pipelines 2 x split float32 tiles per K step: fewer stages may fit
@@ -1651,7 +1657,8 @@ def run(
         return out.zero_()
     name, num_sms, has_pdl = _device_facts(dev)
     if config is None:
-        config, _ = lookup_config(T, E, H, I, k, args.w13.dtype, args.block_shape, name, num_sms)
+        block = tuple(args.block_shape) if args.block_shape is not None else None
+        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms)
     placed = launch.placement is not None and launch.placement.applies(T)
     dom = _domains_for(launch.placement, args, dev, domains) if placed else None
     plan = plan_call(

@@ -80,6 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.ops.route import ORDERS, SCORINGS, RouteArgs, RouteArgumentError, reference
 
 __all__ = ["ORDERS", "SCORINGS", "RouteArgumentError", "route", "route_reference", "run"]
@@ -178,9 +179,9 @@ def heuristic(T: int, E: int, H: int, num_sms: int = 132) -> RouteConfig:
     holds about one program per SM for the large routers (DeepSeek-V3: 16 x 512 tiles, 16 x 14 = 224
     programs); BK as long as that allows (fewer partials to sum; each expert row read in 1 KB runs)."""
     lo = 8 if T <= FMA_MAX_T else 16
-    tile = max(2048, min(8192, triton.next_power_of_2(max(1, E * H // num_sms))))
-    bk = min(512, tile // lo, max(64, triton.next_power_of_2(H)))
-    be = max(lo, min(tile // bk, triton.next_power_of_2(E)))
+    tile = max(2048, min(8192, next_power_of_2(max(1, E * H // num_sms))))
+    bk = min(512, tile // lo, max(64, next_power_of_2(H)))
+    be = max(lo, min(tile // bk, next_power_of_2(E)))
     return RouteConfig(block_e=be, block_k=bk)
 
 
@@ -516,19 +517,19 @@ def launch(
         compute = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     else:
         compute = tl.float32
-    t_pad = max(16, triton.next_power_of_2(T)) if mma else 1
+    t_pad = max(16, next_power_of_2(T)) if mma else 1
     if mma:  # the dot's operands go through shared memory: at most 96 KB of it (fp32 at T = 64 would take 160)
         esize = 4 if compute == tl.float32 else 2
         bk = cfg.block_k
         while (t_pad + cfg.block_e) * bk * esize > 96 * 1024 and bk > 64:
             bk //= 2
         cfg = RouteConfig(cfg.block_e, bk, cfg.num_warps, cfg.topk_warps)
-    split = triton.cdiv(H, cfg.block_k)
+    split = cdiv(H, cfg.block_k)
     if split > MAX_H // 64:
         _fail(f"config.block_k={cfg.block_k} cuts H={H} into {split} slices; at most {MAX_H // 64} are summed")
     gdc = _has_gdc(dev)
     part = torch.empty((split, T, E), dtype=torch.float32, device=dev)
-    _router_logits_kernel[(triton.cdiv(E, cfg.block_e), split)](
+    launcher(_router_logits_kernel)[(cdiv(E, cfg.block_e), split)](
         x,
         w,
         part,
@@ -554,7 +555,7 @@ def launch(
     st, scale = args.scale_tensor, float(args.scale)
     if st is not None and st.device != dev:  # a 0-d CPU tensor (Dynamo's wrapped float): its value, read on the host
         st, scale = None, float(st)
-    _route_topk_kernel[(T,)](
+    launcher(_route_topk_kernel)[(T,)](
         part,
         args.router_bias if args.router_bias is not None else part,
         args.correction_bias if args.correction_bias is not None else part,
@@ -569,10 +570,10 @@ def launch(
         SPLIT=split,
         NG=ng,
         GS=gs,
-        NG_PAD=triton.next_power_of_2(ng),
-        GS_PAD=triton.next_power_of_2(gs),
+        NG_PAD=next_power_of_2(ng),
+        GS_PAD=next_power_of_2(gs),
         K=top_k,
-        K_PAD=max(2, triton.next_power_of_2(top_k)),
+        K_PAD=max(2, next_power_of_2(top_k)),
         TOPK_GROUP=args.topk_group if ng > 1 else 1,
         SIGMOID=args.scoring == "sigmoid",
         TOPK_FIRST=args.order == "topk_then_softmax",

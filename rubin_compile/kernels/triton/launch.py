@@ -1,0 +1,161 @@
+"""Launching our Triton kernels at a low host cost, and the host-side integer helpers the adapters use.
+
+Why this is hand-rolled: Triton's ``kernel[grid](*args)`` (``JITFunction.run``) binds and specialises every
+argument on every call, looks the compiled binary up, checks the kernel's globals, then calls the binary's launcher.
+For our kernels of 10-50 arguments that cost 40-50 us a launch on the H200 (Triton 3.6; ``benchmarks/host_cost.py``,
+2026-12-03), where Inductor's own launches cost about 10 us: Inductor binds each binary once and launches it with its
+static launcher (``torch._inductor.runtime.static_triton_launcher``, internal to torch, without PDL launches). Outside
+CUDA graphs a decode step pays the launch cost of every kernel (issue 16: six of ours a layer), so rubin's kernels,
+though faster on the GPU, made the uncaptured step slower than Inductor's.
+
+``launcher(fn)[grid](*args, **kwargs)`` does what ``fn[grid](*args, **kwargs)`` does, with the binary bound once per
+*key*: the first call of a key runs Triton's own path (which finds or compiles the binary and launches it) and keeps
+the ``CompiledKernel`` it returns; later calls of that key call its launcher directly, the way ``JITFunction.run``
+ends (``kernel.run(grid..., stream, function, packed_metadata, launch_metadata, hooks, *bound_args)``, the same in
+Triton 3.6 through 3.9).
+
+The key is finer than Triton's specialisation, never coarser, so a bound binary is always the one Triton would pick:
+each tensor argument's dtype and whether its address is 16-byte aligned (what Triton specialises pointers on), each
+int / bool / None / str by value (Triton specialises ints on 1, on divisibility by 16 and on 32 / 64 bits), floats by
+type (not specialised), every keyword argument (constexprs and launch options: ``num_warps``, ``launch_pdl``, ...)
+by value, and the current device. What the key cannot hold takes Triton's path on every call: a tensor passed by
+keyword, a tuple argument, an unhashable value, a callable grid. So does everything when Triton's interpreter runs
+(``TRITON_INTERPRET=1``), when a launch hook is set (profilers such as proton use them), and on a Triton without this
+launcher convention (below 3.6). Not repeated on the fast path: Triton's check that the globals a kernel reads have
+not changed since it was compiled (ours read module constants only) and its ``debug`` / instrumentation knobs
+(part of the key Triton computes; changing them at run time needs a new process).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_MAX_KEYS = 4096  # bound binaries per kernel before the cache starts again (a guard against unbounded keys)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints on the host (``triton.cdiv`` is a constexpr function in Triton 3.9, ~4 us a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` on the host, as ``triton.next_power_of_2`` (0 for 0)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream's handle, as Triton's driver reads it (``get_current_stream``)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+try:  # what Triton's NVIDIA driver and Inductor's generated code call: no Stream object made per launch
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream  # noqa: F811
+except ImportError:  # pragma: no cover - a torch without CUDA bindings never takes the fast path
+    pass
+
+
+def _fast_path_available() -> bool:
+    if _INTERPRET or not torch.cuda.is_available():
+        return False
+    try:
+        import triton
+        from triton import knobs  # noqa: F401  (Triton >= 3.4)
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        return False
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6)
+
+
+class Launcher:
+    """``fn`` (a ``@triton.jit`` function) launched with its binary bound once per key (see the module docstring).
+
+    ``hits`` / ``misses`` count the launches that took the bound binary and those that took Triton's path."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._names = tuple(getattr(fn, "arg_names", ()))
+        sig = getattr(fn, "signature", None)
+        self._defaults = (
+            {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty} if sig is not None else {}
+        )
+        self._bound: dict[tuple, tuple] = {}
+        self._fast = None  # decided on the first launch (needs CUDA initialised)
+        self.hits = self.misses = 0
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args: tuple, kwargs: dict, device: int) -> Optional[tuple]:
+        """The bound binary's key for these arguments on CUDA device ``device``, or ``None`` when the call must take
+        Triton's path."""
+        parts = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                parts.append((a.dtype, not a.data_ptr() & 15))
+            elif type(a) is float:
+                parts.append(float)
+            elif a is None or type(a) in (int, bool, str):
+                parts.append(a)
+            else:  # a tuple, a constexpr object, ...: not keyed here
+                return None
+        kw = tuple(kwargs.items())
+        if any(isinstance(v, torch.Tensor) for _, v in kw):
+            return None
+        try:
+            hash(kw)
+        except TypeError:
+            return None
+        return (device, tuple(parts), kw)
+
+    def tail(self, n_args: int, kwargs: dict) -> Optional[tuple]:
+        """The values of the parameters after the first ``n_args``, as ``JITFunction.run`` binds them (the keyword,
+        else the parameter's default); ``None`` when one has neither."""
+        rest = self._names[n_args:]
+        if any(n not in kwargs and n not in self._defaults for n in rest):
+            return None
+        return tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = _fast_path_available() and bool(self._names)
+        key = None
+        if fast and not callable(grid):
+            from triton import knobs
+
+            if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+                key = self.key(args, kwargs, torch.cuda.current_device())
+        if key is not None:
+            bound = self._bound.get(key)
+            if bound is not None:
+                run, function, packed, tail = bound
+                g1 = grid[1] if len(grid) > 1 else 1
+                g2 = grid[2] if len(grid) > 2 else 1
+                self.hits += 1
+                run(grid[0], g1, g2, _raw_stream(key[0]), function, packed, None, None, None, *args, *tail)
+                return
+        self.misses += 1
+        kernel = self.fn[grid](*args, **kwargs)  # Triton's own path: finds or compiles the binary, and launches it
+        if key is None or kernel is None or hasattr(kernel, "result"):
+            return
+        tail = self.tail(len(args), kwargs)
+        if tail is None:
+            return
+        if len(self._bound) >= _MAX_KEYS:
+            self._bound.clear()
+        self._bound[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+
+
+_LAUNCHERS: dict[int, Launcher] = {}
+
+
+def launcher(fn: Any) -> Launcher:
+    """The ``Launcher`` of ``fn`` (one per kernel, made on first use)."""
+    found = _LAUNCHERS.get(id(fn))
+    if found is None or found.fn is not fn:
+        found = _LAUNCHERS[id(fn)] = Launcher(fn)
+    return found
