@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+from rubin_compile.ops.library import op
 
 
 # A quantised KV cache: keys / values in FP8 with bf16 / fp16 queries (dequantised by per-tensor scales).
@@ -217,7 +218,7 @@ def attention_reference(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rubin::attention", mutates_args=())
+@op("attention")
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,

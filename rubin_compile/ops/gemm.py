@@ -73,6 +73,7 @@ from rubin_compile.ops import fp4
 from rubin_compile.ops.moe import apply_activation
 from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+from rubin_compile.ops.library import op
 
 EPILOGUES = ("none", "silu_and_mul", "gelu_tanh_and_mul", "residual_add")
 SCALE_BLOCK = 128  # block-scaled FP8: 128 x 128 blocks of b, 1 x 128 groups of a (DeepSeek-V3 / vLLM)
@@ -388,7 +389,7 @@ def gemm_aten(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rubin::gemm", mutates_args=())
+@op("gemm")
 def gemm(
     a: torch.Tensor,
     b: torch.Tensor,

@@ -122,6 +122,7 @@ from rubin_compile.errors import RubinError
 from rubin_compile.ops import fp4
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+from rubin_compile.ops.library import op
 
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's (and vLLM's) clamped-SwiGLU constants
 SWIGLUSTEP_LIMIT = 7.0  # vLLM's swiglustep default
@@ -664,7 +665,7 @@ def moe_reference(*args, **kwargs) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rubin::moe", mutates_args=())
+@op("moe")
 def moe(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,

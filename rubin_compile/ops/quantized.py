@@ -32,6 +32,7 @@ import torch
 
 from rubin_compile.errors import RubinError
 from rubin_compile.ops import fp4
+from rubin_compile.ops.library import op
 
 FORMATS = ("fp8_tensor", "fp8_block", "nvfp4", "mxfp4")
 FP8_BLOCK = 128
@@ -107,7 +108,7 @@ def dequantize_weight(
     return (w * s).to(dtype)
 
 
-@torch.library.custom_op("rubin::dequantize", mutates_args=())
+@op("dequantize")
 def dequantize(
     weight: torch.Tensor,
     scale: torch.Tensor,

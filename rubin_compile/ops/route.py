@@ -59,6 +59,7 @@ import torch
 from rubin_compile.errors import RubinError
 from rubin_compile.ops.nodes import bound_arguments, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
+from rubin_compile.ops.library import op
 
 SCORINGS = ("softmax", "sigmoid")
 ORDERS = ("score_then_topk", "topk_then_softmax")
@@ -236,7 +237,7 @@ def reference(a: RouteArgs, launch: Launch = Launch()) -> tuple[torch.Tensor, to
 # ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rubin::route", mutates_args=())
+@op("route")
 def route(
     hidden_states: torch.Tensor,
     router_weight: torch.Tensor,

@@ -31,6 +31,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from rubin_compile.ops.library import op
 
 
 _INFERENCE_NOTE = (
@@ -141,7 +142,7 @@ def made_outside_cudagraph_pools(make: Callable[[], Any], device: Optional[torch
     return out["value"]
 
 
-@torch.library.custom_op("rubin::stacked_weights", mutates_args=())
+@op("stacked_weights")
 def stacked_weights(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``, reused across calls while the parts are the same, unchanged tensors (made outside
     cudagraph trees' pool on a GPU: ``made_outside_cudagraph_pools``)."""
