@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from rubin_compile.errors import RubinError
-from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, tensor_val, val_dtype
+from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, known_sizes, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 from rubin_compile.ops.library import op
 
@@ -66,9 +66,7 @@ def _fail(msg: str) -> None:
     raise AttentionArgumentError(f"rubin.attention: {msg}")
 
 
-def _known(*sizes) -> bool:
-    """All sizes are plain ints (symbolic sizes are not checked: a check would add a guard)."""
-    return all(isinstance(s, int) for s in sizes)
+_known = known_sizes
 
 
 @dataclass(frozen=True)

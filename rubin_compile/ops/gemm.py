@@ -71,7 +71,7 @@ import torch
 from rubin_compile.errors import RubinError
 from rubin_compile.ops import fp4
 from rubin_compile.ops.moe import apply_activation
-from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, tensor_val, val_dtype
+from rubin_compile.ops.nodes import FLOAT_DTYPES, FP8_DTYPES, bound_arguments, known_sizes, tensor_val, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 from rubin_compile.ops.library import op
 
@@ -89,8 +89,7 @@ def _fail(msg: str) -> None:
     raise GemmArgumentError(f"rubin.gemm: {msg}")
 
 
-def _known(*sizes) -> bool:
-    return all(isinstance(s, int) for s in sizes)
+_known = known_sizes
 
 
 def _blocks(n: Any) -> Any:

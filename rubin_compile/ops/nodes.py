@@ -14,6 +14,14 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.fl
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def known_sizes(*sizes) -> bool:
+    """All sizes are plain ints (an op's argument checks skip symbolic sizes: checking one would add a guard)."""
+    for s in sizes:  # a loop, not all(generator): the ops' checks run on every call
+        if not isinstance(s, int):
+            return False
+    return True
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``"bfloat16"`` for ``torch.bfloat16``: how reports, specs and tables name a dtype."""
     return str(dtype).replace("torch.", "")
