@@ -20,7 +20,7 @@ int / bool / None / str by value (Triton specialises ints on 1, on divisibility 
 type (not specialised), every keyword argument (constexprs and launch options: ``num_warps``, ``launch_pdl``, ...)
 by value, and the current device. What the key cannot hold takes Triton's path on every call: a tensor passed by
 keyword, a tuple argument, an unhashable value, a callable grid. So does everything when Triton's interpreter runs
-(``TRITON_INTERPRET=1``), when a launch hook is set (profilers such as proton use them), and on a Triton without this
+(``TRITON_INTERPRET=1``), when a launch hook is set (a non-empty hook chain: profilers such as proton use them), and on a Triton without this
 launcher convention (below 3.6). Not repeated on the fast path: Triton's check that the globals a kernel reads have
 not changed since it was compiled (ours read module constants only) and its ``debug`` / instrumentation knobs
 (part of the key Triton computes; changing them at run time needs a new process).
@@ -29,6 +29,7 @@ not changed since it was compiled (ours read module constants only) and its ``de
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -56,6 +57,13 @@ try:  # what Triton's NVIDIA driver and Inductor's generated code call: no Strea
     from torch._C import _cuda_getCurrentRawStream as _raw_stream  # noqa: F811
 except ImportError:  # pragma: no cover - a torch without CUDA bindings never takes the fast path
     pass
+
+
+def no_hooks(*hooks: Any) -> bool:
+    """Whether no launch hook is set: each is ``None`` or an empty ``knobs.HookChain`` (Triton 3.6+ keeps the hooks
+    in chains, empty by default). The fast path then passes ``None`` for the hooks and the launch metadata, as
+    Triton's launcher skips them."""
+    return all(h is None or (hasattr(h, "calls") and not h.calls) for h in hooks)
 
 
 def _fast_path_available() -> bool:
@@ -127,7 +135,7 @@ class Launcher:
         if fast and not callable(grid):
             from triton import knobs
 
-            if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+            if no_hooks(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
                 key = self.key(args, kwargs, torch.cuda.current_device())
         if key is not None:
             bound = self._bound.get(key)
@@ -135,9 +143,17 @@ class Launcher:
                 run, function, packed, tail = bound
                 g1 = grid[1] if len(grid) > 1 else 1
                 g2 = grid[2] if len(grid) > 2 else 1
-                self.hits += 1
-                run(grid[0], g1, g2, _raw_stream(key[0]), function, packed, None, None, None, *args, *tail)
-                return
+                try:
+                    run(grid[0], g1, g2, _raw_stream(key[0]), function, packed, None, None, None, *args, *tail)
+                except TypeError as exc:  # the launcher refused the arguments before launching: Triton's path from now
+                    self._fast, key = False, None
+                    self._bound.clear()
+                    warnings.warn(
+                        f"rubin: {self.fn}: bound launch refused ({exc}); using Triton's launch path", stacklevel=3
+                    )
+                else:
+                    self.hits += 1
+                    return
         self.misses += 1
         kernel = self.fn[grid](*args, **kwargs)  # Triton's own path: finds or compiles the binary, and launches it
         if key is None or kernel is None or hasattr(kernel, "result"):

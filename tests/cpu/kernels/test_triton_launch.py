@@ -85,6 +85,17 @@ def test_tail_binds_keywords_then_defaults():
     assert lau.tail(5, {"num_warps": 4}) is None  # BLOCK has no default: Triton's path (which raises)
 
 
+def test_hooks_are_set_only_when_a_chain_has_calls():
+    from triton import knobs
+
+    chain = knobs.HookChain()
+    assert L.no_hooks(None, None) and L.no_hooks(chain, knobs.HookChain(reversed=True))
+    assert L.no_hooks(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)  # Triton's defaults
+    chain.add(lambda metadata: None)
+    assert not L.no_hooks(chain, None)
+    assert not L.no_hooks(None, lambda metadata: None)  # a plain hook
+
+
 def test_one_launcher_per_kernel():
     assert L.launcher(_axpy) is L.launcher(_axpy)
     assert L.launcher(_axpy).fn is _axpy
