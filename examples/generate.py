@@ -20,7 +20,9 @@ The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden
   (benchmarks/h200/generate-3-diagnose.sh). For CUDA graphs use the ``compile_config`` way, which compiles the
   decode step only. Without CUDA graphs the decode step is host-bound and rubin's kernels cost more host time to
   launch than Inductor's: on the H200 at 4k, batch 1, this way ran 2.2x slower than Inductor's
-  (benchmarks/results/generate-h200-2026-12-02-s4/README.md); it is here to show the path works, not for speed.
+  (benchmarks/results/generate-h200-2026-12-02-s4/README.md), and a compiled call still cost 1.59x Inductor's host time
+  after the 2026-12-03 launch changes (benchmarks/results/host-cost-h200-2026-12-03/README.md); it is here to show
+  the path works, not for speed.
 * with ``--dtype bfloat16``, ``inductor (compile_config)`` too: rubin's ids are checked against Inductor's
   (Inductor's own bf16 roundings already make eager's ids differ after a near-tie), and timed beside it.
 

@@ -117,6 +117,7 @@ def test_bound_launch_in_a_cuda_graph():
 
 
 def test_bound_launch_costs_less_host_time():
+    """The reason the launcher exists. Host timings on a shared machine jitter: the best of five medians each."""
     x = torch.randn(4096, device="cuda")
     out = torch.empty_like(x)
     lau = L.Launcher(_axpy)
@@ -124,17 +125,21 @@ def test_bound_launch_costs_less_host_time():
     def host_us(fn):
         for _ in range(20):
             fn()
-        times = []
-        for _ in range(200):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
+        best = float("inf")
+        for _ in range(5):
+            times = []
+            for _ in range(100):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            best = min(best, statistics.median(times) * 1e6)
+        return best
 
     jit = host_us(lambda: _axpy[(16,)](x, x, out, 4096, 1.0, 1, BLOCK=256, SHIFT=1))
     bound = host_us(lambda: lau[(16,)](x, x, out, 4096, 1.0, 1, BLOCK=256, SHIFT=1))
     print(f"host us per launch: Triton's path {jit:.1f}, bound {bound:.1f}")
+    assert lau.misses == 1 and lau.hits > 0
     assert bound < jit
 
 
