@@ -28,6 +28,7 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,9 @@ import torch.nn.functional as F
 
 from rubin_compile.kernels.triton.tune_moe import make_routing, make_weights, time_graph
 from rubin_compile.ops import registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_host_overhead import host_us  # noqa: E402  (one call on an idle GPU, median; the same measure as there)
 
 H, E, I, K = 2048, 128, 768, 8  # Qwen3-30B-A3B
 HQ, HKV, D = 32, 4, 128
@@ -102,19 +106,6 @@ def install_timers() -> None:
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
-
-
-def host_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def stream_us(fn, reps: int) -> float:
