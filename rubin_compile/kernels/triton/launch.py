@@ -28,13 +28,13 @@ not changed since it was compiled (ours read module constants only) and its ``de
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
+
 _MAX_KEYS = 4096  # bound binaries per kernel before the cache starts again (a guard against unbounded keys)
 
 
@@ -48,15 +48,13 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
-def _raw_stream(device: int) -> int:
-    """The current CUDA stream's handle, as Triton's driver reads it (``get_current_stream``)."""
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 try:  # what Triton's NVIDIA driver and Inductor's generated code call: no Stream object made per launch
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream  # noqa: F811
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
 except ImportError:  # pragma: no cover - a torch without CUDA bindings never takes the fast path
-    pass
+
+    def _raw_stream(device: int) -> int:
+        """The current CUDA stream's handle, as Triton's driver reads it (``get_current_stream``)."""
+        return torch.cuda.current_stream(device).cuda_stream
 
 
 def no_hooks(*hooks: Any) -> bool:
@@ -66,16 +64,17 @@ def no_hooks(*hooks: Any) -> bool:
     return all(h is None or (hasattr(h, "calls") and not h.calls) for h in hooks)
 
 
-def _fast_path_available() -> bool:
+def _runtime_knobs() -> Optional[Any]:
+    """Triton's ``knobs.runtime`` (where the launch hooks live) when the fast path can run here, else ``None``."""
     if _INTERPRET or not torch.cuda.is_available():
-        return False
+        return None
     try:
         import triton
-        from triton import knobs  # noqa: F401  (Triton >= 3.4)
+        from triton import knobs  # Triton >= 3.4
     except ImportError:  # pragma: no cover - depends on the installed Triton
-        return False
+        return None
     major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 6)
+    return knobs.runtime if (major, minor) >= (3, 6) else None
 
 
 class Launcher:
@@ -91,7 +90,7 @@ class Launcher:
             {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty} if sig is not None else {}
         )
         self._bound: dict[tuple, tuple] = {}
-        self._fast = None  # decided on the first launch (needs CUDA initialised)
+        self._runtime = None  # decided on the first launch (needs CUDA initialised): Triton's knobs.runtime, or False
         self.hits = self.misses = 0
 
     def __getitem__(self, grid) -> Callable[..., None]:
@@ -128,15 +127,12 @@ class Launcher:
         return tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        fast = self._fast
-        if fast is None:
-            fast = self._fast = _fast_path_available() and bool(self._names)
+        runtime = self._runtime
+        if runtime is None:
+            runtime = self._runtime = (bool(self._names) and _runtime_knobs()) or False
         key = None
-        if fast and not callable(grid):
-            from triton import knobs
-
-            if no_hooks(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-                key = self.key(args, kwargs, torch.cuda.current_device())
+        if runtime and not callable(grid) and no_hooks(runtime.launch_enter_hook, runtime.launch_exit_hook):
+            key = self.key(args, kwargs, torch.cuda.current_device())
         if key is not None:
             bound = self._bound.get(key)
             if bound is not None:
@@ -146,7 +142,7 @@ class Launcher:
                 try:
                     run(grid[0], g1, g2, _raw_stream(key[0]), function, packed, None, None, None, *args, *tail)
                 except TypeError as exc:  # the launcher refused the arguments before launching: Triton's path from now
-                    self._fast, key = False, None
+                    self._runtime, key = False, None
                     self._bound.clear()
                     warnings.warn(
                         f"rubin: {self.fn}: bound launch refused ({exc}); using Triton's launch path", stacklevel=3
