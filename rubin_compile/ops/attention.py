@@ -66,9 +66,6 @@ def _fail(msg: str) -> None:
     raise AttentionArgumentError(f"rubin.attention: {msg}")
 
 
-_known = known_sizes
-
-
 @dataclass(frozen=True)
 class AttentionArgs:
     """The data arguments of one ``rubin.attention`` call (the schema's, in its order, without ``impl``),
@@ -118,20 +115,20 @@ def _validate(a: AttentionArgs) -> tuple:
             continue
         if key.dtype not in KV_FP8_DTYPES:
             _fail(f"{name} is for an FP8 key / value; key is {key.dtype}: pass {name}=None")
-        if t.dtype != torch.float32 or (_known(t.numel()) and t.numel() != 1):
+        if t.dtype != torch.float32 or (known_sizes(t.numel()) and t.numel() != 1):
             _fail(f"{name} must be one float32 element (a per-tensor scale), got {t.dtype} {tuple(t.shape)}")
     B, Hq, S, D = query.shape
     Bk, Hkv, Skv, Dk = key.shape
     Bv, Hv, Sv, Dv = value.shape
-    if _known(B, Bk, Bv) and not B == Bk == Bv:
+    if known_sizes(B, Bk, Bv) and not B == Bk == Bv:
         _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
-    if _known(Hkv, Hv) and Hkv != Hv:
+    if known_sizes(Hkv, Hv) and Hkv != Hv:
         _fail(f"key has {Hkv} heads but value has {Hv}")
-    if _known(Skv, Sv) and Skv != Sv:
+    if known_sizes(Skv, Sv) and Skv != Sv:
         _fail(f"key has {Skv} positions but value has {Sv}")
-    if _known(D, Dk) and D != Dk:
+    if known_sizes(D, Dk) and D != Dk:
         _fail(f"query head dim {D} differs from key head dim {Dk}")
-    if _known(Hq, Hkv) and (Hkv == 0 or Hq % Hkv):
+    if known_sizes(Hq, Hkv) and (Hkv == 0 or Hq % Hkv):
         _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if attn_mask is not None:
         if a.is_causal:
@@ -142,7 +139,7 @@ def _validate(a: AttentionArgs) -> tuple:
             _fail(f"attn_mask must broadcast to [B, Hq, S, Skv]; got shape {tuple(attn_mask.shape)}")
         full = (B, Hq, S, Skv)[4 - attn_mask.dim() :]
         for have, want in zip(attn_mask.shape, full):
-            if _known(have, want) and have not in (1, want):
+            if known_sizes(have, want) and have not in (1, want):
                 _fail(
                     f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
                     f"{(B, Hq, S, Skv)}"

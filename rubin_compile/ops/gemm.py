@@ -89,9 +89,6 @@ def _fail(msg: str) -> None:
     raise GemmArgumentError(f"rubin.gemm: {msg}")
 
 
-_known = known_sizes
-
-
 def _blocks(n: Any) -> Any:
     return -(-n // SCALE_BLOCK) if isinstance(n, int) else None
 
@@ -100,19 +97,19 @@ def scale_kind(scale: torch.Tensor, rows: Any, operand: str, K: Any = None) -> O
     """``"tensor"`` for a one-element scale; for ``a_scale`` ``"row"`` ([M, 1]) or ``"group"`` ([M, ceil(K/128)],
     when ``K`` is given and > 128); for ``b_scale`` ``"column"`` ([1, N]) or ``"block"`` ([ceil(K/128),
     ceil(N/128)], when ``K`` is given); None for anything else. ``rows`` is M (for a) or N (for b)."""
-    if _known(*scale.shape) and scale.numel() == 1:
+    if known_sizes(*scale.shape) and scale.numel() == 1:
         return "tensor"
     shape = tuple(scale.shape)
 
     def fits(want) -> bool:
-        return len(shape) == 2 and all(not _known(h, w) or h == w for h, w in zip(shape, want))
+        return len(shape) == 2 and all(not known_sizes(h, w) or h == w for h, w in zip(shape, want))
 
     if fits((rows, 1) if operand == "a" else (1, rows)):
         return "row" if operand == "a" else "column"
-    if K is not None and _known(K):
+    if K is not None and known_sizes(K):
         if operand == "a" and K > SCALE_BLOCK and fits((rows, _blocks(K))):
             return "group"
-        if operand == "b" and _known(rows) and fits((_blocks(K), _blocks(rows))):
+        if operand == "b" and known_sizes(rows) and fits((_blocks(K), _blocks(rows))):
             return "block"
     return None
 
@@ -181,7 +178,7 @@ def _validate(g: GemmArgs) -> tuple:
         return _validate_fp4(g, M, K, N)
     if g.b_scale_2 is not None:
         _fail("b_scale_2 is the global scale of NVFP4 weights; b is not FP4")
-    if _known(K, Kb) and K != Kb:
+    if known_sizes(K, Kb) and K != Kb:
         _fail(f"a is [M, K={K}] but b is [K={Kb}, N]; an nn.Linear weight [N, K] is passed as weight.t()")
     quantized = a.dtype in FP8_DTYPES
     weight_only = not quantized and b.dtype in FP8_DTYPES
@@ -233,19 +230,19 @@ def _validate(g: GemmArgs) -> tuple:
         result_dtype = a.dtype
     if bias is not None:
         want = result_dtype
-        if bias.dim() != 1 or (_known(bias.shape[0], N) and bias.shape[0] != N):
+        if bias.dim() != 1 or (known_sizes(bias.shape[0], N) and bias.shape[0] != N):
             _fail(f"bias must be [N={N}], got {tuple(bias.shape)}")
         if bias.dtype != want:
             _fail(f"bias dtype {bias.dtype} must be {want}")
     n_out = N
     if epilogue in GATED:
-        if _known(N) and N % 2:
+        if known_sizes(N) and N % 2:
             _fail(f"epilogue {epilogue!r} needs an even N (gate columns, then up columns); N={N}")
         n_out = N // 2
     if (residual is not None) != (epilogue == "residual_add"):
         _fail("residual is given exactly when epilogue='residual_add'")
     if residual is not None:
-        if residual.dim() != 2 or not all(not _known(h, w) or h == w for h, w in zip(residual.shape, (M, N))):
+        if residual.dim() != 2 or not all(not known_sizes(h, w) or h == w for h, w in zip(residual.shape, (M, N))):
             _fail(f"residual must be [M, N] = {(M, N)}, got {tuple(residual.shape)}")
         if residual.dtype != result_dtype:
             _fail(f"residual dtype {residual.dtype} must be the output dtype {result_dtype}")
@@ -254,7 +251,7 @@ def _validate(g: GemmArgs) -> tuple:
 
 def _validate_fp4(g: GemmArgs, M: Any, K: Any, N: Any) -> tuple:
     a, b = g.a, g.b
-    if _known(K, b.shape[0]) and K != 2 * b.shape[0]:
+    if known_sizes(K, b.shape[0]) and K != 2 * b.shape[0]:
         _fail(
             f"FP4 b packs two values per byte along K: a is [M, K={K}], so b must be [K/2={K // 2}, N]; got {tuple(b.shape)}"
         )
@@ -267,10 +264,12 @@ def _validate_fp4(g: GemmArgs, M: Any, K: Any, N: Any) -> tuple:
             f"got {None if g.b_scale is None else g.b_scale.dtype}"
         )
     block = fp4.block_size(kind)
-    if _known(K) and K % block:
+    if known_sizes(K) and K % block:
         _fail(f"{kind.upper()} needs K ({K}) to be a multiple of {block}")
-    want = (K // block if _known(K) else None, N)
-    if g.b_scale.dim() != 2 or not all(not _known(h, w) or w is None or h == w for h, w in zip(g.b_scale.shape, want)):
+    want = (K // block if known_sizes(K) else None, N)
+    if g.b_scale.dim() != 2 or not all(
+        not known_sizes(h, w) or w is None or h == w for h, w in zip(g.b_scale.shape, want)
+    ):
         _fail(
             f"b_scale must be [K/{block}, N] = {want} (the stored [N, K/{block}] scales' .t()), got {tuple(g.b_scale.shape)}"
         )
