@@ -32,10 +32,6 @@ class RubinGradError(RubinError, RuntimeError):
     """A rubin op was called on inputs that require grad, with grad mode on: it has no backward."""
 
 
-def _requires_grad(values) -> bool:
-    return _first_requiring_grad(values) is not None
-
-
 def _first_requiring_grad(values):
     for v in values:
         if isinstance(v, torch.Tensor) and v.requires_grad:
@@ -64,10 +60,9 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def _without_backward(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _without_backward(name: str, fn: Callable[..., Any], anchor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
     with torch.no_grad():
         result = fn(*args, **kwargs)
-    anchor = _first_requiring_grad((*args, *kwargs.values()))
     wrap = lambda t: _NoBackward.apply(name, anchor, t) if isinstance(t, torch.Tensor) else t  # noqa: E731
     return tuple(wrap(t) for t in result) if isinstance(result, tuple) else wrap(result)
 
@@ -106,8 +101,10 @@ def op(name: str) -> Callable[[Callable[..., Any]], RubinOp]:
         _LIB.define(f"{name}{schema}")
 
         def impl(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled() and (_requires_grad(args) or _requires_grad(kwargs.values())):
-                return _without_backward(name, fn, args, kwargs)
+            if torch.is_grad_enabled():
+                anchor = _first_requiring_grad((*args, *kwargs.values()))
+                if anchor is not None:
+                    return _without_backward(name, fn, anchor, args, kwargs)
             return fn(*args, **kwargs)
 
         _LIB.impl(name, impl, "CompositeExplicitAutograd")
