@@ -15,7 +15,8 @@ the decode attention over a static cache of 4096 + 136 positions with transforme
 * ``device us``: 16 calls captured in one CUDA graph, replayed (median), per call: the GPU time alone;
 * for rubin's ops, where the host time goes (nested wall-clock timers, summed per call): the op's dispatch
   (``torch.ops.rubin.X`` to ``CanonicalOp.run``), the registry (``CanonicalOp.run`` to the adapter), the adapter's
-  own Python, and Triton's ``JITFunction.run`` (its launches, with their count).
+  own Python, and the kernel launches (``kernels/triton/launch.py``'s ``Launcher.launch``: the bound binary, or Triton's
+  own path for a key's first launch; with their count), then those launches replayed alone.
 
 The rival ("inductor") is the same computation written as the source model writes it (transformers' batched-mm
 experts, its routing, repeat_kv + SDPA with the mask), compiled with ``backend="inductor"``: what a step without
@@ -80,22 +81,21 @@ class Timers:
 TIMERS = Timers()
 
 
-RECORDED: list = []  # (JITFunction, args, kwargs) of the launches of one call, while RECORD[0]
+RECORDED: list = []  # (Launcher, grid, args, kwargs) of the launches of one call, while RECORD[0]
 RECORD = [False]
 
 
 def install_timers() -> None:
-    import triton
+    from rubin_compile.kernels.triton.launch import Launcher
 
-    jit = triton.runtime.jit.JITFunction
-    timed_run = TIMERS.wrap("triton", jit.run)
+    timed_launch = TIMERS.wrap("launch", Launcher.launch)
 
-    def run(self, *a, **k):
+    def launch(self, grid, args, kwargs):
         if RECORD[0]:
-            RECORDED.append((self, a, dict(k)))
-        return timed_run(self, *a, **k)
+            RECORDED.append((self, grid, args, dict(kwargs)))
+        return timed_launch(self, grid, args, kwargs)
 
-    jit.run = run
+    Launcher.launch = launch  # every launch of our kernels: the bound binary or Triton's own path
     for op in registry.CANONICAL_OPS.values():
         op.run = TIMERS.wrap(f"registry.{op.name}", op.run)
         for k in op.kernels():
@@ -125,7 +125,7 @@ def device_us(fn) -> float:
 
 
 def breakdown(fn, op: str, reps: int) -> dict:
-    """Per call: total, the op's dispatch, the registry, the adapter's own Python, Triton's launches."""
+    """Per call: total, the op's dispatch, the registry, the adapter's own Python, the kernel launches."""
     TIMERS.reset()
     TIMERS.enabled = True
     t = []
@@ -139,7 +139,7 @@ def breakdown(fn, op: str, reps: int) -> dict:
         TIMERS.enabled = False
     torch.cuda.synchronize()
     per = {name: TIMERS.total[name] / reps * 1e6 for name in TIMERS.total}
-    # the same launches again, alone: Triton's cost without rubin's Python around it
+    # the same launches again, alone: their cost without rubin's Python around them
     RECORDED.clear()
     RECORD[0] = True
     try:
@@ -149,20 +149,20 @@ def breakdown(fn, op: str, reps: int) -> dict:
     launches = list(RECORDED)
 
     def replay():
-        for jf, a, k in launches:
-            jf.run(*a, **k)
+        for lau, grid, a, k in launches:
+            lau.launch(grid, a, k)
 
     replay_us = host_us(replay, reps)
     total = sum(t) / reps * 1e6
-    reg, ada, tri = per.get(f"registry.{op}", 0.0), per.get(f"adapter.{op}", 0.0), per.get("triton", 0.0)
+    reg, ada, lau = per.get(f"registry.{op}", 0.0), per.get(f"adapter.{op}", 0.0), per.get("launch", 0.0)
     return {
         "total": total,
         "dispatch": total - reg,
         "registry": reg - ada,
-        "adapter": ada - tri,
-        "triton": tri,
-        "launches": TIMERS.count["triton"] / reps,
-        "triton_alone": replay_us,
+        "adapter": ada - lau,
+        "launch": lau,
+        "launch_count": TIMERS.count["launch"] / reps,
+        "launch_alone": replay_us,
     }
 
 
@@ -276,14 +276,14 @@ def main() -> None:
         "",
         "Where rubin's host time goes (us per call, nested timers; their own cost included):",
         "",
-        "| op | total | dispatch (torch.ops to the registry) | registry | adapter's Python | Triton launches (count) | the same launches alone |",
+        "| op | total | dispatch (torch.ops to the registry) | registry | adapter's Python | launches (count) | the same launches alone |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = r["rubin_breakdown"]
         lines.append(
             f"| {r['op']} | {b['total']:.1f} | {b['dispatch']:.1f} | {b['registry']:.1f} | {b['adapter']:.1f} | "
-            f"{b['triton']:.1f} ({b['launches']:.0f}) | {b['triton_alone']:.1f} |"
+            f"{b['launch']:.1f} ({b['launch_count']:.0f}) | {b['launch_alone']:.1f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
