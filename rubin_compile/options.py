@@ -23,6 +23,7 @@ from rubin_compile.target import LOCALITY_MODES, UnknownTargetError, locality_mo
 CHOICES: dict[str, tuple[str, ...]] = {
     "pdl": ("auto", "on", "off"),
     "fuse_projections": ("auto", "on", "off"),
+    "inline_kernels": ("auto", "on", "off"),
     "locality": ("auto", "off", *LOCALITY_MODES),
 }
 
@@ -89,6 +90,12 @@ class RubinOptions:
     locality_max_tokens:
         MoE calls of at most this many tokens run split-N (env ``RUBIN_LOCALITY_MAX_TOKENS``); larger ones
         (prefill) run whole, decided per call when the token count is dynamic.
+    inline_kernels:
+        Trace the launches of our Triton kernels into the graph, so Inductor launches them from its generated
+        code as it launches its own, instead of a call of the rubin op per node (env ``RUBIN_INLINE_KERNELS``):
+        ``"auto"`` (where the graph does not run under CUDA graphs, whose replays pay no host cost, and the
+        node's sizes are static), ``"on"`` (under CUDA graphs too; such launches take no PDL), ``"off"``.
+        passes/inline_kernels.py; its decision per node is in the report.
     """
 
     dump_dir: Optional[str] = None
@@ -103,6 +110,7 @@ class RubinOptions:
     domains: Optional[int] = None
     locality_max_tokens: int = 16
     fuse_projections: str = "auto"
+    inline_kernels: str = "auto"
 
     # Options that change what the passes produce: they go into the pass's uuid (dump_dir too, so that a
     # new dump folder forces the compile that writes it instead of a cache hit).
@@ -119,6 +127,7 @@ class RubinOptions:
             "domains": self.domains,
             "locality_max_tokens": self.locality_max_tokens,
             "fuse_projections": self.fuse_projections,
+            "inline_kernels": self.inline_kernels,
         }
 
     def resolved_target(self):

@@ -24,6 +24,7 @@ import argparse
 import collections
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -65,7 +66,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="qwen3-30b-a3b-8l")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny model)")
-    ap.add_argument("--backends", default="inductor,rubin")
+    ap.add_argument(
+        "--backends",
+        default="inductor,rubin",
+        help="comma-separated; rubin-call: rubin with inline_kernels='off' (every kernel node an op call)",
+    )
     ap.add_argument("--log", action="store_true", help="cudagraph trees' debug log (inflates host time)")
     ap.add_argument("--profile-out", default=None, help="folder for profile-<setup>-<backend>.txt")
     ap.add_argument(
@@ -85,6 +90,11 @@ def main() -> None:
     rows = []
     for backend in args.backends.split(","):
         torch._dynamo.reset()
+        label = backend
+        if backend == "rubin-call":  # the rubin op called per node, as before passes/inline_kernels.py
+            os.environ["RUBIN_INLINE_KERNELS"], backend = "off", "rubin"
+        else:
+            os.environ.pop("RUBIN_INLINE_KERNELS", None)
         # every backend gets the same cache length (transformers keeps the longest one it made)
         model._previous_max_cache_length = args.context + 129
         setup = example.compile_config_setup if args.setup == "compile_config" else example.forward_setup
@@ -138,10 +148,10 @@ def main() -> None:
             st = pstats.Stats(prof, stream=s)
             st.sort_stats("tottime").print_stats(45)
             st.sort_stats("cumulative").print_stats(60)
-            Path(args.profile_out, f"profile-{args.setup}-{backend}.txt").write_text(s.getvalue())
+            Path(args.profile_out, f"profile-{args.setup}-{label}.txt").write_text(s.getvalue())
 
         row = dict(
-            backend=backend,
+            backend=label,
             compile_s=compile_s,
             fixed_ms=(walls[2] - walls[1]) * 1e3,
             per_token_us=(walls[129] - walls[65]) / 64 * 1e6,

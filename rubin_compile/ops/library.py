@@ -18,7 +18,7 @@ alias an input (every op of ours returns tensors it made).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from rubin_compile.errors import RubinError
 
 NAMESPACE = "rubin"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_OPS: dict[str, "RubinOp"] = {}
 
 
 class RubinGradError(RubinError, RuntimeError):
@@ -110,6 +111,16 @@ def op(name: str) -> Callable[[Callable[..., Any]], RubinOp]:
         _LIB.impl(name, impl, "CompositeExplicitAutograd")
         # not differentiable: autograd passes the call through (what torch's fallback asks such ops to declare)
         _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
-        return RubinOp(name, fn)
+        made = _OPS[name] = RubinOp(name, fn)
+        return made
 
     return define
+
+
+def python_impl(target: Any) -> Optional[Callable[..., Any]]:
+    """The Python function behind ``target`` (``torch.ops.rubin.<name>.default``) when it is one of ours, else
+    ``None``: what passes/inline_kernels.py traces into the graph."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
+        return None
+    made = _OPS.get(target._schema.name.split("::", 1)[-1])
+    return made.fn if made is not None else None

@@ -204,7 +204,9 @@ class Kernel:
     why ``spec`` should run on this kernel only when the graph is replayed from CUDA graphs (its host cost per call
     exceeds what it saves on the GPU otherwise), or ``None``; a kernel without it runs either way. ``features``:
     the op's optional semantics it implements (``KernelSpec.features``; ``"*"``: all); a node that uses one it
-    lacks is rejected with that reason.
+    lacks is rejected with that reason. ``in_graph``: the adapter only allocates with torch and launches Triton
+    kernels through ``kernels/triton/launch.launcher``, with a launch configuration that depends on static sizes
+    alone, so passes/inline_kernels.py may trace its launches into the graph (Inductor then launches them).
     """
 
     op: str
@@ -220,6 +222,7 @@ class Kernel:
     module: str = ""
     graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None
     features: tuple[str, ...] = ()
+    in_graph: bool = False
     # bytes the kernel keeps for a node's weights in its own layout (prepared once, like rubin.stacked_weights), for
     # the plan; None: none, or unknown
     prepared_bytes: Optional[Callable[[torch.fx.Node], Optional[int]]] = None
@@ -379,6 +382,7 @@ class CanonicalOp:
         module: Optional[str] = None,
         graphs_only: Optional[Callable[[KernelSpec], Optional[str]]] = None,
         features: tuple[str, ...] = (),
+        in_graph: bool = False,
     ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
         """Decorator: register the decorated adapter ``run(args, launch)`` as kernel ``name`` of this op
         (``module``: the registering module, for messages; the adapter's own by default)."""
@@ -399,6 +403,7 @@ class CanonicalOp:
                     module or run.__module__,
                     graphs_only,
                     features,
+                    in_graph,
                 )
             )
             return run

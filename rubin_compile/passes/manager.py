@@ -1,7 +1,7 @@
 """The pass manager: runs the pipeline (``passes/__init__.py``'s ``PIPELINE``) on one post-grad graph, in order.
 
-    canonicalize -> match_moe -> match_attention -> match_gemm -> fuse_projections
-        -> select_kernels -> place_locality -> chain_pdl
+    canonicalize -> match_moe -> match_routing -> match_attention -> match_gemm -> fuse_projections
+        -> select_kernels -> place_locality -> chain_pdl -> inline_kernels
 
 It is an Inductor ``CustomGraphPass`` (so the same object serves ``torch.compile(backend="rubin")`` and
 vLLM's ``post_grad_custom_post_pass``), and it owns what every pass shares: timing, a dump after each pass

@@ -72,6 +72,7 @@ def _runnable(here: Target) -> Optional[str]:
     entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe",
     pdl=lambda spec: None,
     placements=("split_n",),
+    in_graph=True,
 )
 def triton_moe(args: MoEArgs, launch: Launch) -> torch.Tensor:
     """The fused Triton MoE (kernels/triton/moe.py: ``run``)."""
@@ -120,6 +121,7 @@ def _route_supports(target: Target, spec: KernelSpec) -> Optional[str]:
     runnable=_runnable,
     entry=lambda spec: "rubin_compile.kernels.triton.route.run (router GEMM + top-k, two kernels)",
     pdl=lambda spec: None,
+    in_graph=True,
 )
 def triton_route(args: RouteArgs, launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused routing (kernels/triton/route.py: ``run``); a call of more than 64 tokens (a graph compiled with a
@@ -192,6 +194,7 @@ ATTENTION_PDL_DECLINED = (
     runnable=_runnable,
     entry=lambda spec: "rubin_compile.kernels.triton.attention.run (split-KV decode)",
     pdl=lambda spec: ATTENTION_PDL_DECLINED,
+    in_graph=True,
 )
 def triton_attention(args: AttentionArgs, launch: Launch) -> torch.Tensor:
     """The split-KV decode attention (kernels/triton/attention.py: ``run``); a call with more query rows than

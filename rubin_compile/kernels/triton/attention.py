@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.attention import AttentionArgs
 from rubin_compile.ops.registry import Launch
@@ -502,5 +502,5 @@ def _prefetch_row_bytes(t: torch.Tensor, width: int) -> int:
     position starts 16-byte aligned (what ``cp.async.bulk.prefetch.L2`` takes), else 0 (no prefetch)."""
     row = width * t.element_size()
     strides = (t.stride(0), t.stride(1))
-    aligned = all((st * t.element_size()) % 16 == 0 for st in strides) and t.data_ptr() % 16 == 0
+    aligned = all((st * t.element_size()) % 16 == 0 for st in strides) and aligned16(t)
     return row if (t.stride(3) == 1 and t.stride(2) == width and row % 16 == 0 and aligned) else 0

@@ -28,14 +28,42 @@ not changed since it was compiled (ours read module constants only) and its ``de
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 
 _MAX_KEYS = 4096  # bound binaries per kernel before the cache starts again (a guard against unbounded keys)
+
+# While passes/inline_kernels.py traces an adapter into the graph: the launches recorded there (None: not tracing).
+_recording: Optional[list[str]] = None
+
+
+@contextlib.contextmanager
+def into_graph() -> Iterator[list[str]]:
+    """While active, every ``launcher(fn)[grid](...)`` is recorded into the graph being traced (make_fx) through
+    ``torch.library.wrap_triton`` instead of launched: Inductor then generates the launch itself, as for its own
+    kernels (passes/inline_kernels.py). Yields the names of the kernels recorded so far."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether ``t``'s first element is 16-byte aligned. For a fake tensor (an adapter traced into the graph) its
+    storage offset decides: storages are allocated aligned, and Inductor copies a graph input that is not
+    (``copy_misaligned_inputs``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return (t.storage_offset() * t.element_size()) % 16 == 0
+    return t.data_ptr() % 16 == 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -127,6 +155,9 @@ class Launcher:
         return tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if _recording is not None:
+            self.record(grid, args, kwargs)
+            return
         runtime = self._runtime
         if runtime is None:
             runtime = self._runtime = (bool(self._names) and _runtime_knobs()) or False
@@ -160,6 +191,16 @@ class Launcher:
         if len(self._bound) >= _MAX_KEYS:
             self._bound.clear()
         self._bound[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+
+    def record(self, grid, args: tuple, kwargs: dict) -> None:
+        """Record the launch into the graph being traced (``into_graph``). ``launch_pdl`` is dropped: Inductor's
+        launcher takes no PDL launch, and inline_kernels traces only nodes chain_pdl launches without it (their
+        ``gdc_wait`` is then a no-op)."""
+        from torch.library import wrap_triton
+
+        options = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
+        wrap_triton(self.fn)[tuple(grid)](*args, **options)
+        _recording.append(getattr(self.fn, "__name__", str(self.fn)))
 
 
 _LAUNCHERS: dict[int, Launcher] = {}

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -1369,12 +1369,7 @@ class MoEPlan:
             self.config.w2_l2
             and self.config.mode != "prefill"
             and not _INTERPRET
-            and (
-                w2.stride(2) == 1
-                and w2.stride(1) == self.I
-                and (self.H * self.I * elt) % 16 == 0
-                and w2.data_ptr() % 16 == 0
-            )
+            and (w2.stride(2) == 1 and w2.stride(1) == self.I and (self.H * self.I * elt) % 16 == 0 and aligned16(w2))
         )
         self.launch_fc1(
             c,

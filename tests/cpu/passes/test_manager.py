@@ -35,6 +35,7 @@ def test_pipeline_order():
         "select_kernels",
         "place_locality",
         "chain_pdl",
+        "inline_kernels",
     )
 
 
