@@ -21,7 +21,9 @@ weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens``
   the generation) / device-to-device copy bandwidth measured at the start.
 * breakdown: torch.profiler over replays of the rubin step graph (and Inductor's), device time per kernel group.
 
-Writes ``generate-h200.{md,json,png}`` under ``--out``.
+Writes ``generate-h200.{md,json,png}`` under ``--out``. ``--setup forward`` times generate() with ``model.forward``
+compiled instead (examples/generate.py's second way: no CUDA graphs, so the host cost of every op is paid per step)
+and writes ``generate-forward-h200.*``; pass ``--step-contexts ""`` to skip the one-graph step there.
 """
 
 from __future__ import annotations
@@ -186,6 +188,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="qwen3-30b-a3b-8l")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--setup",
+        choices=["compile_config", "forward"],
+        default="compile_config",
+        help="how generate() is compiled: its compile_config (CUDA graphs) or model.forward (no CUDA graphs)",
+    )
     args = ap.parse_args()
     import rubin_compile  # noqa: F401  (backend="rubin" from a checkout)
     from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
@@ -218,7 +226,8 @@ def main() -> None:
                 if name == "eager" and batch not in eager_batches:
                     continue
                 torch._dynamo.reset()
-                setup = example.eager_setup if name == "eager" else example.compile_config_setup(BACKENDS[name], "cuda")
+                compiled = example.forward_setup if args.setup == "forward" else example.compile_config_setup
+                setup = example.eager_setup if name == "eager" else compiled(BACKENDS[name], "cuda")
                 r = example.run_variant(name, model, prompt, new, "cuda", args.repeats, setup)
                 results[name] = r
             ref = results.get("inductor")
@@ -266,7 +275,13 @@ def main() -> None:
             del replay
             torch.cuda.empty_cache()
     lines = [
-        f"generate() with a static cache, {args.model} (random bf16 weights), greedy, prompt + {new} new tokens; {head}",
+        f"generate() with a static cache, {args.model} (random bf16 weights), greedy, prompt + {new} new tokens; "
+        + (
+            "compiled by generate's compile_config (mode='reduce-overhead', CUDA graphs); "
+            if args.setup == "compile_config"
+            else "model.forward compiled (torch.compile(model.forward, dynamic=False), no CUDA graphs); "
+        )
+        + head,
         "",
         "| batch | context | variant | tokens/s | per-token us | x floor | rubin vs Inductor | compile s | ids = Inductor's |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -310,11 +325,12 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "generate-h200.md").write_text(text + "\n")
-        (out / "generate-h200.json").write_text(
+        stem = "generate-h200" if args.setup == "compile_config" else "generate-forward-h200"
+        (out / f"{stem}.md").write_text(text + "\n")
+        (out / f"{stem}.json").write_text(
             json.dumps({"device": head, "rows": rows, "steps": steps, "profiles": profiles}, indent=1)
         )
-        plot(rows, out / "generate-h200.png")
+        plot(rows, out / f"{stem}.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
