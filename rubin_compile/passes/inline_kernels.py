@@ -26,6 +26,7 @@ A node is traced when all of these hold, and the report says which one failed ot
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,36 @@ from rubin_compile.passes.select_kernels import planning
 NAME = "inline_kernels"
 IN_GRAPH = "in graph"
 CALL = "op call"
+
+# Inductor asks torch which tensors a traced kernel writes (identify_mutated_tensors, from the kernel's TTIR). Our L2
+# prefetch is inline PTX (kernels/triton/pdl.py: l2_prefetch, not pure: its result is unused), which that analysis
+# cannot read: it then takes every tensor argument as written, which is correct (only more conservative scheduling),
+# and logs a warning with a traceback per kernel and compile. This filter drops that one warning, and only for
+# that cause; the report says it (NOTE_MUTATIONS).
+# torch logs it from triton_kernel_wrap.py on the "torch._dynamo" logger (2.11-2.13); the module's own name too, in case
+_ANALYSIS_LOGGERS = ("torch._dynamo", "torch._higher_order_ops.triton_kernel_wrap")
+_INLINE_ASM = "analyze: tt.elementwise_inline_asm"
+NOTE_MUTATIONS = (
+    "Inductor's mutation analysis cannot read the inline PTX of our kernels' L2 prefetch; for such a kernel it "
+    "takes every tensor argument as written (correct, more conservative), and its warning about it is not shown"
+)
+
+
+class _InlineAsmAnalysisFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.getMessage().startswith("Encountered an exception in identify_")
+            and exc is not None
+            and _INLINE_ASM in str(exc)
+        )
+
+
+def _quiet_inline_asm_analysis() -> None:
+    for name in _ANALYSIS_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _InlineAsmAnalysisFilter) for f in logger.filters):
+            logger.addFilter(_InlineAsmAnalysisFilter())
 
 
 def _static(value: Any) -> bool:
@@ -148,6 +179,9 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             f"{traced} of {len(result.decisions)} kernel node(s) traced into the graph (inline_kernels={mode!r}); "
             "Inductor launches their Triton kernels from its generated code"
         )
+    if traced:
+        _quiet_inline_asm_analysis()
+        result.notes.append(NOTE_MUTATIONS)
     return result
 
 

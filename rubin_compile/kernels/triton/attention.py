@@ -135,7 +135,9 @@ def _split_kv(
         mask=row_ok[:, None] & (d[None, :] < D),
         other=0.0,
     )
-    scale = qk_scale
+    # fp32 whoever launches: Triton's launcher passes a Python float as fp32, Inductor's (the kernel traced into the
+    # graph, passes/inline_kernels.py) as fp64.
+    scale = tl.cast(qk_scale, tl.float32)
     if K_SCALED:
         scale = scale * tl.load(KScale).to(tl.float32)
     if MASK_KIND != 0:

@@ -308,6 +308,10 @@ def _route_topk_kernel(
     as [NG_PAD, GS_PAD] (expert ``g * GS + j``); lanes past GS or NG are dead and never selected. Each choice
     is one max-reduction of packed (value, lower id) keys (``_key``): the chain of dependent reductions is k
     long (plus topk_group), not 2k."""
+    # Float arguments in fp32 whoever launches: Triton's launcher passes a Python float as fp32, Inductor's (the
+    # kernel traced into the graph, passes/inline_kernels.py) as fp64.
+    scale = tl.cast(scale, tl.float32)
+    renorm_eps = tl.cast(renorm_eps, tl.float32)
     E: tl.constexpr = NG * GS
     BIG: tl.constexpr = 2 * NG_PAD * GS_PAD  # above every lane's id: BIG - id > 0
     DEAD: tl.constexpr = -(2**63)  # the key of dead and taken lanes: below every value's (-inf's, NaN's too)

@@ -197,3 +197,24 @@ def test_option_reads_and_rejects():
     assert RubinOptions.resolve({}, environ={"RUBIN_INLINE_KERNELS": "on"}).inline_kernels == "on"
     with pytest.raises(ValueError, match="inline_kernels must be one of"):
         RubinOptions.resolve({"inline_kernels": "sometimes"})
+
+
+def test_only_the_inline_asm_analysis_warning_is_filtered():
+    import logging
+
+    keep = inline_kernels._InlineAsmAnalysisFilter()
+
+    def record(message, exc):
+        try:
+            raise exc
+        except RuntimeError:
+            import sys
+
+            return logging.LogRecord("torch._dynamo", logging.WARNING, __file__, 1, message, (), sys.exc_info())
+
+    asm = RuntimeError("ttir analysis hit an op we do not know how to analyze: tt.elementwise_inline_asm")
+    other = RuntimeError("ttir analysis hit an op we do not know how to analyze: tt.something_else")
+    message = "Encountered an exception in identify_mutated_tensors, assuming every input is mutated"
+    assert not keep.filter(record(message, asm))
+    assert keep.filter(record(message, other))
+    assert keep.filter(record("another warning", asm))
