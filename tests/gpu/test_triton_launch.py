@@ -112,8 +112,10 @@ def test_bound_launch_in_a_cuda_graph():
     x.copy_(torch.randn(1024, generator=g, device="cuda"))
     out.fill_(float("nan"))
     graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, 1.5 * x + y, rtol=0, atol=0)
+    ref = torch.empty_like(out)
+    _axpy[(4,)](x, y, ref, 1024, 1.5, 1, BLOCK=256)  # Triton's own path on the new inputs (the kernel fuses a*x+y
+    torch.cuda.synchronize()  # into one FMA, so torch's 1.5 * x + y differs in the last bit)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_bound_launch_costs_less_host_time():
