@@ -16,7 +16,9 @@ call would run, so results are the same.
 A node is traced when all of these hold, and the report says which one failed otherwise:
 
 * ``options.inline_kernels`` is not ``"off"``; with ``"auto"`` the graph does not run under CUDA graphs (a replay
-  pays no host cost, and the op call keeps its PDL launches there), with ``"on"`` it may;
+  pays no host cost, and the op call keeps its PDL launches there), with ``"on"`` it may (then note that a kernel
+  whose writes torch cannot analyse, below, counts as writing its inputs, and cudagraph trees may skip a graph
+  that mutates its inputs: the op call is the better choice there);
 * its kernel declares ``in_graph`` (``Kernel.in_graph``: our Triton MoE, routing and decode attention);
 * the graph runs on this machine (the adapter reads the GPU's properties) and the node is the canonical op itself;
 * its sizes are static (the adapter picks tiles and splits from them; a symbolic size is decided per call);
