@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -594,3 +594,12 @@ def bound_kernel(node: torch.fx.Node, default_target: Optional[Target]) -> Optio
     else:  # an impl without a target: the CPU's reference, or a node selection has not bound
         target = default_target
     return BoundKernel(op, kernel, target, spec(node))
+
+
+def bound_nodes(graph: torch.fx.Graph, default_target: Optional[Target]) -> Iterator[tuple[torch.fx.Node, BoundKernel]]:
+    """Each canonical node of ``graph`` with its bound kernel (``bound_kernel``), over a snapshot of the nodes: the
+    passes after selection walk them this way, and may replace the node they are given."""
+    for node in list(graph.nodes):
+        bound = bound_kernel(node, default_target)
+        if bound is not None:
+            yield node, bound

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from rubin_compile.ops.registry import bound_kernel
+from rubin_compile.ops.registry import bound_nodes
 from rubin_compile.passes.base import Decision, Pass, PassContext, PassResult
 from rubin_compile.passes.fx import bound_arguments, dotted_name, set_argument
 from rubin_compile.target import Target
@@ -64,10 +64,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     mode = ctx.options.pdl
     cudagraphs, how = ctx.engine.runs_under_cudagraphs(ctx.options)
     on = 0
-    for node in list(graph.nodes):
-        bound = bound_kernel(node, ctx.target)
-        if bound is None:
-            continue
+    for node, bound in bound_nodes(graph, ctx.target):
         kernel, spec, name = bound.kernel, bound.spec, dotted_name(node.target)
         pdl, why = decide(mode, bound.target, kernel.pdl_unsupported(spec), cudagraphs)
         if bool(bound_arguments(node)["pdl"]) != pdl:  # every canonical op's form takes pdl (tests/cpu/ops)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch._guards import detect_fake_mode
+from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
@@ -194,3 +195,26 @@ def set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
         node.update_arg(index, value)
     else:
         node.update_kwarg(name, value)
+
+
+def replace_by_trace(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    fn: Callable[..., Any],
+    args: dict[str, Any],
+    trace_fn: Optional[Callable[..., Any]] = None,
+) -> None:
+    """Replace ``node`` by the ops ``fn(**args)`` runs, traced with the node's fake values: the ``args`` that are
+    nodes become the traced inputs, the others stay constants. One node is the whole "pattern": a Match over it lets
+    torch's pattern matcher trace ``fn`` and splice it in (meta, users and erasure handled there; ``trace_fn``: its
+    tracer, ``fwd_only`` by default). Nothing changes when tracing raises."""
+    tensors = [n for n, v in args.items() if isinstance(v, torch.fx.Node)]
+    consts = {n: v for n, v in args.items() if n not in tensors}
+
+    def replacement(*values: torch.Tensor) -> Any:
+        return fn(**consts, **dict(zip(tensors, values)))
+
+    pattern = CallFunctionVarArgs(node.target)
+    match = Match(MatchContext([pattern], {pattern: node}, graph=graph), pattern, node.args, node.kwargs)
+    match.nodes = [node]
+    match.replace_by_example(replacement, [args[n] for n in tensors], **({"trace_fn": trace_fn} if trace_fn else {}))

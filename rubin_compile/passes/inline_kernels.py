@@ -32,12 +32,11 @@ import logging
 from typing import Any, Optional
 
 import torch
-from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 
 from rubin_compile.ops.library import python_impl
-from rubin_compile.ops.registry import bound_kernel
+from rubin_compile.ops.registry import bound_nodes
 from rubin_compile.passes.base import Decision, Pass, PassContext, PassResult
-from rubin_compile.passes.fx import bound_arguments, dotted_name, node_val
+from rubin_compile.passes.fx import bound_arguments, dotted_name, node_val, replace_by_trace
 from rubin_compile.passes.select_kernels import planning
 
 NAME = "inline_kernels"
@@ -132,21 +131,15 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node) -> list[str]:
     fn = python_impl(node.target)
     # the arguments the node gives (a schema default can read differently from the function's: ScalarType as int)
     args = dict(zip((a.name for a in node.target._schema.arguments), node.args), **node.kwargs)
-    tensors = [n for n, v in args.items() if isinstance(v, torch.fx.Node)]
-    consts = {n: v for n, v in args.items() if n not in tensors}
     recorded: list[str] = []
 
-    def launches(*values: torch.Tensor):
+    def launches(**values: Any):
         with into_graph() as seen:
-            out = fn(**consts, **dict(zip(tensors, values)))
+            out = fn(**values)
         recorded[:] = seen
         return out
 
-    # One node is the whole "pattern", as select_kernels._lower_to_aten does it.
-    pattern = CallFunctionVarArgs(node.target)
-    match = Match(MatchContext([pattern], {pattern: node}, graph=graph), pattern, node.args, node.kwargs)
-    match.nodes = [node]
-    match.replace_by_example(launches, [args[n] for n in tensors], trace_fn=_trace_keeping_launches)
+    replace_by_trace(graph, node, launches, args, trace_fn=_trace_keeping_launches)
     return recorded
 
 
@@ -156,10 +149,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     _, runs_here, _, _ = planning(graph, ctx)
     cudagraphs, how = ctx.engine.runs_under_cudagraphs(ctx.options)
     traced = 0
-    for node in list(graph.nodes):
-        bound = bound_kernel(node, ctx.target)
-        if bound is None:
-            continue
+    for node, bound in bound_nodes(graph, ctx.target):
         name, op_name = node.name, dotted_name(node.target)
         details: dict[str, Any] = {"kernel": bound.kernel.name, "target": bound.target.name}
         why = why_not(node, bound, mode, bool(cudagraphs), how, runs_here)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from rubin_compile.ops.registry import Placement, bound_kernel
+from rubin_compile.ops.registry import Placement, bound_nodes
 from rubin_compile.passes.base import Decision, Pass, PassContext, PassResult
 from rubin_compile.passes.fx import bound_arguments, dotted_name, set_argument, tensor_val
 from rubin_compile.runtime import locality
@@ -123,9 +123,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     opts = ctx.options
     placed = 0
-    for node in list(graph.nodes):
-        bound = bound_kernel(node, ctx.target)
-        if bound is None or bound.op.name != "moe":
+    for node, bound in bound_nodes(graph, ctx.target):
+        if bound.op.name != "moe":
             continue
         args = bound_arguments(node)
         if "placement" not in args:

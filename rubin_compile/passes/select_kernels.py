@@ -30,13 +30,12 @@ import warnings
 from typing import Optional
 
 import torch
-from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
 
 import rubin_compile.kernels  # noqa: F401  (registers every kernel onto its op)
 from rubin_compile import target as target_mod
 from rubin_compile.ops.registry import CanonicalOp, canonical_form, op_of
 from rubin_compile.passes.base import KernelPlan, KernelSelectionError, Pass, PassContext, PassResult
-from rubin_compile.passes.fx import bound_arguments, device_type, dotted_name, set_argument
+from rubin_compile.passes.fx import bound_arguments, device_type, dotted_name, replace_by_trace, set_argument
 from rubin_compile.target import Target
 
 NAME = "select_kernels"
@@ -178,19 +177,8 @@ def _lower_to_aten(graph: torch.fx.Graph, node: torch.fx.Node, op: CanonicalOp) 
     itself (another op running its kernels) or the op has no ATen form."""
     if op.aten_form is None or node.target is not getattr(torch.ops.rubin, op.name).default:
         return False
-    args = bound_arguments(node)
-    tensors = [n for n, v in args.items() if isinstance(v, torch.fx.Node)]
-    consts = {n: v for n, v in args.items() if n not in tensors and n != "impl"}
-
-    def aten_form(*values: torch.Tensor) -> torch.Tensor:
-        return op.aten_form(**consts, **dict(zip(tensors, values)))
-
-    # One node is the whole "pattern": a Match over it lets the pattern matcher trace the ATen form with the
-    # node's fake values and splice it in (meta, users and erasure handled there).
-    pattern = CallFunctionVarArgs(node.target)
-    match = Match(MatchContext([pattern], {pattern: node}, graph=graph), pattern, node.args, node.kwargs)
-    match.nodes = [node]
-    match.replace_by_example(aten_form, [args[n] for n in tensors])
+    args = {n: v for n, v in bound_arguments(node).items() if n != "impl"}
+    replace_by_trace(graph, node, op.aten_form, args)
     return True
 
 
