@@ -62,6 +62,11 @@ class RubinRun:
     def stage_code(self, pass_name: str) -> str:
         return stage_code(self.dump_dir, pass_name)
 
+    def matched_code(self) -> str:
+        """The code of every dumped graph as the matchers left it (before select_kernels binds its canonical nodes,
+        lowering some back to ATen: on the CPU a bf16 rubin.moe becomes grouped GEMMs), concatenated."""
+        return self.stage_code("fuse_projections")
+
     def final_code(self) -> str:
         """The code of every dumped graph after the last stage that changed it, concatenated."""
         out = []

@@ -123,6 +123,7 @@ from rubin_compile.ops import fp4
 from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 from rubin_compile.ops.library import op
+from rubin_compile.target import Target
 
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's (and vLLM's) clamped-SwiGLU constants
 SWIGLUSTEP_LIMIT = 7.0  # vLLM's swiglustep default
@@ -655,6 +656,92 @@ def _global(scale_2: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
     return scale_2.reshape(-1)[e if scale_2.numel() > 1 else 0]
 
 
+# ------------------------------------------------------------------------------------------------
+# the ATen form (select_kernels lowers a node bound to the reference into it, where it can express the call)
+# ------------------------------------------------------------------------------------------------
+
+
+def aten_declines(args: MoEArgs, target_is_cuda: bool = False) -> Optional[str]:
+    """Why ``aten`` does not express this call (``None`` when it does). ``aten`` is the form Hugging Face's
+    default (grouped-mm) experts compile to, for what Inductor supports of it: bf16, unquantised, plain weights, on
+    the CPU. On a GPU target the reference runs only where no kernel takes the call (and torch's grouped GEMM there is
+    bf16 on sm_80+, which the Triton kernel covers), so the node stays the op: a plan for a GPU made on this CPU keeps
+    showing the GPU's passes."""
+    device = args.hidden_states.device.type
+    if target_is_cuda or device != "cpu":
+        return "the ATen form (grouped GEMM) is used for the CPU target only"
+    if _grouped_mm is None:
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if (
+        args.hidden_states.dtype != torch.bfloat16
+        or args.w13.dtype != torch.bfloat16
+        or args.w2.dtype != torch.bfloat16
+    ):
+        return (
+            f"{args.hidden_states.dtype} activations / {args.w13.dtype} weights: Inductor compiles torch's grouped "
+            "GEMM for bfloat16 only"
+        )
+    if args.weight_layout != PLAIN:
+        return f"weights in the {args.weight_layout.describe()} layout"
+    rows = {"H": args.H, "N": args.w13.shape[1], "I": args.I}
+    odd = {name: n for name, n in rows.items() if n % 8}
+    if odd:
+        return f"torch's grouped GEMM takes rows of whole 16 bytes (multiples of 8 bf16 values); here {odd}"
+    return None
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def aten(args: MoEArgs) -> torch.Tensor:
+    """``rubin.moe`` as ATen ops of static shapes, for a call ``aten_declines`` accepts: the ``T * k`` (token,
+    expert) slots sorted by expert (a stable sort: within an expert, slots keep their order), each slot's token
+    gathered, FC1 and FC2 as grouped GEMMs over the experts' runs of slots, the activation, then the weighted
+    slots summed into their tokens in float32 -- in the order the reference sums them (expert by expert, slots in
+    order), so on the CPU its result equals the reference's up to the GEMM's own blocking. No host synchronisation:
+    Inductor compiles it as it compiles Hugging Face's grouped-mm experts. An expert id outside [0, E) cannot be
+    reported without one: its slot is counted in no expert's run and contributes nothing (the reference raises)."""
+    x = args.hidden_states
+    T, H, E, k = args.T, args.H, args.E, args.k
+    acc_dtype = torch.float32
+    ids = args.topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(ids, stable=True)
+    expert_of_slot = ids.index_select(0, order)
+    token_of_slot = torch.div(order, k, rounding_mode="floor")
+    slot_weight = args.topk_weights.reshape(-1).index_select(0, order)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
+    counts = counts.index_add_(0, expert_of_slot.clamp(0, E), torch.ones_like(expert_of_slot))[:E]
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x.index_select(0, token_of_slot)
+    if args.apply_router_weight_on_input:
+        xs = xs * slot_weight.to(x.dtype).unsqueeze(1)
+    gate_up = _grouped_mm(xs, args.w13.transpose(1, 2), offs=offs)
+    if args.w13_bias is not None:
+        gate_up = gate_up + args.w13_bias.to(x.dtype).index_select(0, expert_of_slot.clamp(0, E - 1))
+    y = _grouped_mm(
+        apply_activation(gate_up, args.activation, args.activation_constants), args.w2.transpose(1, 2), offs=offs
+    )
+    if args.w2_bias is not None:
+        y = y + args.w2_bias.to(x.dtype).index_select(0, expert_of_slot.clamp(0, E - 1))
+    y = y.to(acc_dtype)
+    if not args.apply_router_weight_on_input:
+        y = y * slot_weight.to(acc_dtype).unsqueeze(1)
+    out = torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token_of_slot, y)
+    return out.to(x.dtype)
+
+
+def moe_aten(*args, pdl: bool = False, placement: str = "", **kwargs) -> torch.Tensor:
+    """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
+    kwargs.pop("impl", None)
+    return aten(MoEArgs(*args, **kwargs))
+
+
+def moe_aten_declines(target: Target, *args, pdl: bool = False, placement: str = "", **kwargs) -> Optional[str]:
+    """``aten_declines`` for ``target`` called like the op (on the node's fake values)."""
+    kwargs.pop("impl", None)
+    return aten_declines(MoEArgs(*args, **kwargs), target.is_cuda)
+
+
 def moe_reference(*args, **kwargs) -> torch.Tensor:
     """``reference`` called like the op (its data arguments, positionally or by name)."""
     return reference(MoEArgs(*args, **kwargs))
@@ -811,6 +898,9 @@ MOE = CanonicalOp(
     "moe",
     moe_spec,
     reference,
+    aten_form=moe_aten,
+    aten_declines=moe_aten_declines,
+    aten_label="grouped GEMMs over the slots sorted by expert",
     example_shape=(("E", 128), ("H", 4096), ("I", 1536), ("k", 8)),
     example_activation="silu",
 )

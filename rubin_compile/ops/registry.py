@@ -332,6 +332,9 @@ class CanonicalOp:
     aten_form:
         The op as ATen ops, ``fn(**arguments) -> Tensor`` (``None`` when it has none); select_kernels lowers a
         node bound to ``torch`` / ``reference`` into it, so Inductor fuses and tunes it as without rubin.
+    aten_declines:
+        ``fn(target, **arguments) -> Optional[str]``: why the ATen form cannot express a call on ``target``
+        (``None`` when it can; no callable: it expresses every call). A node it declines stays an op call, with the reason in the report.
     aten_label:
         What the ATen form is, for reports ("mm / addmm / _scaled_mm + epilogue").
     example_shape:
@@ -345,6 +348,7 @@ class CanonicalOp:
         reference: Callable[..., torch.Tensor],
         *,
         aten_form: Optional[Callable[..., torch.Tensor]] = None,
+        aten_declines: Optional[Callable[..., Optional[str]]] = None,
         aten_label: str = "ATen",
         example_shape: tuple[tuple[str, int], ...] = (),
         example_activation: Optional[str] = None,
@@ -354,6 +358,7 @@ class CanonicalOp:
         self.name = name
         self.reference = reference
         self.aten_form = aten_form
+        self.aten_declines = aten_declines
         self.aten_label = aten_label
         self.example_shape = example_shape
         self.example_activation = example_activation

@@ -8,12 +8,14 @@ too) and are re-exported here, so a pass imports everything of this kind from on
 from __future__ import annotations
 
 import operator
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, MatchContext
+from torch._inductor.virtualized import NullHandler, V
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_aggregate
 
@@ -217,4 +219,12 @@ def replace_by_trace(
     pattern = CallFunctionVarArgs(node.target)
     match = Match(MatchContext([pattern], {pattern: node}, graph=graph), pattern, node.args, node.kwargs)
     match.nodes = [node]
-    match.replace_by_example(replacement, [args[n] for n in tensors], **({"trace_fn": trace_fn} if trace_fn else {}))
+    # The pattern matcher traces under Inductor's fake mode (V.fake_mode), which a graph's passes run under; a pass run
+    # on its own (tests, `python -m rubin_compile`) has none, and then the tensors ``fn`` makes (torch.zeros ...) would
+    # be real ones mixed with the fake inputs: trace under the inputs' own fake mode then.
+    mode = detect_fake_mode([args[n].meta.get("val") for n in tensors])
+    unset = isinstance(V.fake_mode, NullHandler)
+    with V.set_fake_mode(mode) if (unset and mode is not None) else contextlib.nullcontext():
+        match.replace_by_example(
+            replacement, [args[n] for n in tensors], **({"trace_fn": trace_fn} if trace_fn else {})
+        )

@@ -35,7 +35,7 @@ import rubin_compile.kernels  # noqa: F401  (registers every kernel onto its op)
 from rubin_compile import target as target_mod
 from rubin_compile.ops.registry import CanonicalOp, canonical_form, op_of
 from rubin_compile.passes.base import KernelPlan, KernelSelectionError, Pass, PassContext, PassResult
-from rubin_compile.passes.fx import bound_arguments, device_type, dotted_name, replace_by_trace, set_argument
+from rubin_compile.passes.fx import bound_arguments, device_type, dotted_name, node_val, replace_by_trace, set_argument
 from rubin_compile.target import Target
 
 NAME = "select_kernels"
@@ -125,9 +125,12 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             to_lower.append((node, op, plan))
     lowered: dict[str, int] = {}
     for node, op, plan in to_lower:  # after every spec is read: a lowered node's users see new nodes
-        if _lower_to_aten(graph, node, op):
+        declined = _lower_to_aten(graph, node, op, target)
+        if declined is None:
             plan.lowered = "aten"
             lowered[op.name] = lowered.get(op.name, 0) + 1
+        elif declined:
+            result.notes.append(f"{node.name}: rubin.{op.name} stays an op call of {plan.kernel!r}: {declined}")
     for name, count in lowered.items():
         result.changed = True
         result.notes.append(
@@ -172,14 +175,20 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=2)
 
 
-def _lower_to_aten(graph: torch.fx.Graph, node: torch.fx.Node, op: CanonicalOp) -> bool:
-    """Replace ``node`` by its op's ATen form (``CanonicalOp.aten_form``); ``False`` when the node is not the op
-    itself (another op running its kernels) or the op has no ATen form."""
+def _lower_to_aten(graph: torch.fx.Graph, node: torch.fx.Node, op: CanonicalOp, target: Target) -> Optional[str]:
+    """Replace ``node`` by its op's ATen form (``CanonicalOp.aten_form``): ``None`` when it did, else why not (``""``
+    when the node is not the op itself -- another op running its kernels -- or the op has no ATen form: nothing to
+    report)."""
     if op.aten_form is None or node.target is not getattr(torch.ops.rubin, op.name).default:
-        return False
+        return ""
     args = {n: v for n, v in bound_arguments(node).items() if n != "impl"}
+    if op.aten_declines is not None:
+        values = {n: (node_val(v) if isinstance(v, torch.fx.Node) else v) for n, v in args.items()}
+        reason = op.aten_declines(target, **values)
+        if reason:
+            return f"its ATen form ({op.aten_label}) does not apply: {reason}"
     replace_by_trace(graph, node, op.aten_form, args)
-    return True
+    return None
 
 
 PASS = Pass(NAME, run, reads=("options", "target", "engine"))

@@ -284,3 +284,57 @@ def test_reference_without_synchronisation_equals_the_reference(bias):
                          *(t.double() if t is not None else None for t in (b13, b2)))  # fmt: skip
     got = _reference_in_capture(args, w13, w2, torch.zeros(T, H))
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ("silu", "gelu_tanh", "swigluoai", "silu_clamp:2.5", "relu2_no_mul"))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_aten_form_equals_the_reference(act, bias, on_input):
+    """The ATen form select_kernels lowers a CPU bf16 node into (grouped GEMMs over the slots sorted by expert):
+    bitwise the reference run eagerly (it sums the slots in the reference's order), duplicate ids and experts no
+    token routes to included; and both within bf16 tolerance of the float64 restatement."""
+    from rubin_compile.ops.moe import MoEArgs, aten, aten_declines, reference
+
+    x, w13, w2, w, ids, b13, b2 = make(T=9, H=32, E=6, I=16, k=3, dtype=torch.bfloat16, bias=bias,
+                                       gated=not act.endswith("_no_mul"))  # fmt: skip
+    ids[0, 1] = ids[0, 0]  # a duplicate expert in one row
+    ids[ids == 5] = 4  # expert 5 gets no token
+    args = MoEArgs(x, w13, w2, w, ids, act, b13, b2, apply_router_weight_on_input=on_input)
+    assert aten_declines(args) is None
+    got = aten(args)
+    assert got.dtype == x.dtype and torch.equal(got, reference(args))
+    want = dense_moe(x, w13, w2, w, ids, act, b13, b2, on_input)
+    assert torch.allclose(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_aten_form_of_an_empty_batch_and_runtime_constants():
+    from rubin_compile.ops.moe import MoEArgs, aten, reference
+
+    x, w13, w2, w, ids, _, _ = make(T=0, H=32, I=16, dtype=torch.bfloat16)
+    assert aten(MoEArgs(x, w13, w2, w, ids)).shape == (0, x.shape[1])
+    x, w13, w2, w, ids, _, _ = make(H=32, I=16, dtype=torch.bfloat16)
+    args = MoEArgs(x, w13, w2, w, ids, "swigluoai", activation_constants=torch.tensor([1.25, 2.5]))
+    assert torch.equal(aten(args), reference(args))
+
+
+def test_aten_form_declines_what_it_cannot_express_with_the_reason():
+    """fp32 / fp16 (Inductor compiles torch's grouped GEMM for bf16 only), FP8 weights, vLLM's packed layout, a GPU
+    target: each a reason; the node then stays an op call (tests/cpu/passes/test_select_kernels.py)."""
+    from rubin_compile.ops.moe import MoEArgs, aten_declines, pack_cpu_weight
+
+    x, w13, w2, w, ids, _, _ = make(E=4, H=64, I=32)
+    assert "bfloat16 only" in aten_declines(MoEArgs(x, w13, w2, w, ids))
+    assert "bfloat16 only" in aten_declines(MoEArgs(x.half(), w13.half(), w2.half(), w, ids))
+    f8 = torch.float8_e4m3fn
+    fp8 = MoEArgs(x.bfloat16(), w13.to(f8), w2.to(f8), w, ids, w13_scale=torch.ones(4), w2_scale=torch.ones(4))
+    assert "float8_e4m3fn weights" in aten_declines(fp8)
+    b13, b2 = w13.bfloat16(), w2.bfloat16()
+    packed = MoEArgs(x.bfloat16(), pack_cpu_weight(b13), pack_cpu_weight(b2), w, ids, weight_layout="vllm_cpu:vec")
+    assert "16-row blocks layout" in aten_declines(packed)
+    plain = MoEArgs(x.bfloat16(), b13, b2, w, ids)
+    assert aten_declines(plain) is None
+    x, w13, w2, w, ids, _, _ = make(E=4, H=24, I=12, dtype=torch.bfloat16)  # 12 bf16 values: 24 bytes a row
+    assert "rows of whole 16 bytes" in aten_declines(MoEArgs(x, w13, w2, w, ids)) and "'I': 12" in aten_declines(
+        MoEArgs(x, w13, w2, w, ids)
+    )
+    assert "CPU target only" in aten_declines(plain, target_is_cuda=True)

@@ -109,8 +109,11 @@ def test_spec_from_the_node_and_the_kernel_written_into_it(w_dtype, block, targe
     (plan,) = result.plans
     assert plan.spec["quant"] == quant and plan.spec["shape"] == {"T": 4, "E": 8, "H": 256, "I": 256, "k": 2}
     assert plan.kernel == kernel and plan.target == target
-    assert _impl(graph) == plan.impl == (kernel if target == "cpu" else f"{kernel}@{target}")
-    assert result.changed == (target != "cpu")
+    if target == "cpu":  # the reference on the CPU, bf16: lowered into the op's ATen form (grouped GEMMs)
+        assert plan.lowered == "aten" and not any(_is_moe(n) for n in graph.nodes)
+    else:
+        assert _impl(graph) == plan.impl == f"{kernel}@{target}" and plan.lowered is None
+    assert result.changed
 
 
 @cpu_only
@@ -276,6 +279,49 @@ def test_gemm_bound_to_aten_kernels_is_lowered_back_to_aten(rubin_run, target, k
     assert "rubin.gemm" not in final and "aten.addmm" in final and "aten.mm" in final
     (md,) = [p.read_text() for p in rubin_run.dump_dir.glob("*/report.md")]
     assert md.count("; lowered to ATen") == 2  # what `python -m rubin_compile explain` prints
+
+
+@cpu_only
+def test_moe_on_the_cpu_is_lowered_to_grouped_gemms(rubin_run):
+    """bf16 on the CPU: rubin.moe bound to the reference (a loop over the routed experts with a host
+    synchronisation, slower than Inductor's compile of transformers' grouped-mm experts: benchmarks/results/
+    cpu-models.md) becomes its ATen form, grouped GEMMs over the slots sorted by expert, which Inductor compiles;
+    the plan says so and the result stays within bf16 tolerance of eager."""
+    model = _model(torch.bfloat16)
+    x = torch.randn(7, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = rubin_run.compile(model)(x)
+        assert_close_to_eager(got, model(x), torch.bfloat16)
+    (plan,) = _plans(rubin_run, "rubin.moe")
+    assert plan["kernel"] == "reference" and plan["lowered"] == "aten"
+    (report,) = rubin_run.reports()
+    sel = next(p for p in report["passes"] if p["name"] == "select_kernels")
+    assert any(
+        "rubin.moe node(s) bound to torch / reference lowered back to ATen (grouped GEMMs" in n for n in sel["notes"]
+    )
+    assert "rubin.moe" in rubin_run.stage_code("match_moe")
+    final = rubin_run.final_code()
+    assert "rubin.moe" not in final and "_grouped_mm" in final
+
+
+@cpu_only
+def test_moe_the_aten_form_cannot_express_stays_an_op_call_with_the_reason(rubin_run):
+    """fp32 on the CPU: Inductor compiles torch's grouped GEMM for bf16 only, so the node stays the reference op
+    call, and select_kernels' notes say why."""
+    model = _model(torch.float32)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        assert_close_to_eager(rubin_run.compile(model)(x), model(x))
+    (plan,) = _plans(rubin_run, "rubin.moe")
+    assert plan["lowered"] is None
+    (report,) = rubin_run.reports()
+    notes = next(p for p in report["passes"] if p["name"] == "select_kernels")["notes"]
+    assert any(
+        "rubin.moe stays an op call of 'reference': its ATen form (grouped GEMMs over the slots sorted by expert) "
+        "does not apply: torch.float32 activations" in n
+        for n in notes
+    ), notes
+    assert "rubin.moe" in rubin_run.final_code()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python for its FP8 GEMM")

@@ -142,7 +142,7 @@ def _check_report(run: RubinRun, case: Case) -> None:
         assert all(u["reason"].strip() for u in unchanged), unchanged
         for r in moes:
             _check_details(r["details"], case)
-    assert count_ops(run.final_code(), "rubin.moe") == total
+    assert count_ops(run.matched_code(), "rubin.moe") == total
 
 
 def _check_details(d: dict, case: Case) -> None:

@@ -286,7 +286,7 @@ def assert_rewritten(rubin: RubinRun, impl: str, activation: str, layout: str) -
     for r in found:
         assert r["details"]["activation"] == activation, r["details"]
         assert r["details"]["gate_up"].startswith(layout), r["details"]
-    code = rubin.final_code()
+    code = rubin.matched_code()
     assert count_ops(code, "rubin.moe") == len(found)
     assert sum(count_ops(code, op) for op in PROJECTIONS) == 0, "a projection of the experts is left"
     return found
@@ -313,7 +313,7 @@ def test_gated_families_rewritten_and_exact(tmp_path, impl, build, activation, l
     (r,) = assert_rewritten(rubin, impl, activation, "halves")
     assert "activation_constants" not in r["details"]  # static: the constants are in the string
     assert r["details"]["weights"] == "as stored, no copy"
-    assert "activation_constants" not in rubin.final_code()
+    assert "activation_constants" not in rubin.matched_code()
 
 
 def test_gpt_oss_math_over_halves_is_swigluoai_uninterleave(tmp_path, monkeypatch):
@@ -415,7 +415,7 @@ def test_constants_as_graph_inputs(tmp_path, impl, build, kind, limit, change, i
         assert d["activation"] == kind, d  # the kind alone: the values come at run time
         assert set(runtime) - {"passed as"} == set(names), runtime
         assert any("graph input" in runtime[n] for n in names), runtime
-    code = rubin.final_code()
+    code = rubin.matched_code()
     assert count_ops(code, "rubin.moe") == len(found)
     if any("activation_constants" in r["details"] for r in found):
         assert "activation_constants = " in code
@@ -557,7 +557,7 @@ def test_near_misses_left_unchanged_with_reason(tmp_path, monkeypatch, build, re
     assert moe_rewrites(rubin, "grouped_mm") == []
     (left,) = unchanged(rubin, "grouped_mm")
     assert reason in left["reason"], left["reason"]
-    code = rubin.final_code()
+    code = rubin.matched_code()
     assert count_ops(code, "rubin.moe") == 0 and count_ops(code, "transformers.grouped_mm_fallback") == 2
 
 

@@ -83,7 +83,7 @@ def test_every_block_of_the_model_rewritten_and_logits_match(rubin_run, family, 
         )
         assert d["weights"] == "as stored, no copy"
         assert d["routing"]["recognised"] and d["routing"]["order"] == "softmax_then_topk"
-    code = rubin_run.final_code()
+    code = rubin_run.matched_code()
     assert count_ops(code, "aten.bmm") == 0 and count_ops(code, "rubin.moe") == layers
     assert count_ops(code, "aten.index.Tensor") == 0  # no expert weight gathered per token
     assert count_ops(code, "aten.topk") == layers  # routing stays as ATen ops
@@ -112,7 +112,7 @@ def test_transposed_and_biased_experts(rubin_run, is_transposed, has_bias):
     (rewrite,) = rewrites(rubin_run)
     assert rewrite["details"]["bias"] is has_bias
     assert ("view" in rewrite["details"]["weights"]) is is_transposed  # a permute view, never a copy
-    code = rubin_run.final_code()
+    code = rubin_run.matched_code()
     assert count_ops(code, "rubin.moe") == 1 and count_ops(code, "aten.bmm") == 0
     assert count_ops(code, "aten.clone") == 0
 
@@ -132,7 +132,7 @@ def test_near_misses_left_unchanged_with_reason(rubin_run, build, reason):
     assert rewrites(rubin_run) == []
     (left,) = unchanged(rubin_run)
     assert reason in left["reason"], left
-    code = rubin_run.final_code()
+    code = rubin_run.matched_code()
     assert count_ops(code, "rubin.moe") == 0 and count_ops(code, "aten.bmm") == 2
 
 
@@ -224,5 +224,5 @@ def test_expert_parallel_clamp_over_topk_ids_rewritten(rubin_run):
     assert_close_to_eager(got, want)
     (rewrite,) = rewrites(rubin_run)
     assert "sentinel clamp dropped" in rewrite["details"]["sentinel_clamp"]
-    code = rubin_run.final_code()
+    code = rubin_run.matched_code()
     assert count_ops(code, "rubin.moe") == 1 and count_ops(code, "aten.bmm") == 0

@@ -266,7 +266,7 @@ def test_every_block_of_the_model_rewritten_and_logits_match(rubin_run, family, 
         routing = d["routing"]
         assert routing["recognised"] and routing["order"] == "softmax_then_topk"
         assert routing["renormalize"] is True and routing["router_bias"] is False  # Mixtral always; Qwen norm_topk_prob
-    before, after = input_code(rubin_run), rubin_run.final_code()
+    before, after = input_code(rubin_run), rubin_run.matched_code()
     assert grouped_mm_count(before) == 2 * layers and count_ops(before, "rubin.moe") == 0
     assert grouped_mm_count(after) == 0 and count_ops(after, "rubin.moe") == layers
     assert count_ops(after, "aten.histc") == 0 and count_ops(after, "aten.sort") == 0
@@ -340,8 +340,8 @@ def test_block_variants_rewritten(rubin_run, build, expect, dtype):
     assert_close_to_eager(got, want, dtype)
     (rewrite,) = hf_rewrites(rubin_run)
     details, routing = rewrite["details"], rewrite["details"]["routing"]
-    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
-    assert grouped_mm_count(rubin_run.final_code()) == 0
+    assert count_ops(rubin_run.matched_code(), "rubin.moe") == 1
+    assert grouped_mm_count(rubin_run.matched_code()) == 0
     if expect.get("group_limited") and deepseek_v3_zero_filled_groups():
         assert routing.get("group_fill") == "0", routing  # the masked groups' experts compete with 0.0
     assert routing["recognised"], routing
@@ -419,7 +419,7 @@ def test_one_token_top1_rewritten(rubin_run):
     assert re.search(r"torch\.ops\.aten\.reshape\.default\(iota(_\d+)?, \[\]\)", input_code(rubin_run))
     (rewrite,) = hf_rewrites(rubin_run)
     assert (rewrite["details"]["T"], rewrite["details"]["k"]) == (1, 1)
-    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0
+    assert count_ops(rubin_run.matched_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.matched_code()) == 0
 
 
 def _inverse_permutation(fill):
@@ -469,7 +469,7 @@ def test_cuda_form_compiled_on_meta(rubin_run):
     (rewrite,) = hf_rewrites(rubin_run)
     assert rewrite["details"]["form"] == "aten._grouped_mm"
     assert rewrite["details"]["histc_input"] == "int32"
-    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1
+    assert count_ops(rubin_run.matched_code(), "rubin.moe") == 1
 
 
 # --- experts layouts that exist through @use_experts_implementation flags -----------------------------
@@ -539,7 +539,7 @@ def test_transposed_and_biased_experts(rubin_run, is_transposed, has_bias):
     (rewrite,) = hf_rewrites(rubin_run)
     assert rewrite["details"]["bias"] is has_bias
     assert ("view" in rewrite["details"]["weights"]) is is_transposed  # a permute view, never a copy
-    code = rubin_run.final_code()
+    code = rubin_run.matched_code()
     assert count_ops(code, "rubin.moe") == 1 and grouped_mm_count(code) == 0
     assert count_ops(code, "aten.clone") == 0 and count_ops(code, "aten.contiguous") == 0
 
@@ -640,7 +640,7 @@ def test_expert_parallel_masks_over_topk_ids_rewritten(rubin_run, has_bias):
     (rewrite,) = hf_rewrites(rubin_run)
     d = rewrite["details"]
     assert "sentinel masks dropped" in d.get("sentinel_masks", "") or "sentinel clamp dropped" in d["sentinel_clamp"], d
-    assert count_ops(rubin_run.final_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.final_code()) == 0
+    assert count_ops(rubin_run.matched_code(), "rubin.moe") == 1 and grouped_mm_count(rubin_run.matched_code()) == 0
 
 
 @pytest.mark.parametrize(
@@ -674,7 +674,7 @@ def test_near_misses_left_unchanged_with_reason(rubin_run, monkeypatch, build, r
     assert hf_rewrites(rubin_run) == []
     (left,) = hf_unchanged(rubin_run)
     assert reason in left["reason"] and left["reason"], left
-    before, after = input_code(rubin_run), rubin_run.final_code()
+    before, after = input_code(rubin_run), rubin_run.matched_code()
     assert count_ops(after, "rubin.moe") == 0
     assert grouped_mm_count(after) == grouped_mm_count(before) == 2
 
