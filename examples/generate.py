@@ -107,6 +107,11 @@ def generate_once(model, prompt: torch.Tensor, new_tokens: int, compile_config=N
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
     if compile_config is not None:
         kwargs["compile_config"] = compile_config
+    else:
+        # Without a compile_config, transformers compiles the forward itself (Inductor, mode="reduce-overhead") on a
+        # GPU with a static cache, around whatever model.forward is: eager would not be eager, and a model.forward
+        # compiled with rubin would be called from inside a second compile. disable_compile turns that off.
+        kwargs["disable_compile"] = True
     with torch.inference_mode():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
 
