@@ -8,7 +8,9 @@ Model: examples/generate.py's ``qwen3-30b-a3b-8l`` (8 layers of Qwen3-30B-A3B's 
 weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens`` greedy tokens,
 ``cache_implementation="static"`` (max_cache_len = context + new tokens).
 
-* generate: each variant's ``generate()`` -- eager; ``compile_config=CompileConfig(backend=..., mode=
+* generate: each variant's ``generate()`` -- eager (``disable_compile=True``: without it transformers compiles the
+  forward itself on a GPU with a static cache, so the eager rows of the runs before 2026-12-03 were most likely
+  that compile); ``compile_config=CompileConfig(backend=..., mode=
   "reduce-overhead")`` for Inductor and rubin (generate compiles its decode step; prefill stays eager). Per-token
   latency = (t(N) - t(1)) / (N - 1) (prefill and first token taken out), median of ``--repeats``; tokens/s =
   batch / per-token latency; compile time = the first call less a warm one; the generated ids against Inductor's.

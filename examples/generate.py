@@ -18,11 +18,14 @@ The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden
   static cache inside the first (prefill) call, so under ``mode="reduce-overhead"`` the cache would be made
   inside a CUDA-graph capture; on the H200 that crashed with Inductor alone too
   (benchmarks/h200/generate-3-diagnose.sh). For CUDA graphs use the ``compile_config`` way, which compiles the
-  decode step only. Without CUDA graphs the decode step is host-bound: with every rubin kernel node an op call,
-  a compiled decode call cost 1.60x Inductor's host time on the H200 at 4k, batch 1; rubin now traces its Triton
-  launches into such graphs (passes/inline_kernels.py: 0.58x the op calls' host time for one layer's attention,
-  routing and MoE), and the whole loop has not been re-measured with it
-  (benchmarks/results/inline-kernels-h200-2026-12-03/README.md). Prefer the ``compile_config`` way for speed.
+  decode step only. generate() is then called with ``disable_compile=True``: without a ``compile_config``,
+  transformers compiles the forward itself on a GPU with a static cache (Inductor, ``mode="reduce-overhead"``,
+  around whatever ``model.forward`` is), which every generate() here without one turns off (``generate_once``; for
+  ``eager`` too, which is otherwise not eager on a GPU). Without CUDA graphs the decode step is host-bound (about
+  5-6 ms a token at 4k on the H200's host for Inductor, 2026-12-03): rubin traces its Triton launches into such
+  graphs (passes/inline_kernels.py: 0.58x the op calls' host time for one layer's attention, routing and MoE); the
+  whole loop with it, timed in interleaved rounds against Inductor, is not measured yet
+  (benchmarks/results/issue16-s7-h200-2026-12-03/README.md). Prefer the ``compile_config`` way for speed.
 * with ``--dtype bfloat16``, ``inductor (compile_config)`` too: rubin's ids are checked against Inductor's
   (Inductor's own bf16 roundings already make eager's ids differ after a near-tie), and timed beside it.
 

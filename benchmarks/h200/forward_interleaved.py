@@ -6,10 +6,14 @@ once and swapped in before each generate() call; each round times generate(N) an
 order alternates per round) and takes per-token = (t(N) - t(1)) / (N - 1). Then, per backend:
 
 * host time of each compiled decode call (synchronised before, the wall time of the call alone), median;
-* CUDA kernels launched per decode call and the top host ops (torch.profiler over one generate());
+* with ``--profile``, CUDA kernels launched per decode call and the top host ops (torch.profiler over one generate());
 * the prefill's last-position logits against eager's (max |diff|) and eager's top-2 margin there, so that a
   differing first token can be told apart from a near-tie;
 * whether anything recompiled while timing (dynamo's frame counter), which would void the rounds.
+
+Every generate() gets ``disable_compile=True`` (examples/generate.py's ``generate_once``): on a GPU with a static
+cache transformers otherwise compiles the forward itself (Inductor, reduce-overhead) around the swapped-in one, and
+traced the per-call timer of the host column into that compile (2026-12-03 step 3: a recompile per call).
 
 Both compiles are of the same frame, so dynamo's cache lookup of each call also checks the other backend's entries:
 the table gives that lookup's host time per call (the profile's "TorchDynamo Cache Lookup") so the bias can be read.
@@ -31,6 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generate import example  # noqa: E402  (benchmarks/generate.py's loader of examples/generate.py)
+
+
+_T0 = time.perf_counter()
+
+
+def _log(what: str) -> None:
+    """A timestamped progress line (the H200 steps of 2026-12-03 ran out of time without saying where)."""
+    print(f"[{time.perf_counter() - _T0:6.0f} s] {what}", flush=True)
 
 
 def _frames() -> int:
@@ -99,6 +111,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b-8l")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny model)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="kernels per call and top host ops (torch.profiler)")
     args = ap.parse_args()
     import rubin_compile  # noqa: F401  (backend="rubin" from a checkout)
 
@@ -116,6 +129,7 @@ def main() -> None:
         top2 = reference[0].topk(2).values
         compiled, ids, first_s = {}, {}, {}
         for b in backends:
+            _log(f"context {context}: compiling and warming {b}")
             compiled[b] = torch.compile(eager_forward, backend=b, dynamic=False)
             model.forward = compiled[b]
             t0 = time.perf_counter()
@@ -124,6 +138,7 @@ def main() -> None:
             first_s[b] = time.perf_counter() - t0
             example.generate_once(model, prompt, 1, None)
         frames = _frames()
+        _log(f"context {context}: {args.rounds} interleaved rounds")
         per_token = {b: [] for b in backends}
         for r in range(args.rounds):
             for b in backends if r % 2 == 0 else backends[::-1]:
@@ -132,7 +147,10 @@ def main() -> None:
                 _, t_1 = example.timed(lambda: example.generate_once(model, prompt, 1, None), args.device, 1)
                 per_token[b].append((t_n - t_1) / (args.new - 1) * 1e6)
         recompiled = _frames() - frames
+        # printed before the per-backend extras below, which take longer (2026-12-03: the run ended before them)
+        print(json.dumps({"context": context, "per_token_us_rounds": per_token, "recompiled": recompiled}), flush=True)
         for b in backends:
+            _log(f"context {context}: logits, host per call{', profile' if args.profile else ''} of {b}")
             model.forward = compiled[b]
             logits = prefill_logits(model, prompt)
             diff = (logits - reference).abs().max().item()
@@ -148,7 +166,7 @@ def main() -> None:
                 "eager_top2_margin": (top2[0] - top2[1]).item(),
                 "first_token_equal_eager": int(logits[0].argmax()) == int(reference[0].argmax()),
                 "ids_equal_first_backend": bool(torch.equal(ids[b], ids[backends[0]])),
-                **kernels_and_host_ops(model, prompt, args.device),
+                **(kernels_and_host_ops(model, prompt, args.device) if args.profile else {}),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -169,7 +187,8 @@ def main() -> None:
         lines.append(
             f"| {r['context']} | {r['backend']} | {r['per_token_us_median']:.0f} | "
             f"{first['per_token_us_median'] / r['per_token_us_median']:.2f}x | {r['host_per_call_us']:.0f} | "
-            f"{r['dynamo_cache_lookup_us_per_call']:.0f} | {r['cuda_kernels_per_call']:.0f} | {r['prefill_logits_max_abs_diff_vs_eager']:.3g} | "
+            f"{r.get('dynamo_cache_lookup_us_per_call', float('nan')):.0f} | {r.get('cuda_kernels_per_call', float('nan')):.0f} | "
+            f"{r['prefill_logits_max_abs_diff_vs_eager']:.3g} | "
             f"{r['eager_top2_margin']:.3g} | {'yes' if r['ids_equal_first_backend'] else 'no'} | "
             f"{r['recompiled_while_timing']} |"
         )

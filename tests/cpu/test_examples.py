@@ -118,3 +118,30 @@ def test_generate_example_on_the_cpu(tmp_path):
     assert decode, "no decode graph over the static cache was compiled"
     for report in decode:
         assert "| rubin.moe | hf grouped_mm" in report and "| rubin.attention | sdpa" in report
+
+
+def test_generate_without_a_compile_config_turns_transformers_own_compile_off():
+    """Without a compile_config, transformers compiles the forward itself on a GPU with a static cache (Inductor,
+    reduce-overhead), around whatever model.forward is: the example's eager variant would not be eager, and a
+    model.forward compiled with rubin would run inside a second compile (on the H200 that compile traced a per-call
+    timer and recompiled on every call). Every generate() the example makes without one passes disable_compile."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("generate_example_t", Path("examples/generate.py"))
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    seen = []
+
+    class Model:
+        def generate(self, prompt, **kwargs):
+            seen.append(kwargs)
+            return prompt
+
+    prompt = torch.ones(1, 4, dtype=torch.long)
+    example.generate_once(Model(), prompt, 3)
+    example.generate_once(Model(), prompt, 3, compile_config="a config")
+    assert seen[0]["disable_compile"] is True and "compile_config" not in seen[0]
+    assert seen[1]["compile_config"] == "a config" and "disable_compile" not in seen[1]
