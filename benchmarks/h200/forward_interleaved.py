@@ -94,7 +94,7 @@ def host_per_call(model, prompt, n: int, device: str) -> float:
         example.generate_once(model, prompt, n, None)
     finally:
         model.forward = compiled
-    return statistics.median(calls[2:]) * 1e6  # calls[0] is the prefill
+    return statistics.median(calls[2:]) * 1e6  # calls[0] is the prefill, calls[1] the first decode call
 
 
 def prefill_logits(model, prompt) -> torch.Tensor:

@@ -700,30 +700,34 @@ def aten(args: MoEArgs) -> torch.Tensor:
     slots summed into their tokens in float32 -- in the order the reference sums them (expert by expert, slots in
     order), so on the CPU its result equals the reference's up to the GEMM's own blocking. No host synchronisation:
     Inductor compiles it as it compiles Hugging Face's grouped-mm experts. An expert id outside [0, E) cannot be
-    reported without one: its slot is counted in no expert's run and contributes nothing (the reference raises)."""
+    reported without one: its slot is sorted after every expert's run, outside the grouped GEMMs (whose rows past the
+    last run are not written), and contributes nothing (the reference raises)."""
     x = args.hidden_states
     T, H, E, k = args.T, args.H, args.E, args.k
     acc_dtype = torch.float32
     ids = args.topk_ids.reshape(-1).to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < E), ids, E)  # an id outside [0, E): "expert E", after all the others
     order = torch.argsort(ids, stable=True)
     expert_of_slot = ids.index_select(0, order)
     token_of_slot = torch.div(order, k, rounding_mode="floor")
     slot_weight = args.topk_weights.reshape(-1).index_select(0, order)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
-    counts = counts.index_add_(0, expert_of_slot.clamp(0, E), torch.ones_like(expert_of_slot))[:E]
+    counts = counts.index_add_(0, expert_of_slot, torch.ones_like(expert_of_slot))[:E]
     offs = counts.cumsum(0).to(torch.int32)
+    routed = (expert_of_slot < E).unsqueeze(1)
+    expert_or_last = expert_of_slot.clamp(max=E - 1)  # for the bias gathers; the unrouted slots are masked below
     xs = x.index_select(0, token_of_slot)
     if args.apply_router_weight_on_input:
         xs = xs * slot_weight.to(x.dtype).unsqueeze(1)
     gate_up = _grouped_mm(xs, args.w13.transpose(1, 2), offs=offs)
     if args.w13_bias is not None:
-        gate_up = gate_up + args.w13_bias.to(x.dtype).index_select(0, expert_of_slot.clamp(0, E - 1))
+        gate_up = gate_up + args.w13_bias.to(x.dtype).index_select(0, expert_or_last)
     y = _grouped_mm(
         apply_activation(gate_up, args.activation, args.activation_constants), args.w2.transpose(1, 2), offs=offs
     )
     if args.w2_bias is not None:
-        y = y + args.w2_bias.to(x.dtype).index_select(0, expert_of_slot.clamp(0, E - 1))
-    y = y.to(acc_dtype)
+        y = y + args.w2_bias.to(x.dtype).index_select(0, expert_or_last)
+    y = torch.where(routed, y.to(acc_dtype), 0.0)  # what the GEMMs left unwritten, NaN included, is dropped
     if not args.apply_router_weight_on_input:
         y = y * slot_weight.to(acc_dtype).unsqueeze(1)
     out = torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token_of_slot, y)
@@ -731,14 +735,13 @@ def aten(args: MoEArgs) -> torch.Tensor:
 
 
 def moe_aten(*args, pdl: bool = False, placement: str = "", **kwargs) -> torch.Tensor:
-    """``aten`` called like the op: the op's ATen form, which select_kernels traces into the graph."""
-    kwargs.pop("impl", None)
+    """``aten`` called like the op (its data arguments): the op's ATen form, which select_kernels traces into the
+    graph."""
     return aten(MoEArgs(*args, **kwargs))
 
 
 def moe_aten_declines(target: Target, *args, pdl: bool = False, placement: str = "", **kwargs) -> Optional[str]:
-    """``aten_declines`` for ``target`` called like the op (on the node's fake values)."""
-    kwargs.pop("impl", None)
+    """``aten_declines`` for ``target`` called like the op (its data arguments, on the node's fake values)."""
     return aten_declines(MoEArgs(*args, **kwargs), target.is_cuda)
 
 

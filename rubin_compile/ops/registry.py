@@ -334,7 +334,8 @@ class CanonicalOp:
         node bound to ``torch`` / ``reference`` into it, so Inductor fuses and tunes it as without rubin.
     aten_declines:
         ``fn(target, **arguments) -> Optional[str]``: why the ATen form cannot express a call on ``target``
-        (``None`` when it can; no callable: it expresses every call). A node it declines stays an op call, with the reason in the report.
+        (``None`` when it can; no callable: it expresses every call). A node it declines stays an op call, with
+        the reason in the report.
     aten_label:
         What the ATen form is, for reports ("mm / addmm / _scaled_mm + epilogue").
     example_shape:

@@ -7,8 +7,8 @@ too) and are re-exported here, so a pass imports everything of this kind from on
 
 from __future__ import annotations
 
-import operator
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 

@@ -338,3 +338,19 @@ def test_aten_form_declines_what_it_cannot_express_with_the_reason():
         MoEArgs(x, w13, w2, w, ids)
     )
     assert "CPU target only" in aten_declines(plain, target_is_cuda=True)
+
+
+def test_aten_form_drops_an_expert_id_outside_the_range():
+    """Without a host synchronisation the ATen form cannot raise on an expert id outside [0, E) as the reference
+    does; such a slot contributes nothing, as if its routing weight were zero (before: an id >= E added the rows the
+    grouped GEMM leaves unwritten, NaN on this CPU, and a negative one was computed as expert 0)."""
+    from rubin_compile.ops.moe import MoEArgs, aten, reference
+
+    x, w13, w2, w, ids, b13, b2 = make(T=6, H=32, E=5, I=16, k=2, dtype=torch.bfloat16, bias=True)
+    bad = ids.clone()
+    bad[1, 0], bad[3, 1] = 99, -1
+    dropped = w.clone()
+    dropped[1, 0] = dropped[3, 1] = 0.0
+    got = aten(MoEArgs(x, w13, w2, w, bad, "silu", b13, b2))
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, reference(MoEArgs(x, w13, w2, dropped, ids, "silu", b13, b2)))
