@@ -168,8 +168,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         result.decisions.append(Decision(name, op_name, CALL, why, details))
     if result.decisions:
         result.notes.append(
-            f"{traced} of {len(result.decisions)} kernel node(s) traced into the graph (inline_kernels={mode!r}); "
-            "Inductor launches their Triton kernels from its generated code"
+            f"{traced} of {len(result.decisions)} kernel node(s) traced into the graph (inline_kernels={mode!r})"
+            + ("; Inductor launches their Triton kernels from its generated code" if traced else "")
         )
     if traced:
         _quiet_inline_asm_analysis()
