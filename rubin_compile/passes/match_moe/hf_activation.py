@@ -14,7 +14,8 @@ activation for each::
                                                                                           HYV4Experts)
     silu(gate).clamp(max=L) * up.clamp(-L, L), halves      swiglustep[:L]                (Step3p7Experts' gate: that
                                                                                           class is undecorated in
-                                                                                          5.19-5.24, an eager loop)
+                                                                                          5.19-5.24, an eager loop;
+                                                                                          decorated from 5.25)
     act_fn(h), has_gate=False (an up_proj, no split)       <act>_no_mul: silu / gelu /   (NemotronHExperts: relu2)
                                                            gelu_tanh / relu2 / relu
 

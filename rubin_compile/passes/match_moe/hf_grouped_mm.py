@@ -55,8 +55,10 @@ zeroes the rows of ids >= E. When the ids are the indices of a top-k over the E 
 no such rows and the masks are dropped (the report says so, ``sentinel_masks``); ids from anywhere else (a dispatch
 that writes sentinels) are left unchanged with that reason.
 
-Versions: the walk above is transformers 5.8's ``grouped_mm_experts_forward`` onwards (5.8 to 5.24 compared line by
-line: they differ only in where the sentinel masks sit). 5.4 to 5.7 sort with ``perm = argsort(expert_ids)`` and
+Versions: the walk above is transformers 5.8's ``grouped_mm_experts_forward`` onwards (5.8 to 5.25 compared line by
+line: they differ only in where the sentinel masks sit; 5.25 adds an optional norm after the down projection,
+``has_post_expert_norm``, Muse Spark's, which the walk does not take: such a block is left unchanged with the reason).
+5.4 to 5.7 sort with ``perm = argsort(expert_ids)`` and
 gather by it (``expert_ids[perm]`` counted by histc, ``hidden_states[token_idx[perm]]``, in 5.4
 ``hidden_states[token_idx][perm]``, with ``token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)``); 5.6 and
 5.7 clamp the ids to [0, E - 1] before the argsort and mask the weighted output where ``expert_ids >= E`` (dropped

@@ -42,11 +42,18 @@ def moe_rewrites(rubin_run) -> list[dict]:
 # --- blocks no matcher rewrites: the reason the router gives ------------------------------------------------------
 
 
+def assert_graph_break_reported_at_the_router(rubin_run) -> None:
+    assert moe_rewrites(rubin_run) == []
+    routers = [u for u in rubin_run.unchanged() if u["idiom"] == ROUTER]
+    assert routers and all(GRAPH_BREAK in u["reason"] for u in routers), rubin_run.unchanged()
+    # one reason per router: NLLB-MoE's second argmax belongs to the block of its first (the same projection)
+    graphs = [rep for rep in rubin_run.reports() if any(p["unchanged"] for p in rep["passes"])]
+    assert len(routers) == len(graphs)
+
+
 @pytest.mark.parametrize(
     "model_type",
     [
-        "longcat_flash",  # its own loop over the experts hit; ids >= n_routed_experts are identity experts
-        "step3p7",  # its own loop over the experts hit (one_hot over E + 1, the last skipped)
         "switch_transformers",  # argmax (top-1) with expert capacity, a one-hot dispatch mask leaves the graph
         "nllb-moe",  # two argmaxes (top-2) with expert capacity, the same
     ],
@@ -55,12 +62,49 @@ def test_graph_breaking_experts_reported_at_the_router(rubin_run, model_type):
     """The experts are a loop over ``nonzero()`` written by the model itself (no experts interface to switch): the
     graph breaks there, and the router's graph says so: its ids (or the dispatch mask made of them) are an output."""
     compile_family_block(rubin_run, model_type)
+    assert_graph_break_reported_at_the_router(rubin_run)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "longcat_flash",  # ids >= n_routed_experts are identity ("zero") experts
+        "step3p7",  # one_hot over E + 1, the last skipped
+    ],
+)
+def test_own_expert_loops_until_transformers_decorates_them(rubin_run, model_type):
+    """LongCat-Flash's and Step-3.7's experts were loops of their own over the experts hit (transformers up to 5.24:
+    the graph breaks there, the router says so). transformers 5.25 decorates them with ``use_experts_implementation``
+    (LongCat-Flash's identity experts moved into the block: their slots get an expert id in range and weight 0), and
+    the grouped-mm block is rewritten, all its experts in one ``rubin.moe``; the output matches eager either way."""
+    block, config = compile_family_block(rubin_run, model_type)
+    if not hasattr(type(block.experts).forward, "__wrapped__"):  # the model's own loop
+        assert_graph_break_reported_at_the_router(rubin_run)
+        return
+    (rewrite,) = moe_rewrites(rubin_run)
+    assert rewrite["details"]["form"] == "transformers.grouped_mm_fallback", rewrite
+    assert rewrite["details"]["E"] == block.experts.num_experts, rewrite
+    assert rubin_run.unchanged() == []
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_post_expert_norm_left_unchanged(rubin_run, impl):
+    """transformers 5.25's experts interface may normalise each expert's output before it is weighted
+    (``has_post_expert_norm``, Muse Spark): rubin.moe has no such step, so the block stays as written, with the
+    reason, and runs as eager does."""
+    pytest.importorskip("transformers")
+    from tests.cpu.passes.match_moe.families import moe_block, require
+
+    require("muse_spark")
+    block, config = moe_block("muse_spark")
+    assert block.experts.has_post_expert_norm
+    block.experts.config._experts_implementation = impl
+    x = torch.randn(2, 8, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close_to_eager(_first(rubin_run.compile(block)(x)), _first(block(x)))
     assert moe_rewrites(rubin_run) == []
-    routers = [u for u in rubin_run.unchanged() if u["idiom"] == ROUTER]
-    assert routers and all(GRAPH_BREAK in u["reason"] for u in routers), rubin_run.unchanged()
-    # one reason per router: NLLB-MoE's second argmax belongs to the block of its first (the same projection)
-    graphs = [rep for rep in rubin_run.reports() if any(p["unchanged"] for p in rep["passes"])]
-    assert len(routers) == len(graphs)
+    left = [u for u in rubin_run.unchanged() if u["idiom"].startswith(f"hf {impl}")]
+    assert left and "down projection output is not multiplied by the" in left[0]["reason"], rubin_run.unchanged()
 
 
 def test_doge_product_key_experts_reported_at_the_router(rubin_run):
