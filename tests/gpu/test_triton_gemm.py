@@ -83,6 +83,24 @@ def test_formats_and_epilogues(wfmt, epilogue, split):
 
 @needs_sm90
 @pytest.mark.parametrize("wfmt", FORMATS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("split,early", [(1, False), (4, False), (3, True)])
+def test_gemv_form(wfmt, epilogue, split, early):
+    """The reduction (GEMV) form (M <= 4): right for every format and epilogue, split and not, with the early
+    tile; M = 3 pads to 4 rows. A 64-column tile with block scales and 96 gated columns straddles a scale block
+    and runs the FMA form instead (launch's rule); the result is the same either way."""
+    from rubin_compile.kernels.triton import gemm as G
+
+    act = torch.float16 if wfmt == "fp16" else torch.bfloat16
+    for M, block_n, N in ((1, 16, 384), (3, 32, 384), (2, 64, 192)):
+        args = _args(M, N, 1000, wfmt, epilogue, bias=epilogue != "residual_add", act=act)
+        cfg = G.GemmConfig(block_n=block_n, block_k=128, split_k=split, num_warps=4, num_stages=1, mma=False,
+                           gemv=True, early=early)  # fmt: skip
+        _check(G.launch(args, cfg, pdl=True), args)
+
+
+@needs_sm90
+@pytest.mark.parametrize("wfmt", FORMATS)
 @pytest.mark.parametrize("split", [1, 3])
 def test_early_weight_tile(wfmt, split):
     """The first weight tile loaded before the wait: right for every format, gated and residual epilogues."""
@@ -153,6 +171,11 @@ def test_pdl_bitwise_under_graph_replay(split, wfmt, epilogue):
     for r_on, r_off, r_early in zip(on, off, early):
         for y_on, y_off, y_early in zip(r_on, r_off, r_early):
             assert torch.equal(y_on, y_off) and torch.equal(y_on, y_early)
+    # the reduction (GEMV) form, PDL on and off
+    gemv = G.GemmConfig(block_n=16, block_k=128, split_k=split, num_warps=4, num_stages=1, mma=False, gemv=True)
+    for r_on, r_off in zip(_graph_outputs(args_of, gemv, True), _graph_outputs(args_of, gemv, False)):
+        for y_on, y_off in zip(r_on, r_off):
+            assert torch.equal(y_on, y_off)
 
 
 @needs_sm90

@@ -22,6 +22,9 @@ each such call before it moves a byte (../shared/measurements/2026-11-30: 8-57% 
   previous kernel drains. Only then are activations (which the previous kernel writes) read. The programs
   call ``griddepcontrol.launch_dependents`` right after the wait, so the next PDL kernel does the same in our
   tail. Without PDL the prefetch still puts one slice's worth of requests in flight at once.
+- **Up to four rows, no tensor cores.** The FMA form (``mma=False``) multiplies and adds over the real rows; its
+  reduction (GEMV) variant (``gemv=True``, ``_gemv_step``) defers the sum over K to after the loop, so the loop
+  is loads and FMAs only (Inductor's M = 1 form). Not yet tuned on the H200: no table entry selects it yet.
 - **The math is the reference's.** Products accumulate in fp32 (``tl.dot`` of the activation dtype; FP8
   operands are converted exactly to it first), block scales are applied per K tile, per-tensor / row /
   column scales and the bias once on the fp32 sum, then one rounding to the output dtype, and the epilogue
@@ -67,7 +70,8 @@ class GemmConfig:
     """One launch configuration. ``block_n`` output columns and ``block_k`` reduction positions per tile,
     ``split_k`` slices of K (1: no split), Triton's ``num_warps`` / ``num_stages`` (tiles in flight + 1),
     whether programs prefetch their weight slice into L2 before ``gdc_wait`` (``prefetch``), whether they load
-    their first weight tile into registers before it (``early``), and the tensor-core or FMA form (``mma``)."""
+    their first weight tile into registers before it (``early``), the tensor-core or FMA form (``mma``), and, of
+    the FMA form, the reduction (GEMV) variant (``gemv``: see ``_gemv_step``)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -77,6 +81,7 @@ class GemmConfig:
     prefetch: bool = False
     mma: bool = True  # tensor-core tiles (M padded to 16); False: FMA over the real rows (M <= 4)
     early: bool = False  # load the first weight tile into registers before gdc_wait (its latency overlaps)
+    gemv: bool = False  # with mma=False: products summed per element over K, reduced once after the loop
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +94,7 @@ class GemmConfig:
     def describe(self) -> str:
         pf = "+pf" if self.prefetch else ""
         early = "+early" if self.early else ""
-        fma = "" if self.mma else " fma"
+        fma = "" if self.mma else (" gemv" if self.gemv else " fma")
         return f"n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{pf}{early}{fma}"
 
 
@@ -350,6 +355,63 @@ def _step(
     return acc, acc_up
 
 
+@triton.jit
+def _gemv_step(
+    acc3,
+    acc3_up,
+    a_ptr,
+    stride_am,
+    stride_ak,
+    rows,
+    m_ok,
+    offs_k,
+    k_ok,
+    cols,
+    w,
+    w_up,
+    k0,
+    n0,
+    N_OUT,
+    sa_ptr,
+    sb_ptr,
+    stride_sam,
+    stride_sbk,
+    stride_sbn,
+    A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    GATED_EPI: tl.constexpr,
+):
+    """The reduction (GEMV) form's K tile: ``acc3[m, k, n] += a[m, k] * w[k, n]`` in fp32, element by element; the
+    sum over K is taken once, after the loop. The FMA form instead reduces every tile (``_dot`` with
+    ``MMA=False``), and its sm_90 loop then holds shuffles, shared-memory layout conversions and 8 ``bar.sync``
+    per K tile (Triton 3.9's PTX, 16 x 512 tiles), work per tile that keeps a program's weight stream slow
+    (docs/kernels/gemm.md). Here the activations are loaded in the weight tile's own layout (a pointer broadcast
+    over the tile's columns: each column's threads read the same bytes, from L1), so the loop needs no layout
+    conversion, no shared memory and no barrier (tests/cpu/kernels/test_triton_gemm.py reads the PTX). Block /
+    group scales are one per tile (``launch`` keeps a column tile inside one 128-column scale block)."""
+    a = tl.load(
+        a_ptr + rows[:, None, None] * stride_am + offs_k[None, :, None] * stride_ak + 0 * cols[None, None, :],
+        mask=m_ok[:, None, None] & k_ok[None, :, None],
+        other=0.0,
+    ).to(tl.float32)
+    p = a * w.to(tl.float32)[None, :, :]
+    p_up = p
+    if GATED_EPI:
+        p_up = a * w_up.to(tl.float32)[None, :, :]
+    if A_SCALE == 3:
+        sa = tl.load(sa_ptr + rows[:, None, None] * stride_sam + k0 // 128, mask=m_ok[:, None, None], other=0.0)
+        p = p * sa
+        p_up = p_up * sa
+    if B_SCALE == 3:
+        p = p * tl.load(sb_ptr + (k0 // 128) * stride_sbk + (n0 // 128) * stride_sbn)
+        if GATED_EPI:
+            p_up = p_up * tl.load(sb_ptr + (k0 // 128) * stride_sbk + ((n0 + N_OUT) // 128) * stride_sbn)
+    acc3 += p
+    if GATED_EPI:
+        acc3_up += p_up
+    return acc3, acc3_up
+
+
 @triton.jit(do_not_specialize=["M", "PF_BYTES"])  # one binary for every M (M == 1 would specialise)
 def _gemm_kernel(
     a_ptr,
@@ -390,6 +452,7 @@ def _gemm_kernel(
     ESIZE: tl.constexpr,
     MMA: tl.constexpr,
     EARLY: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     GATED_EPI: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 2
     pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together and share it in L2
@@ -426,7 +489,16 @@ def _gemm_kernel(
     rows = tl.where(m_ok, offs_m, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EARLY:  # the first weight tile, loaded above before the wait, meets its activations
+    n0 = pid_n * BLOCK_N
+    if GEMV:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc3_up = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    if EARLY and GEMV:
+        acc3, acc3_up = _gemv_step(
+            acc3, acc3_up, a_ptr, stride_am, stride_ak, rows, m_ok, offs_k0, k_ok0, cols, w0, w0_up, k_lo, n0, N_OUT,
+            sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn, A_SCALE, B_SCALE, GATED_EPI,
+        )  # fmt: skip
+    elif EARLY:  # the first weight tile, loaded above before the wait, meets its activations
         a = tl.load(
             a_ptr + rows[:, None] * stride_am + offs_k0[None, :] * stride_ak,
             mask=m_ok[:, None] & k_ok0[None, :],
@@ -439,21 +511,32 @@ def _gemm_kernel(
     for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        if not GEMV:
+            a = tl.load(
+                a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
         w_up = w
         if GATED_EPI:
             w_up = tl.load(
                 b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn, mask=k_ok[:, None], other=0.0
             )
-        acc, acc_up = _step(
-            acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn,
-            BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
-        )  # fmt: skip
+        if GEMV:
+            acc3, acc3_up = _gemv_step(
+                acc3, acc3_up, a_ptr, stride_am, stride_ak, rows, m_ok, offs_k, k_ok, cols, w, w_up, k0, n0, N_OUT,
+                sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn, A_SCALE, B_SCALE, GATED_EPI,
+            )  # fmt: skip
+        else:
+            acc, acc_up = _step(
+                acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
+                stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
+            )  # fmt: skip
+    if GEMV:  # the reduction over K, once
+        acc = tl.sum(acc3, axis=1)
+        if GATED_EPI:
+            acc_up = tl.sum(acc3_up, axis=1)
     if SPLIT:
         # fp32 partials [SPLIT_K, M, N]; _splitk_reduce sums them in split order and finishes
         N_FULL = N_OUT * 2 if GATED_EPI else N_OUT
@@ -554,6 +637,15 @@ def _device_facts(index: int) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
+def _gemv_scales_fit(block_n: int, n_out: int, gated: bool, b_kind: Optional[str]) -> bool:
+    """Whether the GEMV form's one block scale per tile is exact: with 128 x 128 block-scaled weights every column
+    tile must lie inside one 128-column block (``block_n`` divides 128), the up columns of a gated epilogue
+    (``n_out`` further on) too (``n_out`` a multiple of ``block_n``)."""
+    if b_kind != "block":
+        return True
+    return SCALE_BLOCK % block_n == 0 and (not gated or n_out % block_n == 0)
+
+
 def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tensor:
     """Run ``args`` with ``config`` (any ``M``; ``M > MAX_M`` runs several M tiles). ``pdl``: launch with
     Programmatic Dependent Launch (the kernels wait before reading anything an earlier kernel writes)."""
@@ -573,6 +665,8 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         config = GemmConfig(**{**config.to_json(), "block_k": bk})
     if not config.mma and M > FMA_MAX_M:
         config = GemmConfig(**{**config.to_json(), "mma": True})
+    if config.gemv and (config.mma or not _gemv_scales_fit(config.block_n, n_out, args.epilogue in GATED, b_kind)):
+        config = GemmConfig(**{**config.to_json(), "gemv": False})
     block_m = _block_m(M, config.mma)
     m_tiles = cdiv(M, block_m)
     n_tiles = cdiv(n_out, config.block_n)
@@ -654,6 +748,7 @@ def launch(args: GemmArgs, config: GemmConfig, pdl: bool = False) -> torch.Tenso
         ESIZE=esize,
         MMA=config.mma,
         EARLY=int(config.early),
+        GEMV=config.gemv,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,

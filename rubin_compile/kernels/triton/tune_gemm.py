@@ -123,8 +123,8 @@ def _smem_ok(M: int, cfg: G.GemmConfig, esize: int, limit: int = 200 << 10) -> b
 def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmConfig]:
     """Tensor-core tiles whose programs cover the SMs between half and four times over, split-K where N alone
     cannot; each with 4 warps and 4 stages, 6 stages (more weight tiles in flight), and 8 warps for wide tiles;
-    K tiles of 256 where no block scale forces 128; for up to four rows also the FMA form with long K tiles;
-    the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
+    K tiles of 256 where no block scale forces 128; for up to four rows also the FMA form with long K tiles and
+    its reduction (GEMV) form with narrow column tiles; the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
     the fastest)."""
     esize = 1 if wfmt.startswith("fp8") else 2
     out = {G.heuristic(M, N, K, wfmt, num_sms)}
@@ -153,7 +153,28 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                 if split > 1 and (tiles * split > 4 * num_sms or -(-K // bk) // split < 2):
                     continue
                 out.add(G.GemmConfig(bn, bk, split, 4, 3, False, False))  # plain loads: no pipeline depth
-    return sorted(out, key=lambda c: (not c.mma, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
+        # the reduction (GEMV) form: narrow column tiles, many programs, at most 64 fp32 accumulators a thread
+        block_m = G._block_m(M, mma=False)
+        for bn, bk, warps in (
+            (8, 128, 4),
+            (8, 256, 4),
+            (8, 512, 4),
+            (16, 128, 4),
+            (16, 256, 4),
+            (16, 512, 8),
+            (32, 128, 4),
+            (32, 256, 8),
+        ):
+            if wfmt == "fp8_block" and bk > G.SCALE_BLOCK:
+                continue
+            if block_m * bk * bn > 64 * 32 * warps:
+                continue
+            tiles = -(-N // bn)
+            for split in (1, 2, 4, 8):
+                if split > 1 and (tiles * split > 8 * num_sms or -(-K // bk) // split < 2):
+                    continue
+                out.add(G.GemmConfig(bn, bk, split, warps, 1, False, False, gemv=True))
+    return sorted(out, key=lambda c: (not c.mma, c.gemv, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
 
 
 def flipped(cfg: G.GemmConfig, **flags: bool) -> G.GemmConfig:

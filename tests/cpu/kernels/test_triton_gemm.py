@@ -101,6 +101,20 @@ CASES = [
     (3, 200, 300, "fp8_block", "gelu_tanh_and_mul", True, dict(block_n=32, block_k=128, split_k=2, early=True)),
     (3, 200, 300, "a8_group", "none", False, dict(block_n=32, block_k=128, early=True)),
     (1, 64, 300, "bf16", "none", False, dict(block_n=32, block_k=64, mma=False, early=True)),
+    # the reduction (GEMV) form: every weight format and epilogue, split-K, the early tile, one block scale per tile
+    # (a column tile that would straddle a scale block runs the FMA form), M > 4 (the MMA form)
+    (1, 48, 200, "bf16", "none", False, dict(block_n=16, block_k=64, mma=False, gemv=True)),
+    (3, 64, 300, "bf16", "none", True, dict(block_n=16, block_k=128, split_k=2, mma=False, gemv=True)),
+    (2, 64, 300, "bf16", "silu_and_mul", False, dict(block_n=16, block_k=64, mma=False, gemv=True, early=True)),
+    (4, 40, 130, "fp16", "residual_add", True, dict(block_n=8, block_k=64, split_k=2, mma=False, gemv=True)),
+    (4, 48, 260, "fp8_tensor", "none", False, dict(block_n=16, block_k=64, mma=False, gemv=True)),
+    (2, 48, 260, "fp8_column", "gelu_tanh_and_mul", True, dict(block_n=8, block_k=64, split_k=2, mma=False, gemv=True)),
+    (3, 256, 300, "fp8_block", "silu_and_mul", False, dict(block_n=32, block_k=128, mma=False, gemv=True)),
+    (3, 200, 300, "fp8_block", "none", True, dict(block_n=32, block_k=128, split_k=2, mma=False, gemv=1, early=1)),
+    (2, 192, 300, "fp8_block", "silu_and_mul", False, dict(block_n=64, block_k=128, mma=False, gemv=True)),
+    (3, 200, 300, "a8_group", "residual_add", False, dict(block_n=32, block_k=128, mma=False, gemv=True)),
+    (3, 64, 256, "a8_row", "none", True, dict(block_n=16, block_k=64, mma=False, gemv=True)),
+    (6, 64, 300, "bf16", "none", False, dict(block_n=32, block_k=64, mma=False, gemv=True)),
 ]
 
 
@@ -149,6 +163,7 @@ def _ptx(aot, **constexprs) -> str:
         ESIZE=2,
         MMA=True,
         EARLY=0,
+        GEMV=False,
     )
     base.update(constexprs)
     ptrs = {p: "*bf16" for p in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr")}
@@ -196,6 +211,29 @@ def test_sm90_early_weight_tile_is_loaded_before_the_wait(aot):
 def test_sm90_fma_form_has_no_mma(aot):
     ptx = _ptx(aot, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, MMA=False)
     assert "mma" not in ptx and "ld.global.v4" in ptx
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512),
+        dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=256),
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, EPILOGUE=1),
+        dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=512, EARLY=1, SPLIT=True),
+    ],
+    ids=["m1", "m4", "gated", "early-split"],
+)
+def test_sm90_gemv_loop_streams_without_barriers(aot, form):
+    """The reduction (GEMV) form's K loop (bf16 weights) is 16-byte weight and activation loads and FMAs only: no
+    barrier, shuffle or shared memory per tile (the FMA form's loop has 8 bar.sync per tile on Triton 3.9), the
+    sum over K after the loop."""
+    ptx = _ptx(aot, MMA=False, GEMV=True, **form)
+    (loop,) = aot.loop_bodies(ptx)
+    said = {op: sum(op in line for line in loop) for op in ("bar.sync", "shfl", "ld.shared", "st.shared", "fma.rn")}
+    assert said["bar.sync"] == said["shfl"] == said["ld.shared"] == said["st.shared"] == 0, said
+    assert said["fma.rn"] > 0 and "mma" not in ptx, said
+    loads = [line for line in loop if "ld.global" in line]
+    assert loads and all(".v4" in line for line in loads), loads
 
 
 # ------------------------------------------------------------------------------------------------

@@ -76,3 +76,20 @@ def compile_like_a_launch(
 def async_copy_sizes(ptx: str) -> set[str]:
     """The byte sizes of the PTX's global -> shared asynchronous copies (``{"0x10"}``: 16-byte copies only)."""
     return set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (0x\w+|\d+)", ptx))
+
+
+def loop_bodies(ptx: str) -> list[list[str]]:
+    """The lines of each loop of the PTX, from the header block LLVM marks (``// =>This Inner Loop Header``, on
+    the block's label line or the line after it) to the branch back to it."""
+    lines = ptx.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "Inner Loop Header" not in line:
+            continue
+        at = i if re.match(r"\s*\$L\w+:", line) else i - 1
+        label = lines[at].split(":")[0].strip()
+        back = re.compile(r"\bbra(?:\.uni)?\s+" + re.escape(label) + r";")
+        end = next((j for j in range(i + 1, len(lines)) if back.search(lines[j])), None)
+        if end is not None:
+            out.append(lines[i : end + 1])
+    return out
