@@ -350,6 +350,67 @@ def test_pdl_inside_cuda_graph(tmoe):
     _check(outs[0], _reference(x, tw, ids, kw), TOL[torch.bfloat16])
 
 
+def _gemv_cfg(tmoe, mode, bm, fc1=True, fc2=True, bk1=128, split=1):
+    G = tmoe.GemmConfig
+    mma = _cfg(tmoe, mode, bn1=64, swap=True)
+    return tmoe.MoEConfig(
+        mode=mode,
+        fc1=G(BM=bm, BN=16, BK=bk1, num_stages=1, gemv=True, split_k=split) if fc1 else mma.fc1,
+        fc2=G(BM=bm, BN=32, BK=128, num_stages=1, gemv=True) if fc2 else mma.fc2,
+    )
+
+
+@pytest.mark.parametrize("wfmt", ["16", "fp8_tensor", "fp8_expert", "fp8_block"])
+@pytest.mark.parametrize(
+    "mode,T,bm", [("slot", 1, 1), ("slot", 3, 2), ("slot", 9, 4), ("slot", 9, 1), ("grouped", 40, 4)]
+)
+def test_gemv_form(tmoe, wfmt, mode, T, bm):
+    """The reduction (GEMV) form in both GEMMs (FP8 weights converted in registers, bf16 activations): against the
+    float64 reference, groups of more rows than a chunk included; PDL on and off and the kernel-boundary options
+    bitwise the same as the plain launch (the sum over K has one order)."""
+    from dataclasses import replace
+
+    x, tw, ids, kw = _inputs(T, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt, act="gelu_tanh", bias=True)
+    cfg = _gemv_cfg(tmoe, mode, bm)
+    off = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
+    _check(off, _reference(x, tw, ids, kw), TOL["fp8"] if wfmt != "16" else TOL[torch.bfloat16])
+    early = replace(cfg, early_launch=True, fc2=replace(cfg.fc2, prefetch=1 << 16))
+    for variant in (cfg, replace(cfg, w2_l2=True), replace(cfg, chain=True), early):
+        assert torch.equal(_run(tmoe, x, tw, ids, kw, config=variant, pdl=True), off), variant
+
+
+@pytest.mark.parametrize(
+    "fc1,fc2,bk1,split", [(True, False, 256, 1), (False, True, 128, 1), (True, False, 128, 2)], ids=str
+)
+def test_gemv_form_with_the_mma_form(tmoe, fc1, fc2, bk1, split):
+    """One GEMM in the GEMV form, the other swapped on the tensor cores; a K-split GEMV FC1 whose float32 partials
+    FC2's MMA form sums: against the reference."""
+    x, tw, ids, kw = _inputs(2, 16, 512, 384, 4, torch.bfloat16)
+    cfg = _gemv_cfg(tmoe, "slot", 1, fc1=fc1, fc2=fc2, bk1=bk1, split=split)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+def test_gemv_form_pdl_bitwise_under_graph_replay(tmoe):
+    """A CUDA graph of GEMV-form calls with PDL replays bitwise what the calls without PDL compute."""
+    x, tw, ids, kw = _inputs(1, 16, 512, 384, 4, torch.bfloat16, wfmt="fp8_block")
+    cfg = _gemv_cfg(tmoe, "slot", 1)
+    args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw["w13_scale"], kw["w2_scale"], kw["block_shape"])
+    eager = tmoe.fused_moe(*args, config=cfg, pdl=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tmoe.fused_moe(*args, config=cfg, pdl=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(3)]
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(o, eager)
+
+
 def test_registry_and_op(tmoe):
     from rubin_compile.ops.moe import MOE
     from rubin_compile.target import detect

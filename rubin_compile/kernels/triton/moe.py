@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
 SLOT_MAX = 64  # decode "slot" mode handles up to this many (token, expert) slots with no routing launch
 ROUTE_KERNEL_MAX = 4096  # the single-program routing kernel sorts up to this many slots in registers
+GEMV_MAX_BM = 4  # rows per chunk the reduction (GEMV) form takes (GemmConfig.gemv); more run on the tensor cores
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1}  # rubin.moe activation -> the kernels' ACT (kernels/triton/__init__.py)
 
@@ -67,6 +68,18 @@ class GemmConfig:
     prefetch: int = 0  # bytes of this program's weight slice to pull into L2 up front (0 = off)
     swap: bool = False  # weight tile as the MMA's M side (acc [BN, BM]): wgmma / FP8 wgmma for few tokens
     split_k: int = 1  # FC1 only: split K = H over this many programs (when I / BN alone cannot fill the SMs)
+    # the reduction (GEMV) form: no tensor cores; products summed per element over K, reduced once after the K
+    # loop (see _gemv_step); BM <= GEMV_MAX_BM rows per chunk, plain (not swapped) tiles, bf16 / fp16 / fp32
+    # activations (FP8 weights are converted in registers: not with a_fp8)
+    gemv: bool = False
+
+    def problem(self) -> Optional[str]:
+        """Why this tile cannot run (None: it can)."""
+        if self.gemv and self.swap:
+            return "gemv=True and swap=True exclude each other (the GEMV form has no MMA to swap); set one"
+        if self.gemv and self.BM > GEMV_MAX_BM:
+            return f"gemv=True takes BM <= {GEMV_MAX_BM} rows per chunk, not {self.BM}; use BM in (1, 2, 4)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,25 @@ class MoEConfig:
     chain: bool = False  # PDL between our own kernels even when the call has pdl=False (sm_90+; always safe)
     early_launch: bool = False  # FC1 lets FC2's programs start right after its gdc_wait (FC2 then prefetches)
     w2_l2: bool = False  # FC1's programs pull their expert's w2 into L2 while they stream w13 (decode)
+
+    def __post_init__(self) -> None:
+        why = self.problem()
+        if why is not None:
+            raise ValueError(f"MoEConfig: {why}")
+
+    def problem(self) -> Optional[str]:
+        """Why this configuration cannot run (None: it can): a GEMM tile's own problem, or a GEMV GEMM with FP8
+        activations (they need the tensor cores) or an FC2 GEMV after a K-split FC1 (its A tiles would be sums of
+        float32 partials, activated per tile: the MMA forms do that)."""
+        for name, g in (("fc1", self.fc1), ("fc2", self.fc2)):
+            why = g.problem()
+            if why is not None:
+                return f"{name}: {why}"
+        if self.a_fp8 and (self.fc1.gemv or self.fc2.gemv):
+            return "a_fp8=True needs the tensor cores, gemv=True does not use them; set a_fp8=False for a GEMV GEMM"
+        if self.fc2.gemv and self.fc1.split_k > 1:
+            return "fc2.gemv=True after a K-split FC1 (fc1.split_k > 1) is not implemented; set fc1.split_k=1"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,6 +239,9 @@ def smem_estimate(g: GemmConfig, which: str, x_elt: int, w_elt: int, split1: int
     weight tile (fitted to the sizes ptxas reported for sm_90 AOT compiles with Triton 3.9: exact for
     swapped tiles, up to 4 KB over for mma.sync ones).
     """
+    if g.gemv:  # no tile in shared memory in the K loop; the one reduction over K after it: at most a float32
+        # [BM, BN] per warp and accumulator (FC1 has two)
+        return (2 if which == "fc1" else 1) * g.BM * g.BN * 4 * g.num_warps
     if which == "fc2" and split1 > 1:
         return (g.num_stages - 1) * 2 * split1 * g.BM * g.BK * 4 + g.BN * g.BK * w_elt + 4096
     stage = g.BM * g.BK * x_elt + (2 if which == "fc1" else 1) * g.BN * g.BK * w_elt
@@ -431,6 +466,39 @@ def _mma_step(
     return out
 
 
+@triton.jit
+def _gemv_step(acc3, x3, w, sw, W_SCALE: tl.constexpr):
+    """The reduction (GEMV) form's K tile: ``acc3[m, k, n] += x3[m, k, n] * w[k, n]`` in float32, element by
+    element (times ``sw`` [BN], the weight rows' block scales, with ``W_SCALE`` 2); the sum over K is taken once,
+    after the K loop. ``x3`` is the rows' activations loaded in the weight tile's own layout (a pointer broadcast
+    over the tile's columns), so the loop needs no layout conversion, no shared memory and no barrier: 16-byte
+    weight loads and FMAs (tests/cpu/kernels/test_triton_moe_sm90_compile.py reads the PTX). The MMA forms pad a
+    group's 1-4 rows to 16 and pass every K tile through shared memory (the dense GEMM's GEMV form: gemm.py)."""
+    wf = w.to(tl.float32)
+    if W_SCALE == 2:
+        wf = wf * sw
+    return acc3 + x3 * wf[None, :, :]
+
+
+@triton.jit
+def _gemv_offs_k(BK: tl.constexpr, W_BITS: tl.constexpr):
+    """The K offsets of a GEMV weight tile. For 1-byte (FP8) weights, the same offsets written so that Triton's
+    analysis sees runs of 8: its loads then take 8 elements per thread (8-byte loads), the layout of the 16-bit
+    activations' 16-byte loads, and the products need no layout conversion (with the plain offsets each thread
+    loads 16 FP8 weights, and every K tile goes through shared memory behind 2-8 barriers; sm_90 PTX, Triton 3.9)."""
+    offs = tl.arange(0, BK)
+    if W_BITS == 8:
+        offs = (offs // 8) * 8 + offs % 8
+    return offs
+
+
+@triton.jit
+def _tile_scale(s_base, n0, k, k_last, stride_sn, stride_sk, SCALE_BN, SCALE_BK):
+    """The one block scale of the weight tile at rows [n0, n0 + BN), K offset ``k`` (clamped to ``k_last``, so the
+    look-ahead past the last tile stays in bounds): a GEMV tile lies in one scale block (``plan_call`` checks)."""
+    return tl.load(s_base + (n0 // SCALE_BN) * stride_sn + (tl.minimum(k, k_last) // SCALE_BK) * stride_sk)
+
+
 @triton.jit(do_not_specialize=["H", "n_tick"])
 def _quant_fp8_kernel(
     x_ptr,
@@ -552,6 +620,7 @@ def _moe_fc1_kernel(
     EARLY: tl.constexpr,
     W2_L2: tl.constexpr,
     W2_CHUNK: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     """FC1 + activation: inter[slot, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, N_UP + n]), n < I.
 
@@ -577,6 +646,9 @@ def _moe_fc1_kernel(
     partials, then take an arrival ticket (``tick``, zeroed by the quantisation kernel); the last to arrive sums
     the partials in split order (deterministic), activates, and writes the e4m3 intermediate ``qi`` and its
     scales, so FC2 reads one e4m3 tile per K step as after an unsplit FC1.
+
+    ``GEMV``: the reduction form (``_gemv_step``): chunks of BM <= 4 rows, no MMA, the sum over K after the loop;
+    16-bit activations, FP8 weights converted in registers, one block scale per tile (MoEConfig.problem, plan_call).
     """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -584,6 +656,7 @@ def _moe_fc1_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BK)
+    offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)  # the same offsets (GEMV tiles)
     if GDC:
         gdc_wait()  # hidden states, ids and route tables are written by earlier kernels
         if EARLY:
@@ -635,6 +708,10 @@ def _moe_fc1_kernel(
             wg_ptrs = w_base + offs_n[:, None] * stride_wn + (k_lo + offs_k[None, :]) * stride_wk
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
+        elif GEMV:
+            wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_kw[:, None]) * stride_wk
+            acc3_g = tl.zeros([BM, BK, BN], tl.float32)
+            acc3_u = tl.zeros([BM, BK, BN], tl.float32)
         else:
             x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + offs_k[None, :]) * stride_xh
             wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_k[:, None]) * stride_wk
@@ -645,7 +722,10 @@ def _moe_fc1_kernel(
         sg_nxt = 1.0
         su_nxt = 1.0
         xs_nxt = 1.0
-        if W_SCALE == 2:
+        if W_SCALE == 2 and GEMV:
+            sg_nxt = _tile_scale(s_base, pid_n * BN, k_lo, k_hi - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+            su_nxt = _tile_scale(s_base, N_UP + pid_n * BN, k_lo, k_hi - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+        elif W_SCALE == 2:
             sg_nxt = _block_scales(s_base, offs_n, k_lo, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
             su_nxt = _block_scales(s_base, offs_n + N_UP, k_lo, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
         if A_PRE:
@@ -655,26 +735,46 @@ def _moe_fc1_kernel(
             su = su_nxt
             xs = xs_nxt
             k1 = k0 + BK
-            if W_SCALE == 2:
+            if W_SCALE == 2 and GEMV:
+                sg_nxt = _tile_scale(s_base, pid_n * BN, k1, k_hi - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+                su_nxt = _tile_scale(s_base, N_UP + pid_n * BN, k1, k_hi - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+            elif W_SCALE == 2:
                 more = _and_lt(n_mask, k1, k_hi)
                 sg_nxt = _block_scales(s_base, offs_n, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
                 su_nxt = _block_scales(s_base, offs_n + N_UP, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
             if A_PRE:
                 xs_nxt = tl.load(xs_ptr + tok * stride_xst + k1 // BK, mask=_and_lt(valid, k1, k_hi), other=1.0)
             k_mask = (offs_k < H - k0) | EVEN_K
-            if SWAP:
+            if GEMV:
+                x3 = tl.load(
+                    x_ptr + tok[:, None, None] * stride_xt + (k0 + offs_k)[None, :, None] * stride_xh
+                    + 0 * offs_n[None, None, :],
+                    mask=valid[:, None, None] & k_mask[None, :, None],
+                    other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                acc3_g = _gemv_step(acc3_g, x3, wg, sg, W_SCALE)
+                acc3_u = _gemv_step(acc3_u, x3, wu, su, W_SCALE)
+            elif SWAP:
                 x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
                 wg = tl.load(wg_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 wu = tl.load(wu_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
+                acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             else:
                 x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
                 wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
-            acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
-            x_ptrs += BK * stride_xh
+                acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
+                acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
+            if not GEMV:
+                x_ptrs += BK * stride_xh
             wg_ptrs += BK * stride_wk
             wu_ptrs += BK * stride_wk
+        if GEMV:  # the reduction over K, once per chunk of rows
+            acc_g = tl.sum(acc3_g, axis=1)
+            acc_u = tl.sum(acc3_u, axis=1)
         if SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -796,6 +896,7 @@ def _moe_fc2_kernel(
     SWAP: tl.constexpr,
     SPLIT1: tl.constexpr,
     ACT: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     """FC2 + top-k weighted sum: out[t, n] = sum_j w[t, j] * (inter[t*k + j] . w2[e_j, n]).
 
@@ -803,6 +904,7 @@ def _moe_fc2_kernel(
     tile is then sum_s gate_s, sum_s up_s (in s order), activated and rounded to the activations' dtype,
     the same rounding the unsplit FC1 applies before it stores the intermediate.
     ``A_PRE``: the intermediate is e4m3 with a scale per (slot, BK columns) in ``as_ptr`` (FC1's ``Q_OUT``).
+    ``GEMV``: the reduction form (``_gemv_step``; unsplit FC1, no e4m3 intermediate: MoEConfig.problem).
     """
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -833,11 +935,18 @@ def _moe_fc2_kernel(
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
-            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            offs_kw = offs_k
+            if GEMV:
+                offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)
+            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_kw[:, None] * stride_wk
             acc = tl.zeros([BM, BN], tl.float32)
+        if GEMV:
+            acc3 = tl.zeros([BM, BK, BN], tl.float32)
         sw_nxt = 1.0
         as_nxt = 1.0
-        if W_SCALE == 2:  # scales one K step ahead (see FC1)
+        if W_SCALE == 2 and GEMV:  # scales one K step ahead (see FC1)
+            sw_nxt = _tile_scale(s_base, pid_n * BN, 0, I - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+        elif W_SCALE == 2:
             sw_nxt = _block_scales(s_base, offs_n, 0, stride_sn, stride_sk, SCALE_BN, SCALE_BK, n_mask)
         if A_PRE:
             as_nxt = tl.load(as_ptr + slot * stride_ast, mask=valid, other=1.0)
@@ -845,7 +954,9 @@ def _moe_fc2_kernel(
             sw = sw_nxt
             a_s = as_nxt
             k1 = k0 + BK
-            if W_SCALE == 2:
+            if W_SCALE == 2 and GEMV:
+                sw_nxt = _tile_scale(s_base, pid_n * BN, k1, I - 1, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
+            elif W_SCALE == 2:
                 more = _and_lt(n_mask, k1, I)
                 sw_nxt = _block_scales(s_base, offs_n, k1, stride_sn, stride_sk, SCALE_BN, SCALE_BK, more)
             if A_PRE:
@@ -857,7 +968,14 @@ def _moe_fc2_kernel(
             else:
                 a_mask = valid[:, None] & k_mask[None, :]
                 w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            if SPLIT1 == 1:
+            if GEMV:
+                a3 = tl.load(
+                    a_ptr + slot[:, None, None] * stride_at + (k0 + offs_k)[None, :, None] + 0 * offs_n[None, None, :],
+                    mask=valid[:, None, None] & k_mask[None, :, None],
+                    other=0.0,
+                ).to(tl.float32)
+                acc3 = _gemv_step(acc3, a3, w, sw, W_SCALE)
+            elif SPLIT1 == 1:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             else:
                 ag = tl.load(a_ptrs, mask=a_mask, other=0.0)
@@ -869,9 +987,12 @@ def _moe_fc2_kernel(
                     a = (_silu(ag) * au).to(out_ptr.dtype.element_ty)
                 else:
                     a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
-            acc = _mma_step(a, w, acc, sw, a_s, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
+            if not GEMV:
+                acc = _mma_step(a, w, acc, sw, a_s, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             a_ptrs += BK
             w_ptrs += BK * stride_wk
+        if GEMV:  # the reduction over K, once per chunk of rows
+            acc = tl.sum(acc3, axis=1)
         if SWAP:
             acc = tl.trans(acc)
         if GDC:
@@ -1280,6 +1401,7 @@ class MoEPlan:
             EARLY=bool(self.config.early_launch and pdl),
             W2_L2=w2_l2_bytes,
             W2_CHUNK=max(16, w2_chunk),
+            GEMV=fc1.gemv,
             num_warps=fc1.num_warps,
             num_stages=fc1.num_stages,
             **self.common,
@@ -1351,6 +1473,7 @@ class MoEPlan:
             SWAP=fc2.swap,
             SPLIT1=split1,
             ACT=self.act,
+            GEMV=fc2.gemv,
             num_warps=fc2.num_warps,
             num_stages=fc2.num_stages,
             **self.common,
@@ -1548,6 +1671,14 @@ def plan_call(
     fp8 = w_dtype in FP8_DTYPES
     fc1 = _clamp_bk(config.fc1, block_shape, H)
     fc2 = _clamp_bk(config.fc2, block_shape, I)
+    if fp8 and block_shape is not None:
+        # a GEMV tile takes one block scale per K step: its rows must lie in one scale block (FC1's up rows too)
+        for name, g, up in (("fc1", fc1, I), ("fc2", fc2, 0)):
+            if g.gemv and (int(block_shape[0]) % g.BN or up % g.BN):
+                raise MoEArgumentError(
+                    f"rubin.moe[triton]: config {name}: a GEMV tile of BN={g.BN} rows straddles the weights' "
+                    f"{block_shape[0]}-row scale blocks (I = {I}); use a BN that divides {block_shape[0]} and I"
+                )
     if interpret:
         fc1, fc2 = replace(fc1, prefetch=0), replace(fc2, prefetch=0)
     a_fp8 = bool(config.a_fp8 and fp8)

@@ -182,8 +182,9 @@ def _fits(g, which, wfmt) -> bool:
     return moe_kernels.smem_estimate(g, which, 2, 2 if wfmt == "bf16" else 1) <= moe_kernels.SMEM_LIMIT
 
 
-def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool = False):
-    """Candidate tiles for one GEMM (FC1 over n = I, FC2 over n = H); mma.sync tiles and swapped (wgmma) ones."""
+def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool = False, rows: float = 64.0):
+    """Candidate tiles for one GEMM (FC1 over n = I, FC2 over n = H); mma.sync tiles, swapped (wgmma) ones, and
+    at decode (``rows`` slots per routed expert) the reduction (GEMV) form's."""
     GemmConfig = moe.GemmConfig
     if base.BM >= 64 and T >= 512:  # prefill tiles
         if which == "fc1":
@@ -213,7 +214,35 @@ def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool 
         for bn in (32, 64):  # mma.sync tiles, deeper
             for bk, st in ((128, 6), (128, 8)):
                 out.append(GemmConfig(BM=base.BM, BN=bn, BK=bk, num_warps=4, num_stages=st))
+    if not a8:
+        out += _gemv_candidates(moe, T, n, wfmt, which, rows)
     return [g for g in out if _fits(g, which, wfmt)]
+
+
+GEMV_TILES = {  # (BN, BK, warps) of the reduction form; with BM rows <= 64 float32 accumulators per thread
+    "fc1": ((8, 128, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 128, 8)),
+    "fc2": ((8, 128, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4)),
+}
+
+
+def _gemv_candidates(moe, T: int, n: int, wfmt: str, which: str, rows: float) -> list:
+    """The reduction (GEMV) form's tiles for decode groups of a few rows (``rows``: expected slots per routed
+    expert): BM = the rows rounded up to a power of two (<= moe.GEMV_MAX_BM), and 1 (a second chunk re-reads the
+    tile from L2); one stage (the loop is plain vector loads and FMAs). FP8 block scales: a tile's rows lie in one
+    128-row scale block (BN divides 128 and, for FC1's up rows, I = n)."""
+    if T > 8 or rows > moe.GEMV_MAX_BM:
+        return []
+    bms = sorted({1, min(moe.GEMV_MAX_BM, 1 << max(0, math.ceil(math.log2(max(rows, 1.0)))))})
+    out = []
+    accs = 2 if which == "fc1" else 1  # FC1 keeps gate and up
+    for bm in bms:
+        for bn, bk, w in GEMV_TILES[which]:
+            if accs * bm * bn * bk > 64 * 32 * w or bn > max(8, n):
+                continue
+            if wfmt == "fp8_block" and (BLOCK[0] % bn or (which == "fc1" and n % bn)):
+                continue
+            out.append(moe.GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=1, gemv=True))
+    return out
 
 
 def _split_candidates(moe, base, T, E, H, I, k, num_sms: int = 132) -> list:
@@ -257,11 +286,12 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
     cands = [base]
     if table_entry is not None:
         cands.append(moe._fit_mode(moe.MoEConfig.from_json(table_entry), T, k))
+    rows = T * k / max(1.0, moe.expected_distinct_experts(T, E, k))
     for a8 in (False, True) if wfmt != "bf16" else (False,):
         b = replace(base, a_fp8=a8)
-        for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8):
+        for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8, rows):
             cands.append(replace(b, fc1=c))
-        for c in _gemm_candidates(moe, T, H, wfmt, "fc2", b.fc2, a8):
+        for c in _gemm_candidates(moe, T, H, wfmt, "fc2", b.fc2, a8, rows):
             cands.append(replace(b, fc2=c))
     if base.mode != "prefill":
         # FC2 pulls its first weight bytes into L2 before its gdc_wait; and the unfused sum
@@ -297,7 +327,10 @@ def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
     winner = min(results, key=lambda r: r[0])[1]
     seeds = [winner]
     if b1 is not None and b2 is not None:
-        seeds.append(replace(b1, fc2=b2.fc2))
+        try:
+            seeds.append(replace(b1, fc2=b2.fc2))
+        except ValueError:  # MoEConfig.problem: e.g. a GEMV FC2 with b1's FP8 activations, which cannot run
+            pass
     out = []
     for c in seeds:
         c = replace(c, **plain)
@@ -315,6 +348,7 @@ def describe(cfg) -> str:
             + (f"/pf{c.prefetch // 1024}k" if c.prefetch else "")
             + ("/swap" if c.swap else "")
             + (f"/splitk{c.split_k}" if c.split_k > 1 else "")
+            + ("/gemv" if c.gemv else "")
         )
 
     return (

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,79 @@ def test_tuner_second_round_joins_best_fc1_and_fc2_with_boundary_options(tmoe):
     assert not {c for _, c in results} & set(r2)  # nothing timed twice
 
 
+def test_gemv_configs_that_cannot_run_are_refused_with_the_fix(tmoe):
+    """The reduction (GEMV) form's limits, named with the fix when a config is built (a table entry, a tuner
+    candidate, a hand-written config): no swapped tile, at most GEMV_MAX_BM rows per chunk, no FP8 activations,
+    no GEMV FC2 after a K-split FC1."""
+    G, C = tmoe.GemmConfig, tmoe.MoEConfig
+    ok = C(fc1=G(BM=1, BN=16, BK=256, num_stages=1, gemv=True), fc2=G(BM=2, BN=32, BK=128, gemv=True))
+    assert ok.problem() is None and tmoe.MoEConfig.from_json(json.loads(json.dumps(ok.to_json()))) == ok
+    for bad, said in (
+        (dict(fc1=G(BM=1, gemv=True, swap=True)), "fc1: gemv=True and swap=True exclude each other"),
+        (dict(fc2=G(BM=8, gemv=True)), "fc2: gemv=True takes BM <= 4 rows per chunk, not 8"),
+        (dict(fc1=G(BM=1, gemv=True), a_fp8=True), "a_fp8=True needs the tensor cores"),
+        (dict(fc1=G(split_k=2), fc2=G(BM=1, gemv=True)), "set fc1.split_k=1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            C(**bad)
+    # a K-split FC1 in the GEMV form is fine (FC2's MMA form sums its partials)
+    assert C(fc1=G(BM=1, gemv=True, split_k=2)).problem() is None
+
+
+def test_gemv_tile_across_scale_blocks_is_refused(tmoe):
+    """With 128 x 128 block scales a GEMV tile takes one scale per K step, so a tile whose rows straddle a scale
+    block is refused: with I = 136, FC1's up rows start at row 136 and the up tile of gate rows [112, 128) is rows
+    [248, 264), across the block edge at 256. With I = 128 every tile lies in one block."""
+    from rubin_compile.ops.moe import MoEArgumentError
+
+    G = tmoe.GemmConfig
+    cfg = tmoe.MoEConfig(fc1=G(BM=1, BN=16, BK=128, num_stages=1, gemv=True))
+    args = (1, 256, 4, 136, 2, torch.bfloat16, torch.float8_e4m3fn, (128, 128), "silu", cfg, True, False, False, True)
+    with pytest.raises(MoEArgumentError, match="GEMV tile of BN=16 rows straddles"):
+        tmoe.plan_call(*args)
+    fine = tmoe.plan_call(1, 256, 4, 128, 2, *args[5:])
+    assert fine.fc1.gemv and fine.fc1.BN == 16
+
+
+def test_tuner_tries_gemv_tiles_only_at_decode(tmoe):
+    """Decode groups of 1-4 rows get reduction-form candidates: BM the expected rows per routed expert rounded up
+    (and 1), at most 64 float32 accumulators per thread, one stage; never with FP8 activations; with FP8 block
+    scales only tiles inside one scale block. None past T = 8."""
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    for shape in tm.SHAPES:
+        for wfmt in ("bf16", "fp8_block"):
+            one = tm.candidate_configs(tmoe, 1, **tm.SHAPES[shape], wfmt=wfmt)
+            gemv = [(c, g, n) for c in one for g, n in ((c.fc1, "fc1"), (c.fc2, "fc2")) if g.gemv]
+            assert {n for _, _, n in gemv} == {"fc1", "fc2"}, (shape, wfmt)
+            for c, g, n in gemv:
+                assert c.problem() is None and not c.a_fp8 and g.BM == 1 and g.num_stages == 1
+                assert (2 if n == "fc1" else 1) * g.BM * g.BN * g.BK <= 64 * 32 * g.num_warps
+                if wfmt == "fp8_block":
+                    assert 128 % g.BN == 0 and (n == "fc2" or tm.SHAPES[shape]["I"] % g.BN == 0)
+            two = tm.candidate_configs(tmoe, 2, **tm.SHAPES[shape], wfmt=wfmt)
+            assert {g.BM for c in two for g in (c.fc1, c.fc2) if g.gemv} == {1, 2}
+            assert not any(g.gemv for c in tm.candidate_configs(tmoe, 16, **tm.SHAPES[shape], wfmt=wfmt)
+                           for g in (c.fc1, c.fc2))  # fmt: skip
+
+
+def test_tuner_second_round_skips_a_join_that_cannot_run(tmoe):
+    """The best FC1 on FP8 activations joined with a GEMV FC2 (which cannot read them) is not tried; the round
+    still tries the winner with its boundary options."""
+    from dataclasses import replace
+
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    base = tmoe.heuristic_config(1, 128, 2048, 768, 8, torch.float8_e4m3fn, [128, 128])
+    assert base.a_fp8
+    gemv2 = replace(base, a_fp8=False, fc2=tmoe.GemmConfig(BM=1, BN=16, BK=128, num_stages=1, gemv=True))
+    fast1 = replace(base, fc1=replace(base.fc1, num_stages=6))
+    results = [(30.0, base), (20.0, fast1), (25.0, gemv2)]
+    r2 = tm.round_two(tmoe, results, base, 2048, 768, "fp8_block")
+    assert r2 and all(c.problem() is None for c in r2)
+    assert replace(fast1, w2_l2=True) in r2 and not any(c.fc2.gemv and c.a_fp8 for c in r2)
+
+
 def test_route_groups_torch(tmoe):
     ids = torch.tensor([3, 1, 3, 3, 0, 3, 1, 3], dtype=torch.int64)
     sorted_slots, gexp, gstart, gcount = tmoe.route_groups_torch(ids, E=5, cap=2)
@@ -328,6 +402,23 @@ INTERP_CASES = [
     (3, 5, 256, 256, 2, "slot", {"split_n": "views", "wfmt": "fp8_block", "a_fp8": True}),
     (3, 5, 256, 256, 2, "slot", {"split_n": "copies", "wfmt": "fp8_block", "a_fp8": True, "split": 2}),
     (40, 6, 256, 384, 2, "grouped", {"split_n": "views", "wfmt": "fp8_tensor", "a_fp8": True, "split": 2}),
+    # the reduction (GEMV) form, ``gemv`` = (FC1's, FC2's) rows per chunk (0: that GEMM's MMA form): T = 1; groups
+    # of more rows than a chunk (the row-chunk loop); H, I not multiples of the tiles, bias, GELU; route tables;
+    # FP8 weights converted in registers (block and per-tensor scales); a K-split FC1 summed by FC2's MMA form;
+    # split-N (bitwise the whole call); each GEMM alone in the GEMV form
+    (1, 8, 32, 16, 2, "slot", {"gemv": (1, 1)}),
+    (3, 5, 40, 24, 2, "slot", {"gemv": (1, 2), "act": "gelu_tanh", "bias": True}),
+    (20, 4, 32, 16, 1, "slot", {"gemv": (4, 4)}),
+    (40, 6, 48, 32, 2, "grouped", {"gemv": (2, 4), "noncontig": True}),
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_block", "gemv": (1, 1), "bias": True}),
+    (3, 5, 48, 32, 2, "slot", {"wfmt": "fp8_tensor", "gemv": (2, 1), "act": "gelu_tanh"}),
+    (3, 5, 40, 24, 2, "slot", {"gemv": (1, 0), "split": 3, "bias": True}),
+    (3, 5, 256, 256, 2, "slot", {"split_n": "views", "gemv": (1, 1), "bias": True}),
+    (1, 8, 32, 16, 2, "slot", {"gemv": (0, 1)}),
+    # ... and in bf16 (the kernels' roundings: the intermediate, each slot's row and the output in bf16), bf16 and
+    # FP8 block weights, against an emulation of exactly those roundings
+    (1, 8, 64, 32, 2, "slot", {"gemv": (1, 1), "dtype": "bf16", "act": "gelu_tanh", "bias": True}),
+    (3, 5, 48, 32, 2, "slot", {"gemv": (2, 1), "dtype": "bf16", "wfmt": "fp8_block"}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
@@ -352,8 +443,11 @@ def _interp_case(
     wfmt="fp32",
     a_fp8=False,
     bn1=None,
+    gemv=(0, 0),
+    dtype="fp32",
 ):
-    """Run one case through the kernels; return (relative error vs float64 reference, any NaN left)."""
+    """Run one case through the kernels; return (relative error vs float64 reference, any NaN left, relative error
+    vs the emulated FP8-activation or bf16 computation)."""
     g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
     x = torch.randn((T, 2 * H) if noncontig else (T, H), generator=g)
     if noncontig:
@@ -377,6 +471,11 @@ def _interp_case(
             quant["w2_scale"] = torch.rand((E, -(-H // bn), -(-I // bk)), generator=g) / 32 + 1e-2
         else:
             quant["w13_scale"], quant["w2_scale"] = torch.tensor(1 / 32), torch.tensor(1 / 40)
+    if dtype == "bf16":  # activations, biases and unquantised weights
+        x = x.bfloat16()
+        b13, b2 = (None if b is None else b.bfloat16() for b in (b13, b2))
+        if not quant:
+            w13, w2 = w13.bfloat16(), w2.bfloat16()
     G = tmoe.GemmConfig
     tile = 64 if split_n else 16
     cfg = tmoe.MoEConfig(
@@ -384,10 +483,10 @@ def _interp_case(
         cap=cap,
         fused_sum=fused,
         a_fp8=a_fp8,
-        fc1=G(BM=16, BN=bn1 or tile, BK=tile, swap=swap, split_k=split),
-        fc2=G(BM=16, BN=tile, BK=tile, swap=swap),
+        fc1=G(BM=gemv[0] or 16, BN=bn1 or tile, BK=tile, swap=swap, split_k=split, gemv=gemv[0] > 0),
+        fc2=G(BM=gemv[1] or 16, BN=tile, BK=tile, swap=swap, gemv=gemv[1] > 0),
     )
-    out = torch.full((T, H), float("nan"))
+    out = torch.full((T, H), float("nan"), dtype=x.dtype)
     placement, domains = "", None
     if split_n:
         from rubin_compile.runtime import locality
@@ -417,6 +516,9 @@ def _interp_case(
     emulated = 0.0
     if a_fp8:  # the same computation with e4m3 activations in groups of the tiles' widths, in float64
         emu = _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, b13, b2, group=tile)
+        emulated = ((out.double() - emu).norm() / emu.norm()).item()
+    elif dtype == "bf16":
+        emu = _emulate_bf16(x, w13, w2, tw, ids, act, quant, b13, b2)
         emulated = ((out.double() - emu).norm() / emu.norm()).item()
     return ((out.double() - ref).norm() / ref.norm()).item(), bool(out.isnan().any()), emulated
 
@@ -457,6 +559,25 @@ def _emulate_fp8_activations(x, w13, w2, tw, ids, act, quant, b13, b2, group):
     return out
 
 
+def _emulate_bf16(x, w13, w2, tw, ids, act, quant, b13, b2):
+    """rubin.moe with bf16 activations as the kernels round it: float32 products and sums (here float64), the
+    activated intermediate, each slot's weighted row and the output rounded to bf16 (round to nearest even)."""
+    block = quant.get("block_shape")
+    W13 = _dequantised(w13, quant["w13_scale"], block) if quant else w13.double()
+    W2 = _dequantised(w2, quant["w2_scale"], block) if quant else w2.double()
+    I = W2.shape[2]  # noqa: E741
+    f = torch.nn.functional.silu if act == "silu" else (lambda v: torch.nn.functional.gelu(v, approximate="tanh"))
+    bf = lambda v: v.bfloat16().double()  # noqa: E731
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hh = W13[e] @ x[t].double() + (0 if b13 is None else b13[e].double())
+            h = bf(f(hh[:I]) * hh[I:])
+            out[t] += bf((W2[e] @ h + (0 if b2 is None else b2[e].double())) * float(tw[t, j]))
+    return bf(out)
+
+
 @pytest.fixture(scope="module")
 def interp_results():
     pytest.importorskip("triton", reason="the Triton provider needs the triton package")
@@ -489,27 +610,35 @@ def test_kernels_match_reference_in_interpreter(interp_results, i):
         # against the float64 reference within e4m3's error, and exactly what the e4m3 path should compute
         assert err < FP8_ACT_TOL, f"relative error {err:.2e} >= {FP8_ACT_TOL} (e4m3 activations)"
         assert emulated < 1e-5, f"relative error {emulated:.2e} against the emulated e4m3 computation"
+    elif INTERP_CASES[i][6].get("dtype") == "bf16":
+        # bf16's roundings (tests/gpu/test_triton_moe.py: 1e-2), and what they should give: a value that rounds the
+        # other way after a float32 sum in another order is one bf16 ulp (4e-3) on one element
+        assert err < 1e-2, f"relative error {err:.2e} >= 1e-2 (bf16)"
+        assert emulated < 1e-3, f"relative error {emulated:.2e} against the emulated bf16 computation"
     else:
         assert err < 1e-5, f"relative error {err:.2e} (float32, ieee dots)"
 
 
-def _gpu_rounding_for_e4m3() -> None:
-    """float32 -> e4m3 in the interpreter as the GPU does it (round to nearest even, as torch does).
+def _gpu_rounding() -> None:
+    """float32 -> e4m3 and -> bf16 in the interpreter as the GPU does it (round to nearest even, as torch does).
 
     Triton 3.9's interpreter (``interpreter._convert_float``) rounds half up and drops the carry when a
-    mantissa rounds up into the next binade (-31.98 becomes -16, not -32): up to 2x off on a few activations.
-    The kernels' FP8 activation paths are checked here for their indexing and scales, so the cast the GPU's
-    cvt.rn.satfinite does is what the interpreter must do too. Other conversions are left to Triton."""
+    mantissa rounds up into the next binade (-31.98 becomes -16, not -32): up to 2x off on a few activations. The
+    same happens to float32 -> bf16 (a bf16 case of the GEMV form was 1e-2 off the emulated roundings before this,
+    0 after). The kernels' FP8 activation paths and bf16 roundings are checked here, so the cast the GPU's
+    cvt.rn(.satfinite) does is what the interpreter must do too. Other conversions are left to Triton."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float
+    ours = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.uint16)}
 
     def convert_rne(input, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+        if output_dtype in ours and input_dtype == tl.float32:
+            to, bits = ours[output_dtype]
             src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
-            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+            return src.to(to).view(bits).numpy().reshape(input.shape)
         return convert(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert_rne
@@ -517,6 +646,6 @@ def _gpu_rounding_for_e4m3() -> None:
 
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _gpu_rounding_for_e4m3()
+    _gpu_rounding()
     mod = importlib.import_module(PKG + ".moe")
     print(json.dumps([_interp_case(mod, *c[:6], **c[6]) for c in INTERP_CASES]))

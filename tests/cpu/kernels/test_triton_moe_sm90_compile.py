@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, compile_sm90, load_plain
+from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, compile_sm90, load_plain, loop_bodies
 
 BF = "*bf16"
 
@@ -96,6 +96,7 @@ FC1 = dict(
     EARLY=False,
     W2_L2=0,
     W2_CHUNK=16,
+    GEMV=False,
 )
 FC2_PTRS = {
     "as_ptr": "*fp32",
@@ -131,6 +132,7 @@ FC2 = dict(
     SWAP=False,
     SPLIT1=1,
     ACT=0,
+    GEMV=False,
 )
 
 
@@ -258,4 +260,47 @@ def test_k_split_fc1_sums_its_own_partials_for_sm90(kernels):
     atoms = re.findall(r"atom\S*", ptx)
     assert atoms == ["atom.global.gpu.acq_rel.add.u32"], atoms
     assert re.search(r"ld\.global\.cg", ptx)
+    assert ptx.count("griddepcontrol.wait") == 1
+
+
+@pytest.mark.parametrize(
+    "which,over,ptr",
+    [
+        ("fc1", dict(BM=1, BN=16, BK=128), BF),
+        ("fc1", dict(BM=2, BN=16, BK=128, ACT=1, HAS_BIAS=True, ROUTE=1), BF),
+        ("fc1", dict(BM=1, BN=16, BK=128, W_SCALE=2), F8),
+        ("fc2", dict(BM=1, BN=32, BK=256), BF),
+        ("fc2", dict(BM=4, BN=16, BK=128, W_SCALE=1), F8),
+        ("fc2", dict(BM=1, BN=16, BK=128, W_SCALE=2), F8),
+    ],
+    ids=["fc1-m1", "fc1-m2-gelu-bias-grouped", "fc1-fp8-block", "fc2-m1", "fc2-m4-fp8-tensor", "fc2-fp8-block"],
+)
+def test_gemv_k_loop_streams_without_barriers(kernels, which, over, ptr):
+    """The reduction (GEMV) form's K loop, compiled as a launch specialises it (Qwen3-30B-A3B's strides): vector
+    weight and activation loads and float32 FMAs, no barrier, shuffle, shared memory or MMA in it (the MMA forms
+    stage every tile through shared memory behind barriers). bf16 weights in 16-byte loads; FP8 weights in 8-byte
+    loads, the activations' layout (with 16-byte FP8 loads the products needed 2-8 barriers per tile); with block
+    scales one scalar scale per tile and weight matrix (FC1 reads gate and up)."""
+    consts = dict(FC1 if which == "fc1" else FC2, GEMV=True, **over)
+    if which == "fc1":
+        fn, ptrs = kernels._moe_fc1_kernel, dict(FC1_PTRS, w_ptr=ptr, w2_ptr=ptr, inter_ptr=BF)
+    else:
+        fn, ptrs = kernels._moe_fc2_kernel, dict(FC2_PTRS, a_ptr=BF, w_ptr=ptr)
+    ints = FP8_BLOCK_INTS if over.get("W_SCALE") == 2 else QWEN3_INTS
+    ptx = compile_like_a_launch(fn, consts, ptrs, ints, num_stages=1)
+    loops = [body for body in loop_bodies(ptx) if any("fma.rn.f32" in ln for ln in body)]
+    assert len(loops) == 1, [len(b) for b in loops]
+    (loop,) = loops
+    said = {op: sum(op in ln for ln in loop) for op in ("bar.sync", "shfl", "ld.shared", "st.shared", "mma")}
+    assert all(v == 0 for v in said.values()), said
+    loads = [ln for ln in loop if "ld.global" in ln]
+    wide = [ln for ln in loads if ".v4.b32" in ln or ".v2.b32" in ln]
+    scalar = [ln for ln in loads if ln not in wide]
+    assert len(scalar) == (0 if over.get("W_SCALE") != 2 else 2 if which == "fc1" else 1), scalar
+    assert all(".b32" in ln for ln in scalar), scalar  # the float32 scales, not weight elements one by one
+    if ptr == BF:
+        assert wide and all(".v4.b32" in ln for ln in wide), wide
+    else:
+        assert any(".v2.b32" in ln for ln in wide) and any(".v4.b32" in ln for ln in wide), wide
+    assert "mma" not in ptx and "cp.async" not in ptx
     assert ptx.count("griddepcontrol.wait") == 1

@@ -79,14 +79,15 @@ def async_copy_sizes(ptx: str) -> set[str]:
 
 
 def loop_bodies(ptx: str) -> list[list[str]]:
-    """The lines of each loop of the PTX, from the header block LLVM marks (``// =>This Inner Loop Header``, on
-    the block's label line or the line after it) to the branch back to it."""
+    """The lines of each innermost loop of the PTX, from the header block LLVM marks (``// =>This Inner Loop
+    Header``, on the block's label line or a comment line after it: ``//   Parent Loop ...`` comes between them in
+    a nested loop) to the branch back to it."""
     lines = ptx.splitlines()
     out = []
     for i, line in enumerate(lines):
         if "Inner Loop Header" not in line:
             continue
-        at = i if re.match(r"\s*\$L\w+:", line) else i - 1
+        at = next(j for j in range(i, -1, -1) if re.match(r"\s*\$L\w+:", lines[j]))
         label = lines[at].split(":")[0].strip()
         back = re.compile(r"\bbra(?:\.uni)?\s+" + re.escape(label) + r";")
         end = next((j for j in range(i + 1, len(lines)) if back.search(lines[j])), None)
