@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.launch import cdiv, launcher
-from rubin_compile.kernels.triton.moe import _gelu_tanh, _silu, device_file_name
+from rubin_compile.kernels.triton.moe import _gelu_tanh, _gemv_offs_k, _silu, device_file_name
 from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
@@ -463,6 +463,8 @@ def _gemm_kernel(
     cols = tl.where(n_ok, offs_n, 0)  # masked-off columns read column 0 (in bounds), never stored
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    # the weight tile's K offsets: in the GEMV form FP8 weights are loaded 8 to a thread, the activations' layout
+    offs_w = _gemv_offs_k(BLOCK_K, ESIZE * 8) if GEMV else tl.arange(0, BLOCK_K)
     if PREFETCH:
         # Weights never depend on the previous kernel: request this program's first PF_BYTES per row now.
         nbytes = tl.minimum(PF_BYTES, (k_hi - k_lo) * ESIZE)
@@ -473,12 +475,14 @@ def _gemm_kernel(
         # ... and load its first weight tile into registers: its DRAM round trip overlaps the previous kernel.
         offs_k0 = k_lo + tl.arange(0, BLOCK_K)
         k_ok0 = offs_k0 < K
-        w0 = tl.load(b_ptr + offs_k0[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok0[:, None], other=0.0)
+        offs_w0 = k_lo + offs_w
+        w_ok0 = offs_w0 < K
+        w0 = tl.load(b_ptr + offs_w0[:, None] * stride_bk + cols[None, :] * stride_bn, mask=w_ok0[:, None], other=0.0)
         w0_up = w0
         if GATED_EPI:
             w0_up = tl.load(
-                b_ptr + offs_k0[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
-                mask=k_ok0[:, None],
+                b_ptr + offs_w0[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                mask=w_ok0[:, None],
                 other=0.0,
             )
     if GDC:
@@ -511,17 +515,21 @@ def _gemm_kernel(
     for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
+        offs_wk = k0 + offs_w
+        w_ok = offs_wk < K
         if not GEMV:
             a = tl.load(
                 a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                 mask=m_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-        w = tl.load(b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None], other=0.0)
+        w = tl.load(b_ptr + offs_wk[:, None] * stride_bk + cols[None, :] * stride_bn, mask=w_ok[:, None], other=0.0)
         w_up = w
         if GATED_EPI:
             w_up = tl.load(
-                b_ptr + offs_k[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn, mask=k_ok[:, None], other=0.0
+                b_ptr + offs_wk[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                mask=w_ok[:, None],
+                other=0.0,
             )
         if GEMV:
             acc3, acc3_up = _gemv_step(

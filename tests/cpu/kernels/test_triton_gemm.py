@@ -220,20 +220,30 @@ def test_sm90_fma_form_has_no_mma(aot):
         dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=256),
         dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, EPILOGUE=1),
         dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=512, EARLY=1, SPLIT=True),
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, ESIZE=1),
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, ESIZE=1, B_SCALE=3, EARLY=1),
     ],
-    ids=["m1", "m4", "gated", "early-split"],
+    ids=["m1", "m4", "gated", "early-split", "fp8", "fp8-block-early"],
 )
 def test_sm90_gemv_loop_streams_without_barriers(aot, form):
-    """The reduction (GEMV) form's K loop (bf16 weights) is 16-byte weight and activation loads and FMAs only: no
-    barrier, shuffle or shared memory per tile (the FMA form's loop has 8 bar.sync per tile on Triton 3.9), the
-    sum over K after the loop."""
+    """The reduction (GEMV) form's K loop is vector weight and activation loads and FMAs only: no barrier, shuffle or
+    shared memory per tile (the FMA form's loop has 8 bar.sync per tile on Triton 3.9), the sum over K after the
+    loop. bf16 weights in 16-byte loads; FP8 weights in 8-byte ones, the activations' layout (with 16-byte FP8 loads
+    the loop had 4 bar.sync a tile); block scales one scalar load per tile."""
     ptx = _ptx(aot, MMA=False, GEMV=True, **form)
     (loop,) = aot.loop_bodies(ptx)
     said = {op: sum(op in line for line in loop) for op in ("bar.sync", "shfl", "ld.shared", "st.shared", "fma.rn")}
     assert said["bar.sync"] == said["shfl"] == said["ld.shared"] == said["st.shared"] == 0, said
     assert said["fma.rn"] > 0 and "mma" not in ptx, said
     loads = [line for line in loop if "ld.global" in line]
-    assert loads and all(".v4" in line for line in loads), loads
+    wide = [line for line in loads if ".v4.b32" in line or ".v2.b32" in line]
+    assert [line for line in loads if line not in wide] == (
+        [line for line in loads if "ld.global.b32" in line] if form.get("B_SCALE") else []
+    )
+    if form.get("ESIZE", 2) == 2:
+        assert wide and all(".v4" in line for line in wide), loads
+    else:
+        assert any(".v2.b32" in line for line in wide) and any(".v4.b32" in line for line in wide), loads
 
 
 # ------------------------------------------------------------------------------------------------
