@@ -169,6 +169,8 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                 continue
             if block_m * bk * bn > 64 * 32 * warps:
                 continue
+            if warps == 8 and block_m > 1:  # ptxas (Triton 3.9, sm_90) spills these at 2 rows (8 bytes of stack)
+                continue
             tiles = -(-N // bn)
             for split in (1, 2, 4, 8):
                 if split > 1 and (tiles * split > 8 * num_sms or -(-K // bk) // split < 2):

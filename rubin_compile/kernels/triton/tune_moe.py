@@ -239,6 +239,8 @@ def _gemv_candidates(moe, T: int, n: int, wfmt: str, which: str, rows: float) ->
         for bn, bk, w in GEMV_TILES[which]:
             if accs * bm * bn * bk > 64 * 32 * w or bn > max(8, n):
                 continue
+            if w == 8 and accs * bm > 2:  # ptxas (Triton 3.9, sm_90) spills FC1's 8-warp tile at BM = 2
+                continue
             if wfmt == "fp8_block" and (BLOCK[0] % bn or (which == "fc1" and n % bn)):
                 continue
             out.append(moe.GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=1, gemv=True))

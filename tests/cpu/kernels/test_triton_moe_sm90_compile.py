@@ -14,7 +14,14 @@ import sys
 
 import pytest
 
-from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, compile_sm90, load_plain, loop_bodies
+from tests.cpu.kernels.triton_aot import (
+    async_copy_sizes,
+    compile_like_a_launch,
+    compile_sm90,
+    load_plain,
+    loop_bodies,
+    resource_usage,
+)
 
 BF = "*bf16"
 
@@ -304,3 +311,33 @@ def test_gemv_k_loop_streams_without_barriers(kernels, which, over, ptr):
         assert any(".v2.b32" in ln for ln in wide) and any(".v4.b32" in ln for ln in wide), wide
     assert "mma" not in ptx and "cp.async" not in ptx
     assert ptx.count("griddepcontrol.wait") == 1
+
+
+@pytest.mark.parametrize("which", ["fc1", "fc2"])
+@pytest.mark.parametrize("ptr", [BF, F8], ids=["bf16", "fp8-block"])
+def test_every_gemv_tuner_tile_compiles_without_spills(kernels, which, ptr):
+    """Every reduction-form tile the tuner tries (``tune_moe._gemv_candidates`` at BM = 1, 2, 4) compiles for sm_90
+    without spilling: no local memory and no stack (ptxas reports a spill as stack: a 2 x 32 x 512 FC1 tile has 4240
+    bytes of it; FC1's 8-warp 2 x 32 x 128 had 8, and the tuner leaves it out), a spilling tile would run far below
+    its bytes' time."""
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    fn = kernels._moe_fc1_kernel if which == "fc1" else kernels._moe_fc2_kernel
+    if which == "fc1":
+        ptrs = dict(FC1_PTRS, w_ptr=ptr, w2_ptr=ptr, inter_ptr=BF)
+    else:
+        ptrs = dict(FC2_PTRS, a_ptr=BF, w_ptr=ptr)
+    ints = FP8_BLOCK_INTS if ptr == F8 else QWEN3_INTS
+    tiles = {
+        (g.BM, g.BN, g.BK, g.num_warps)
+        for rows in (1.0, 1.5, 3.0)  # BM 1; 1 and 2; 1 and 4
+        for g in tm._gemv_candidates(kernels, 4, 768 if which == "fc1" else 2048, "bf16", which, rows)
+    }
+    seen = {}
+    for bm, bn, bk, warps in sorted(tiles):
+        consts = dict(FC1 if which == "fc1" else FC2, GEMV=True, BM=bm, BN=bn, BK=bk, W_SCALE=2 if ptr == F8 else 0)
+        asm = {}
+        compile_like_a_launch(fn, consts, ptrs, ints, num_stages=1, asm=asm, num_warps=warps)
+        seen[(bm, bn, bk, warps)] = resource_usage(asm["cubin"])
+    assert {bm for bm, *_ in seen} == {1, 2, 4} and len(seen) >= 10, seen
+    assert all(r["LOCAL"] == 0 and r["STACK"] == 0 for r in seen.values()), seen

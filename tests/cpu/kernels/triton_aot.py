@@ -43,11 +43,19 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> s
 
 
 def compile_like_a_launch(
-    fn, constexprs: dict, pointers: dict, ints: dict, num_stages: int = 4, floats: tuple = (), asm: dict = None
+    fn,
+    constexprs: dict,
+    pointers: dict,
+    ints: dict,
+    num_stages: int = 4,
+    floats: tuple = (),
+    asm: dict = None,
+    num_warps: int = 4,
 ) -> str:
     """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
     1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones; the
-    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...)."""
+    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...)
+    and the cubin."""
     params = list(inspect.signature(fn.fn).parameters)
     dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
     sig, attrs, consts = {}, {}, dict(constexprs)
@@ -66,7 +74,7 @@ def compile_like_a_launch(
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(
-        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages}
+        src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
     if asm is not None:
         asm.update(k.asm)
@@ -94,3 +102,19 @@ def loop_bodies(ptx: str) -> list[list[str]]:
         if end is not None:
             out.append(lines[i : end + 1])
     return out
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, local memory (spills) and shared memory per thread / block of a cubin's one kernel, as Triton's
+    own ``cuobjdump --dump-resource-usage`` reports them ({"REG": 86, "LOCAL": 0, "SHARED": 1024, ...})."""
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        pytest.skip(f"this Triton ships no cuobjdump ({tool})")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out.stdout)}
