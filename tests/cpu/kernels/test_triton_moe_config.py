@@ -330,6 +330,24 @@ def test_tuner_tries_gemv_tiles_only_at_decode(tmoe):
                            for g in (c.fc1, c.fc2))  # fmt: skip
 
 
+def test_every_decode_tuner_candidate_builds_a_plan(tmoe):
+    """Each candidate the tuner would time at T <= 8, on every benchmark shape and weight format, is a config
+    ``plan_call`` accepts for that shape (a refused one would cost its compile and timing slot on the GPU)."""
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    count = 0
+    for sh in tm.SHAPES.values():
+        for wfmt in tm.WEIGHT_FORMATS:
+            wdt = BF16 if wfmt == "bf16" else FP8
+            block = (128, 128) if wfmt == "fp8_block" else None
+            for T in (1, 2, 4, 8):
+                for c in tm.candidate_configs(tmoe, T, sh["E"], sh["H"], sh["I"], sh["k"], wfmt):
+                    args = (T, sh["H"], sh["E"], sh["I"], sh["k"], BF16, wdt, block, "silu", c)
+                    tmoe.plan_call(*args, True, True, False, False)
+                    count += 1
+    assert count > 1000
+
+
 def test_tuner_second_round_skips_a_join_that_cannot_run(tmoe):
     """The best FC1 on FP8 activations joined with a GEMV FC2 (which cannot read them) is not tried; the round
     still tries the winner with its boundary options."""
