@@ -396,7 +396,12 @@ def _group_rows(
     match, rank, sorted_ptr, start, count, m0, ROUTE: tl.constexpr, BM: tl.constexpr, SLOT_P2: tl.constexpr
 ):
     """Slot indices (and validity) of rows [m0, m0 + BM) of the current group."""
-    want = m0 + tl.arange(0, BM)
+    return _group_rows_at(match, rank, sorted_ptr, start, count, m0 + tl.arange(0, BM), ROUTE, SLOT_P2)
+
+
+@triton.jit
+def _group_rows_at(match, rank, sorted_ptr, start, count, want, ROUTE: tl.constexpr, SLOT_P2: tl.constexpr):
+    """Slot indices (and validity) of the current group's rows ``want`` (any 1-D tensor of row numbers)."""
     if ROUTE == 0:
         sel = match[None, :] & (rank[None, :] == want[:, None])
         slot = tl.sum(tl.where(sel, tl.arange(0, SLOT_P2)[None, :], 0), axis=1)
@@ -467,17 +472,39 @@ def _mma_step(
 
 
 @triton.jit
-def _gemv_step(acc3, x3, w, sw, W_SCALE: tl.constexpr):
-    """The reduction (GEMV) form's K tile: ``acc3[m, k, n] += x3[m, k, n] * w[k, n]`` in float32, element by
-    element (times ``sw`` [BN], the weight rows' block scales, with ``W_SCALE`` 2); the sum over K is taken once,
-    after the K loop. ``x3`` is the rows' activations loaded in the weight tile's own layout (a pointer broadcast
-    over the tile's columns), so the loop needs no layout conversion, no shared memory and no barrier: 16-byte
-    weight loads and FMAs (tests/cpu/kernels/test_triton_moe_sm90_compile.py reads the PTX). The MMA forms pad a
-    group's 1-4 rows to 16 and pass every K tile through shared memory (the dense GEMM's GEMV form: gemm.py)."""
+def _gemv_step(acc, x, w, sw, W_SCALE: tl.constexpr):
+    """The reduction (GEMV) form's K tile: ``acc[k, j] += x[k, j] * w[k, j]`` in float32, element by element (times
+    ``sw``, the tile's block scale, with ``W_SCALE`` 2); the sum over K is taken once, after the K loop. The
+    tile's columns are flat (column, row of the chunk) pairs, ``j = n * BM + m`` (``_gemv_columns``): the weight
+    tile repeats each weight column for the BM rows (the repeats are the same addresses in one warp's load: one
+    memory transaction), and ``x`` holds row m's activations in column j. Both loads are then 2-D tiles with K
+    contiguous, which Triton gives one thread layout whatever its version, so the loop needs no layout conversion,
+    no shared memory and no barrier: vector loads and FMAs (tests/cpu/kernels/test_triton_moe_sm90_compile.py
+    reads the PTX). (With a 3-D [rows, K, N] product Triton 3.6 and 3.9 break the tie between the two
+    non-contiguous axes differently, and one of them converted every weight tile through shared memory.) The MMA
+    forms pad a group's 1-4 rows to 16 and pass every K tile through shared memory (the dense GEMM's GEMV form:
+    gemm.py)."""
     wf = w.to(tl.float32)
     if W_SCALE == 2:
         wf = wf * sw
-    return acc3 + x3 * wf[None, :, :]
+    return acc + x * wf
+
+
+@triton.jit
+def _gemv_columns(slot, valid, n0, BN: tl.constexpr, BM: tl.constexpr):
+    """The GEMV tile's flat columns ``j = n * BM + m`` for the chunk's rows (``slot``, ``valid`` [BM], from
+    ``_group_rows``) and the BN weight columns from ``n0``: (weight column, slot of row m, whether row m exists)."""
+    jj = tl.arange(0, BN * BM)
+    pick = (jj % BM)[:, None] == tl.arange(0, BM)[None, :]
+    slot_j = tl.sum(tl.where(pick, slot[None, :], 0), axis=1)
+    valid_j = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+    return n0 + jj // BM, slot_j, valid_j
+
+
+@triton.jit
+def _gemv_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
+    """The sum over K of a GEMV accumulator [BK, BN * BM], as the [BM, BN] tile the epilogues take."""
+    return tl.trans(tl.reshape(tl.sum(acc, axis=0), [BN, BM]))
 
 
 @triton.jit
@@ -709,9 +736,12 @@ def _moe_fc1_kernel(
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
         elif GEMV:
-            wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_kw[:, None]) * stride_wk
-            acc3_g = tl.zeros([BM, BK, BN], tl.float32)
-            acc3_u = tl.zeros([BM, BK, BN], tl.float32)
+            col_j, slot_j, valid_j = _gemv_columns(slot, valid, pid_n * BN, BN, BM)
+            ncol_ok = col_j < I
+            x_ptrs = x_ptr + (slot_j // K_TOP)[None, :] * stride_xt + (k_lo + offs_k[:, None]) * stride_xh
+            wg_ptrs = w_base + col_j[None, :] * stride_wn + (k_lo + offs_kw[:, None]) * stride_wk
+            acc2_g = tl.zeros([BK, BN * BM], tl.float32)
+            acc2_u = tl.zeros([BK, BN * BM], tl.float32)
         else:
             x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + offs_k[None, :]) * stride_xh
             wg_ptrs = w_base + offs_n[None, :] * stride_wn + (k_lo + offs_k[:, None]) * stride_wk
@@ -746,16 +776,11 @@ def _moe_fc1_kernel(
                 xs_nxt = tl.load(xs_ptr + tok * stride_xst + k1 // BK, mask=_and_lt(valid, k1, k_hi), other=1.0)
             k_mask = (offs_k < H - k0) | EVEN_K
             if GEMV:
-                x3 = tl.load(
-                    x_ptr + tok[:, None, None] * stride_xt + (k0 + offs_k)[None, :, None] * stride_xh
-                    + 0 * offs_n[None, None, :],
-                    mask=valid[:, None, None] & k_mask[None, :, None],
-                    other=0.0,
-                ).to(tl.float32)  # fmt: skip
-                wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-                wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-                acc3_g = _gemv_step(acc3_g, x3, wg, sg, W_SCALE)
-                acc3_u = _gemv_step(acc3_u, x3, wu, su, W_SCALE)
+                x2 = tl.load(x_ptrs, mask=valid_j[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
+                wg = tl.load(wg_ptrs, mask=ncol_ok[None, :] & k_mask[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=ncol_ok[None, :] & k_mask[:, None], other=0.0)
+                acc2_g = _gemv_step(acc2_g, x2, wg, sg, W_SCALE)
+                acc2_u = _gemv_step(acc2_u, x2, wu, su, W_SCALE)
             elif SWAP:
                 x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
                 wg = tl.load(wg_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -768,13 +793,12 @@ def _moe_fc1_kernel(
                 wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
                 acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
                 acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
-            if not GEMV:
-                x_ptrs += BK * stride_xh
+            x_ptrs += BK * stride_xh
             wg_ptrs += BK * stride_wk
             wu_ptrs += BK * stride_wk
         if GEMV:  # the reduction over K, once per chunk of rows
-            acc_g = tl.sum(acc3_g, axis=1)
-            acc_u = tl.sum(acc3_u, axis=1)
+            acc_g = _gemv_rows(acc2_g, BN, BM)
+            acc_u = _gemv_rows(acc2_u, BN, BM)
         if SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -935,13 +959,15 @@ def _moe_fc2_kernel(
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
-            offs_kw = offs_k
-            if GEMV:
-                offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)
-            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_kw[:, None] * stride_wk
+            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
             acc = tl.zeros([BM, BN], tl.float32)
         if GEMV:
-            acc3 = tl.zeros([BM, BK, BN], tl.float32)
+            col_j, slot_j, valid_j = _gemv_columns(slot, valid, pid_n * BN, BN, BM)
+            ncol_ok = col_j < H
+            offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)
+            a_ptrs = a_ptr + slot_j[None, :] * stride_at + offs_k[:, None]
+            w_ptrs = w_base + col_j[None, :] * stride_wn + offs_kw[:, None] * stride_wk
+            acc2 = tl.zeros([BK, BN * BM], tl.float32)
         sw_nxt = 1.0
         as_nxt = 1.0
         if W_SCALE == 2 and GEMV:  # scales one K step ahead (see FC1)
@@ -962,37 +988,34 @@ def _moe_fc2_kernel(
             if A_PRE:
                 as_nxt = tl.load(as_ptr + slot * stride_ast + k1 // BK, mask=_and_lt(valid, k1, I), other=1.0)
             k_mask = (offs_k < I - k0) | EVEN_K
-            if SWAP:
-                a_mask = valid[None, :] & k_mask[:, None]
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            else:
-                a_mask = valid[:, None] & k_mask[None, :]
-                w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             if GEMV:
-                a3 = tl.load(
-                    a_ptr + slot[:, None, None] * stride_at + (k0 + offs_k)[None, :, None] + 0 * offs_n[None, None, :],
-                    mask=valid[:, None, None] & k_mask[None, :, None],
-                    other=0.0,
-                ).to(tl.float32)
-                acc3 = _gemv_step(acc3, a3, w, sw, W_SCALE)
-            elif SPLIT1 == 1:
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                a2 = tl.load(a_ptrs, mask=valid_j[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=ncol_ok[None, :] & k_mask[:, None], other=0.0)
+                acc2 = _gemv_step(acc2, a2, w, sw, W_SCALE)
             else:
-                ag = tl.load(a_ptrs, mask=a_mask, other=0.0)
-                au = tl.load(a_ptrs + I, mask=a_mask, other=0.0)
-                for sp in tl.static_range(1, SPLIT1):
-                    ag += tl.load(a_ptrs + sp * stride_as, mask=a_mask, other=0.0)
-                    au += tl.load(a_ptrs + sp * stride_as + I, mask=a_mask, other=0.0)
-                if ACT == 0:
-                    a = (_silu(ag) * au).to(out_ptr.dtype.element_ty)
+                if SWAP:
+                    a_mask = valid[None, :] & k_mask[:, None]
+                    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 else:
-                    a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
-            if not GEMV:
+                    a_mask = valid[:, None] & k_mask[None, :]
+                    w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                if SPLIT1 == 1:
+                    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                else:
+                    ag = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                    au = tl.load(a_ptrs + I, mask=a_mask, other=0.0)
+                    for sp in tl.static_range(1, SPLIT1):
+                        ag += tl.load(a_ptrs + sp * stride_as, mask=a_mask, other=0.0)
+                        au += tl.load(a_ptrs + sp * stride_as + I, mask=a_mask, other=0.0)
+                    if ACT == 0:
+                        a = (_silu(ag) * au).to(out_ptr.dtype.element_ty)
+                    else:
+                        a = (_gelu_tanh(ag) * au).to(out_ptr.dtype.element_ty)
                 acc = _mma_step(a, w, acc, sw, a_s, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             a_ptrs += BK
             w_ptrs += BK * stride_wk
         if GEMV:  # the reduction over K, once per chunk of rows
-            acc = tl.sum(acc3, axis=1)
+            acc = _gemv_rows(acc2, BN, BM)
         if SWAP:
             acc = tl.trans(acc)
         if GDC:

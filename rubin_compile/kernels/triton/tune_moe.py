@@ -220,7 +220,7 @@ def _gemm_candidates(moe, T: int, n: int, wfmt: str, which: str, base, a8: bool 
 
 
 GEMV_TILES = {  # (BN, BK, warps) of the reduction form; with BM rows <= 64 float32 accumulators per thread
-    "fc1": ((8, 128, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 128, 8)),
+    "fc1": ((8, 128, 4), (8, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 128, 8)),
     "fc2": ((8, 128, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4)),
 }
 
@@ -295,6 +295,8 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
             cands.append(replace(b, fc1=c))
         for c in _gemm_candidates(moe, T, H, wfmt, "fc2", b.fc2, a8, rows):
             cands.append(replace(b, fc2=c))
+            if c.gemv:  # Triton 3.6's ptxas spills the GEMV FC2's fused top-k sum in slot mode (a CPU AOT compile)
+                cands.append(replace(b, fc2=c, fused_sum=False))
     if base.mode != "prefill":
         # FC2 pulls its first weight bytes into L2 before its gdc_wait; and the unfused sum
         cands.append(replace(base, fc2=replace(base.fc2, prefetch=32768)))

@@ -317,9 +317,11 @@ def test_gemv_k_loop_streams_without_barriers(kernels, which, over, ptr):
 @pytest.mark.parametrize("ptr", [BF, F8], ids=["bf16", "fp8-block"])
 def test_every_gemv_tuner_tile_compiles_without_spills(kernels, which, ptr):
     """Every reduction-form tile the tuner tries (``tune_moe._gemv_candidates`` at BM = 1, 2, 4) compiles for sm_90
-    without spilling: no local memory and no stack (ptxas reports a spill as stack: a 2 x 32 x 512 FC1 tile has 4240
-    bytes of it; FC1's 8-warp 2 x 32 x 128 had 8, and the tuner leaves it out), a spilling tile would run far below
-    its bytes' time."""
+    without spilling its accumulators: no local memory and at most 16 bytes of stack (ptxas reports a spill as
+    stack; one or two 8-byte values around the loop are not the tile: a 2 x 32 x 512 FC1 tile spills 4240 bytes, and
+    with Triton 3.6 -- the H200 machine's -- the slot-mode FC2 tiles with the fused top-k sum spill 136-696 bytes,
+    so the tuner also tries each GEMV FC2 with the unfused sum). A spilling tile would run far below its bytes'
+    time. Checked with the Triton this machine has (3.9 in CI)."""
     from rubin_compile.kernels.triton import tune_moe as tm
 
     fn = kernels._moe_fc1_kernel if which == "fc1" else kernels._moe_fc2_kernel
@@ -340,4 +342,4 @@ def test_every_gemv_tuner_tile_compiles_without_spills(kernels, which, ptr):
         compile_like_a_launch(fn, consts, ptrs, ints, num_stages=1, asm=asm, num_warps=warps)
         seen[(bm, bn, bk, warps)] = resource_usage(asm["cubin"])
     assert {bm for bm, *_ in seen} == {1, 2, 4} and len(seen) >= 10, seen
-    assert all(r["LOCAL"] == 0 and r["STACK"] == 0 for r in seen.values()), seen
+    assert all(r["LOCAL"] == 0 and r["STACK"] <= 16 for r in seen.values()), seen
