@@ -357,16 +357,15 @@ def _step(
 
 @triton.jit
 def _gemv_step(
-    acc3,
-    acc3_up,
+    acc2,
+    acc2_up,
     a_ptr,
     stride_am,
     stride_ak,
-    rows,
-    m_ok,
+    rows_j,
+    m_ok_j,
     offs_k,
     k_ok,
-    cols,
     w,
     w_up,
     k0,
@@ -381,35 +380,38 @@ def _gemv_step(
     B_SCALE: tl.constexpr,
     GATED_EPI: tl.constexpr,
 ):
-    """The reduction (GEMV) form's K tile: ``acc3[m, k, n] += a[m, k] * w[k, n]`` in fp32, element by element; the
+    """The reduction (GEMV) form's K tile: ``acc2[k, j] += a[row_j, k] * w[k, j]`` in fp32, element by element; the
     sum over K is taken once, after the loop. The FMA form instead reduces every tile (``_dot`` with
     ``MMA=False``), and its sm_90 loop then holds shuffles, shared-memory layout conversions and 8 ``bar.sync``
     per K tile (Triton 3.9's PTX, 16 x 512 tiles), work per tile that keeps a program's weight stream slow
-    (docs/kernels/gemm.md). Here the activations are loaded in the weight tile's own layout (a pointer broadcast
-    over the tile's columns: each column's threads read the same bytes, from L1), so the loop needs no layout
-    conversion, no shared memory and no barrier (tests/cpu/kernels/test_triton_gemm.py reads the PTX). Block /
-    group scales are one per tile (``launch`` keeps a column tile inside one 128-column scale block)."""
+    (docs/kernels/gemm.md). Here the tile's columns are flat (output column, row) pairs, ``j = n * BLOCK_M + m``:
+    the weight tile ``w`` repeats each weight column for the rows (the same addresses in one warp's load, one memory
+    transaction) and the activation tile holds row m's activations in column j (from L1). Both are 2-D tiles with K
+    contiguous, which Triton lays out alike in every version, so the loop needs no layout conversion, no shared
+    memory and no barrier (tests/cpu/kernels/test_triton_gemm.py reads the PTX; a 3-D [rows, K, N] product had none
+    on Triton 3.9 and 8 barriers a tile on 3.6 at 2-4 rows). Block / group scales are one per tile (``launch`` keeps
+    a column tile inside one 128-column scale block)."""
     a = tl.load(
-        a_ptr + rows[:, None, None] * stride_am + offs_k[None, :, None] * stride_ak + 0 * cols[None, None, :],
-        mask=m_ok[:, None, None] & k_ok[None, :, None],
+        a_ptr + rows_j[None, :] * stride_am + offs_k[:, None] * stride_ak,
+        mask=m_ok_j[None, :] & k_ok[:, None],
         other=0.0,
     ).to(tl.float32)
-    p = a * w.to(tl.float32)[None, :, :]
+    p = a * w.to(tl.float32)
     p_up = p
     if GATED_EPI:
-        p_up = a * w_up.to(tl.float32)[None, :, :]
+        p_up = a * w_up.to(tl.float32)
     if A_SCALE == 3:
-        sa = tl.load(sa_ptr + rows[:, None, None] * stride_sam + k0 // 128, mask=m_ok[:, None, None], other=0.0)
+        sa = tl.load(sa_ptr + rows_j * stride_sam + k0 // 128, mask=m_ok_j, other=0.0)[None, :]
         p = p * sa
         p_up = p_up * sa
     if B_SCALE == 3:
         p = p * tl.load(sb_ptr + (k0 // 128) * stride_sbk + (n0 // 128) * stride_sbn)
         if GATED_EPI:
             p_up = p_up * tl.load(sb_ptr + (k0 // 128) * stride_sbk + ((n0 + N_OUT) // 128) * stride_sbn)
-    acc3 += p
+    acc2 += p
     if GATED_EPI:
-        acc3_up += p_up
-    return acc3, acc3_up
+        acc2_up += p_up
+    return acc2, acc2_up
 
 
 @triton.jit(do_not_specialize=["M", "PF_BYTES"])  # one binary for every M (M == 1 would specialise)
@@ -465,6 +467,16 @@ def _gemm_kernel(
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     # the weight tile's K offsets: in the GEMV form FP8 weights are loaded 8 to a thread, the activations' layout
     offs_w = _gemv_offs_k(BLOCK_K, ESIZE * 8) if GEMV else tl.arange(0, BLOCK_K)
+    n0 = pid_n * BLOCK_N
+    if GEMV:  # the tile's flat columns j = n * BLOCK_M + m (see _gemv_step): weight column and row of each
+        jj = tl.arange(0, BLOCK_N * BLOCK_M)
+        n_j = n0 + jj // BLOCK_M
+        wcols = tl.where(n_j < N_OUT, n_j, 0)
+        rows_j = pid_m * BLOCK_M + jj % BLOCK_M
+        m_ok_j = rows_j < M
+        rows_j = tl.where(m_ok_j, rows_j, 0)
+    else:
+        wcols = cols
     if PREFETCH:
         # Weights never depend on the previous kernel: request this program's first PF_BYTES per row now.
         nbytes = tl.minimum(PF_BYTES, (k_hi - k_lo) * ESIZE)
@@ -477,11 +489,11 @@ def _gemm_kernel(
         k_ok0 = offs_k0 < K
         offs_w0 = k_lo + offs_w
         w_ok0 = offs_w0 < K
-        w0 = tl.load(b_ptr + offs_w0[:, None] * stride_bk + cols[None, :] * stride_bn, mask=w_ok0[:, None], other=0.0)
+        w0 = tl.load(b_ptr + offs_w0[:, None] * stride_bk + wcols[None, :] * stride_bn, mask=w_ok0[:, None], other=0.0)
         w0_up = w0
         if GATED_EPI:
             w0_up = tl.load(
-                b_ptr + offs_w0[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                b_ptr + offs_w0[:, None] * stride_bk + (wcols + N_OUT)[None, :] * stride_bn,
                 mask=w_ok0[:, None],
                 other=0.0,
             )
@@ -493,13 +505,12 @@ def _gemm_kernel(
     rows = tl.where(m_ok, offs_m, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n0 = pid_n * BLOCK_N
     if GEMV:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
-        acc3_up = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N * BLOCK_M), dtype=tl.float32)
+        acc2_up = tl.zeros((BLOCK_K, BLOCK_N * BLOCK_M), dtype=tl.float32)
     if EARLY and GEMV:
-        acc3, acc3_up = _gemv_step(
-            acc3, acc3_up, a_ptr, stride_am, stride_ak, rows, m_ok, offs_k0, k_ok0, cols, w0, w0_up, k_lo, n0, N_OUT,
+        acc2, acc2_up = _gemv_step(
+            acc2, acc2_up, a_ptr, stride_am, stride_ak, rows_j, m_ok_j, offs_k0, k_ok0, w0, w0_up, k_lo, n0, N_OUT,
             sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn, A_SCALE, B_SCALE, GATED_EPI,
         )  # fmt: skip
     elif EARLY:  # the first weight tile, loaded above before the wait, meets its activations
@@ -523,17 +534,17 @@ def _gemm_kernel(
                 mask=m_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-        w = tl.load(b_ptr + offs_wk[:, None] * stride_bk + cols[None, :] * stride_bn, mask=w_ok[:, None], other=0.0)
+        w = tl.load(b_ptr + offs_wk[:, None] * stride_bk + wcols[None, :] * stride_bn, mask=w_ok[:, None], other=0.0)
         w_up = w
         if GATED_EPI:
             w_up = tl.load(
-                b_ptr + offs_wk[:, None] * stride_bk + (cols + N_OUT)[None, :] * stride_bn,
+                b_ptr + offs_wk[:, None] * stride_bk + (wcols + N_OUT)[None, :] * stride_bn,
                 mask=w_ok[:, None],
                 other=0.0,
             )
         if GEMV:
-            acc3, acc3_up = _gemv_step(
-                acc3, acc3_up, a_ptr, stride_am, stride_ak, rows, m_ok, offs_k, k_ok, cols, w, w_up, k0, n0, N_OUT,
+            acc2, acc2_up = _gemv_step(
+                acc2, acc2_up, a_ptr, stride_am, stride_ak, rows_j, m_ok_j, offs_k, k_ok, w, w_up, k0, n0, N_OUT,
                 sa_ptr, sb_ptr, stride_sam, stride_sbk, stride_sbn, A_SCALE, B_SCALE, GATED_EPI,
             )  # fmt: skip
         else:
@@ -541,10 +552,10 @@ def _gemm_kernel(
                 acc, acc_up, a, w, w_up, k0, rows, m_ok, cols, N_OUT, sa_ptr, sb_ptr, stride_sam, stride_sbk,
                 stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
             )  # fmt: skip
-    if GEMV:  # the reduction over K, once
-        acc = tl.sum(acc3, axis=1)
+    if GEMV:  # the reduction over K, once, as the [BLOCK_M, BLOCK_N] tile the epilogues take
+        acc = tl.trans(tl.reshape(tl.sum(acc2, axis=0), (BLOCK_N, BLOCK_M)))
         if GATED_EPI:
-            acc_up = tl.sum(acc3_up, axis=1)
+            acc_up = tl.trans(tl.reshape(tl.sum(acc2_up, axis=0), (BLOCK_N, BLOCK_M)))
     if SPLIT:
         # fp32 partials [SPLIT_K, M, N]; _splitk_reduce sums them in split order and finishes
         N_FULL = N_OUT * 2 if GATED_EPI else N_OUT
