@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.launch import cdiv, launcher
-from rubin_compile.kernels.triton.moe import _gelu_tanh, _gemv_offs_k, _silu, device_file_name
+from rubin_compile.kernels.triton.moe import _gelu_tanh, _gemv_offs_k, _gemv_rows, _silu, device_file_name
 from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
@@ -553,9 +553,9 @@ def _gemm_kernel(
                 stride_sbn, BLOCK_M, BLOCK_N, A_SCALE, B_SCALE, GATED_EPI, COMPUTE, MMA,
             )  # fmt: skip
     if GEMV:  # the reduction over K, once, as the [BLOCK_M, BLOCK_N] tile the epilogues take
-        acc = tl.trans(tl.reshape(tl.sum(acc2, axis=0), (BLOCK_N, BLOCK_M)))
+        acc = _gemv_rows(acc2, BLOCK_N, BLOCK_M)
         if GATED_EPI:
-            acc_up = tl.trans(tl.reshape(tl.sum(acc2_up, axis=0), (BLOCK_N, BLOCK_M)))
+            acc_up = _gemv_rows(acc2_up, BLOCK_N, BLOCK_M)
     if SPLIT:
         # fp32 partials [SPLIT_K, M, N]; _splitk_reduce sums them in split order and finishes
         N_FULL = N_OUT * 2 if GATED_EPI else N_OUT

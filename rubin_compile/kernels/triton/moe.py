@@ -396,12 +396,7 @@ def _group_rows(
     match, rank, sorted_ptr, start, count, m0, ROUTE: tl.constexpr, BM: tl.constexpr, SLOT_P2: tl.constexpr
 ):
     """Slot indices (and validity) of rows [m0, m0 + BM) of the current group."""
-    return _group_rows_at(match, rank, sorted_ptr, start, count, m0 + tl.arange(0, BM), ROUTE, SLOT_P2)
-
-
-@triton.jit
-def _group_rows_at(match, rank, sorted_ptr, start, count, want, ROUTE: tl.constexpr, SLOT_P2: tl.constexpr):
-    """Slot indices (and validity) of the current group's rows ``want`` (any 1-D tensor of row numbers)."""
+    want = m0 + tl.arange(0, BM)
     if ROUTE == 0:
         sel = match[None, :] & (rank[None, :] == want[:, None])
         slot = tl.sum(tl.where(sel, tl.arange(0, SLOT_P2)[None, :], 0), axis=1)
@@ -683,7 +678,6 @@ def _moe_fc1_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BK)
-    offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)  # the same offsets (GEMV tiles)
     if GDC:
         gdc_wait()  # hidden states, ids and route tables are written by earlier kernels
         if EARLY:
@@ -738,6 +732,7 @@ def _moe_fc1_kernel(
         elif GEMV:
             col_j, slot_j, valid_j = _gemv_columns(slot, valid, pid_n * BN, BN, BM)
             ncol_ok = col_j < I
+            offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)
             x_ptrs = x_ptr + (slot_j // K_TOP)[None, :] * stride_xt + (k_lo + offs_k[:, None]) * stride_xh
             wg_ptrs = w_base + col_j[None, :] * stride_wn + (k_lo + offs_kw[:, None]) * stride_wk
             acc2_g = tl.zeros([BK, BN * BM], tl.float32)
@@ -781,16 +776,15 @@ def _moe_fc1_kernel(
                 wu = tl.load(wu_ptrs, mask=ncol_ok[None, :] & k_mask[:, None], other=0.0)
                 acc2_g = _gemv_step(acc2_g, x2, wg, sg, W_SCALE)
                 acc2_u = _gemv_step(acc2_u, x2, wu, su, W_SCALE)
-            elif SWAP:
-                x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
-                wg = tl.load(wg_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
-                acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             else:
-                x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-                wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                if SWAP:
+                    x = tl.load(x_ptrs, mask=valid[None, :] & k_mask[:, None], other=0.0)
+                    wg = tl.load(wg_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                else:
+                    x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+                    wg = tl.load(wg_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
                 acc_g = _mma_step(x, wg, acc_g, sg, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
                 acc_u = _mma_step(x, wu, acc_u, su, xs, W_SCALE, A_FP8, A_PRE, SWAP, DOT_PREC)
             x_ptrs += BK * stride_xh
@@ -957,17 +951,17 @@ def _moe_fc2_kernel(
             a_ptrs = a_ptr + slot[None, :] * stride_at + offs_k[:, None]
             w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
             acc = tl.zeros([BN, BM], tl.float32)
-        else:
-            a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
-            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc = tl.zeros([BM, BN], tl.float32)
-        if GEMV:
+        elif GEMV:
             col_j, slot_j, valid_j = _gemv_columns(slot, valid, pid_n * BN, BN, BM)
             ncol_ok = col_j < H
             offs_kw = _gemv_offs_k(BK, w_ptr.dtype.element_ty.primitive_bitwidth)
             a_ptrs = a_ptr + slot_j[None, :] * stride_at + offs_k[:, None]
             w_ptrs = w_base + col_j[None, :] * stride_wn + offs_kw[:, None] * stride_wk
             acc2 = tl.zeros([BK, BN * BM], tl.float32)
+        else:
+            a_ptrs = a_ptr + slot[:, None] * stride_at + offs_k[None, :]
+            w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc = tl.zeros([BM, BN], tl.float32)
         sw_nxt = 1.0
         as_nxt = 1.0
         if W_SCALE == 2 and GEMV:  # scales one K step ahead (see FC1)

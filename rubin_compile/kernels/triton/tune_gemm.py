@@ -124,8 +124,8 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
     """Tensor-core tiles whose programs cover the SMs between half and four times over, split-K where N alone
     cannot; each with 4 warps and 4 stages, 6 stages (more weight tiles in flight), and 8 warps for wide tiles;
     K tiles of 256 where no block scale forces 128; for up to four rows also the FMA form with long K tiles and
-    its reduction (GEMV) form with narrow column tiles; the heuristic's config always. Without the early weight tile and the L2 prefetch (``tune`` tries those on
-    the fastest)."""
+    its reduction (GEMV) form with narrow column tiles; the heuristic's config always. Without the early weight
+    tile and the L2 prefetch (``tune`` tries those on the fastest)."""
     esize = 1 if wfmt.startswith("fp8") else 2
     out = {G.heuristic(M, N, K, wfmt, num_sms)}
     block_ks = (64, 128) if wfmt == "fp8_block" else (64, 128, 256)
@@ -169,8 +169,8 @@ def candidates(M: int, N: int, K: int, wfmt: str, num_sms: int) -> list[G.GemmCo
                 continue
             if block_m * bk * bn > 64 * 32 * warps:
                 continue
-            if warps == 8 and block_m > 1:  # ptxas (Triton 3.9, sm_90) spills these at 2 rows (8 bytes of stack)
-                continue
+            if warps == 8 and block_m > 1:  # 8-warp tiles only at 1 row (at 2 rows the first, 3-D layout spilled 8
+                continue  # bytes on Triton 3.9; the flat layout does not, 161-239 registers: kept out until tuned)
             tiles = -(-N // bn)
             for split in (1, 2, 4, 8):
                 if split > 1 and (tiles * split > 8 * num_sms or -(-K // bk) // split < 2):

@@ -239,8 +239,8 @@ def _gemv_candidates(moe, T: int, n: int, wfmt: str, which: str, rows: float) ->
         for bn, bk, w in GEMV_TILES[which]:
             if accs * bm * bn * bk > 64 * 32 * w or bn > max(8, n):
                 continue
-            if w == 8 and accs * bm > 2:  # ptxas (Triton 3.9, sm_90) spills FC1's 8-warp tile at BM = 2
-                continue
+            if w == 8 and accs * bm > 2:  # FC1's 8-warp tile only at BM = 1 (at BM = 2 its first, 3-D layout spilled
+                continue  # 8 bytes on Triton 3.9; the flat layout does not: 184 registers, kept out until tuned)
             if wfmt == "fp8_block" and (BLOCK[0] % bn or (which == "fc1" and n % bn)):
                 continue
             out.append(moe.GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=1, gemv=True))

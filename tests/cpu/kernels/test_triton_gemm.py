@@ -251,8 +251,9 @@ def test_sm90_gemv_loop_streams_without_barriers(aot, form):
 def test_every_gemv_tuner_tile_compiles_without_spills(aot, gated):
     """Every reduction-form config the tuner tries at M = 1, 2, 4 (Qwen3-30B-A3B's q / k / v shape), with and without
     the gated epilogue (twice the accumulators), compiles for sm_90 without spilling its accumulators: no local memory
-    and at most 16 bytes of stack (ptxas reports a spill as stack; one or two 8-byte values are not the tile; 8-warp
-    tiles at 2 rows had 8 bytes and the tuner leaves them out). Checked with the Triton this machine has."""
+    and at most 16 bytes of stack (ptxas reports a spill as stack; one or two 8-byte values are not the tile; a
+    4-row gated 16 x 512 tile with 8 warps spills 2544 bytes, and the accumulator bound keeps it out). Checked with
+    the Triton this machine has."""
     from rubin_compile.kernels.triton import gemm as G
     from rubin_compile.kernels.triton.tune_gemm import candidates
 
