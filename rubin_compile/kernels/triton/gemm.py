@@ -24,7 +24,8 @@ each such call before it moves a byte (../shared/measurements/2026-11-30: 8-57% 
   tail. Without PDL the prefetch still puts one slice's worth of requests in flight at once.
 - **Up to four rows, no tensor cores.** The FMA form (``mma=False``) multiplies and adds over the real rows; its
   reduction (GEMV) variant (``gemv=True``, ``_gemv_step``) defers the sum over K to after the loop, so the loop
-  is loads and FMAs only (Inductor's M = 1 form). Not yet tuned on the H200: no table entry selects it yet.
+  is loads and FMAs only (Inductor's M = 1 form). The H200 table selects it for FP8 block weights at M = 1 and for
+  small bf16 shapes (docs/kernels/gemm.md).
 - **The math is the reference's.** Products accumulate in fp32 (``tl.dot`` of the activation dtype; FP8
   operands are converted exactly to it first), block scales are applied per K tile, per-tensor / row /
   column scales and the bias once on the fp32 sum, then one rounding to the output dtype, and the epilogue
