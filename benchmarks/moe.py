@@ -6,13 +6,23 @@ Per shape (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3 TP8 shard, MiniMax-M2-like),
 format (bf16, FP8 128x128 block) it times, in the same run:
 
 * ``triton``: ours (``rubin_compile.kernels.triton``), tuned table or heuristic, PDL on (and ``pdl=False``);
-* ``grouped_mm``: the op written as sort + ``torch._grouped_mm`` + glue, eager ops in a CUDA graph (bf16);
+* ``grouped_mm``: rubin.moe's ATen form (ops/moe.py ``aten``: sort + ``torch._grouped_mm`` + glue), eager ops in a
+  CUDA graph (bf16): the ``aten`` baseline of the per-size choice;
 * ``inductor``: the same capturable formulation compiled by ``torch.compile`` (Inductor, default mode,
   dynamic shapes: one compile per shape), in a CUDA graph (bf16);
 * ``eager_loop``: the reference op itself (a Python loop over the routed experts; it syncs the host, so
   it is timed with events per call, not in a graph);
+* ``vllm``: vLLM's Triton fused MoE with vLLM's config for the GPU and T, loaded from vLLM's own source
+  (``--vllm-src``; benchmarks/vllm_fused_moe.py says how, and what is not its kernels), in a CUDA graph (bf16); its
+  result is checked against ours on the same routing (``vllm_max_diff``);
 * the roofline: bytes of the distinct experts actually routed / device-to-device copy bandwidth measured
-  at the start of the same run (bytes read + written).
+  at the start of the same run (bytes read + written); and the tensor rate: 6 T k H I FLOPs / time, against
+  an 8192^3 bf16 (FP8) matrix product timed in the same run.
+
+``--write-baselines PATH`` merges ours and the baselines' times into the per-size selection table
+(rubin_compile/kernels/triton/moe_baselines/<GPU>.json, kernels/triton/moe_choice.py); ``--baselines-from
+JSON`` writes it from a results file of an earlier run instead of measuring (no GPU needed). Rows with T >= 256
+also go to ``moe-prefill-h200<tag>.{md,json}``.
 
 Method: CUDA-graph replays of 4 back-to-back calls (weights rotated over 2 copies, so no call finds its
 experts in the 60 MB L2), timed with events, median of 50 replays after warm-up; before every replay a
@@ -24,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from rubin_compile.kernels.triton import moe as tmoe
 from rubin_compile.kernels.triton.tune_moe import (
@@ -43,33 +54,51 @@ from rubin_compile.kernels.triton.tune_moe import (
     time_eager,
     time_graph,
 )
-from rubin_compile.ops.moe import moe_reference
+from rubin_compile.kernels.triton import moe_choice
+from rubin_compile.ops.moe import aten_tensors, moe_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_fused_moe  # noqa: E402  (a benchmark helper beside this file)
 
 CALLS = 4  # calls per graph replay
 COPIES = 2  # weight copies rotated across the calls
 
 
-def grouped_mm_moe(x, w13t, w2t, tw, ids):
-    """The op as sort + torch._grouped_mm (bf16); w13t = w13.transpose(1, 2), w2t = w2.transpose(1, 2)."""
-    T, k = ids.shape
-    E, _, two_i = w13t.shape
-    inter = two_i // 2
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32)
-    )
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    tok = order // k
-    h = torch._grouped_mm(x.index_select(0, tok), w13t, offs=offs)
-    a = F.silu(h[:, :inter]) * h[:, inter:]
-    y = torch._grouped_mm(a, w2t, offs=offs)
-    y = y.float() * tw.reshape(-1)[order].float().unsqueeze(1)
-    out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device).index_add_(0, tok, y)
-    return out.to(x.dtype)
+def grouped_mm_moe(x, w13, w2, tw, ids):
+    """rubin.moe's ATen form (ops/moe.py: ``aten``): the slots sorted by expert, two torch._grouped_mm, the glue --
+    what Inductor compiles from transformers' grouped-mm experts, and what our adapter runs where it measured faster
+    (kernels/triton/moe_choice.py). (Until 2026-12-05 this benchmark timed its own copy of that formulation.)"""
+    return aten_tensors(x, w13, w2, tw, ids, "silu")
 
 
-def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, inductor_tokens):
+PREFILL_MIN_T = 256  # rows from this T on also go to the prefill table
+
+
+def matmul_tflops(fp8: bool, n: int = 8192) -> float:
+    """TFLOP/s of an n^3 matrix product on random data (bf16, or e4m3 through torch._scaled_mm), median of 10."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        a, bt = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+
+        def fn():
+            return torch._scaled_mm(a, bt, one, one, out_dtype=torch.bfloat16)
+    else:
+
+        def fn():
+            return a @ b
+
+    us = statistics.median(time_eager(fn, reps=10, warmup=3))
+    return 2 * n**3 / us / 1e6
+
+
+def moe_flops(T: int, k: int, H: int, I: int) -> float:
+    """FC1 (2 T k H 2I) + FC2 (2 T k I H) multiply-adds counted as two FLOPs."""
+    return 6.0 * T * k * H * I
+
+
+def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, inductor_tokens, vllm_src=None):
     E, k, H, I = sh["E"], sh["k"], sh["H"], sh["I"]
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -90,9 +119,9 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                     r[1].copy_(ids)
                     distinct.add_(torch.zeros(E, device="cuda").index_fill_(0, ids.reshape(-1), 1.0).sum())
 
-            def timed(fn_of_i, label):
+            def timed(fn_of_i, label, refresh_fn=refresh):
                 distinct.zero_()
-                ts = time_graph([lambda i=i: fn_of_i(i) for i in range(CALLS)], refresh=refresh, reps=reps)
+                ts = time_graph([lambda i=i: fn_of_i(i) for i in range(CALLS)], refresh=refresh_fn, reps=reps)
                 nbytes = distinct.item() / (reps * CALLS) * eb
                 return statistics.median(ts), nbytes
 
@@ -132,13 +161,13 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
             row["floor_us"] = nbytes / (copy_gbs * 1e3)
             row["us"]["triton_nopdl"] = timed(lambda i: ours(i, pdl=False), "triton_nopdl")[0]
             if wf == "bf16":
-                w13t = [w["w13"].transpose(1, 2) for w in weights]
-                w2t = [w["w2"].transpose(1, 2) for w in weights]
+                w13s = [w["w13"] for w in weights]
+                w2s = [w["w2"] for w in weights]
                 if "grouped_mm" in baselines:
                     try:
                         row["us"]["grouped_mm"] = timed(
                             lambda i: grouped_mm_moe(
-                                xs[i], w13t[i % COPIES], w2t[i % COPIES], routes[i][0], routes[i][1]
+                                xs[i], w13s[i % COPIES], w2s[i % COPIES], routes[i][0], routes[i][1]
                             ),
                             "grouped_mm",
                         )[0]
@@ -149,14 +178,36 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                         if compiled is None:
                             compiled = torch.compile(grouped_mm_moe, dynamic=True, fullgraph=True)
                         t0 = time.time()
-                        compiled(xs[0], w13t[0], w2t[0], routes[0][0], routes[0][1])
+                        compiled(xs[0], w13s[0], w2s[0], routes[0][0], routes[0][1])
                         row["inductor_first_call_s"] = round(time.time() - t0, 1)
                         row["us"]["inductor"] = timed(
-                            lambda i: compiled(xs[i], w13t[i % COPIES], w2t[i % COPIES], routes[i][0], routes[i][1]),
+                            lambda i: compiled(xs[i], w13s[i % COPIES], w2s[i % COPIES], routes[i][0], routes[i][1]),
                             "inductor",
                         )[0]
                     except Exception as exc:
                         row.setdefault("errors", {})["inductor"] = f"{type(exc).__name__}: {exc}"[:200]
+                if "vllm" in baselines:
+                    try:
+                        vm = [vllm_fused_moe.VllmMoE(T, E, H, I, k, vllm_src) for _ in range(CALLS)]
+                        for c in range(CALLS):  # the graph's first (warm-up) calls read a valid alignment
+                            vm[c].align(routes[c][1])
+
+                        def refresh_vllm(i):
+                            refresh(i)
+                            for c in range(CALLS):
+                                vm[c].align(routes[c][1])
+
+                        def vllm_call(i):
+                            w = weights[i % COPIES]
+                            return vm[i](xs[i], w["w13"], w["w2"], routes[i][0])
+
+                        row["us"]["vllm"] = timed(vllm_call, "vllm", refresh_vllm)[0]
+                        row["vllm_config"] = dict(vm[0].config, source=vm[0].config_source)
+                        vm[0].align(routes[0][1])
+                        diff = (vllm_call(0).float() - ours(0).float()).abs().max().item()
+                        row["vllm_max_diff"] = diff
+                    except Exception as exc:
+                        row.setdefault("errors", {})["vllm"] = f"{type(exc).__name__}: {exc}"[:300]
             if "eager_loop" in baselines:
                 w = weights[0]
                 row["us"]["eager_loop"] = statistics.median(
@@ -179,6 +230,7 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                 )
             row["pct_copy_bw"] = 100.0 * row["floor_us"] / row["us"]["triton"]
             row["gbs"] = nbytes / row["us"]["triton"] / 1e3
+            row["tflops"] = moe_flops(T, k, H, I) / row["us"]["triton"] / 1e6
             rows.append(row)
             sp = " ".join(f"{b}={row['us'][b] / row['us']['triton']:.2f}x" for b in row["us"] if b != "triton")
             log(
@@ -190,31 +242,65 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
     return rows
 
 
+def _peak(result, wfmt: str) -> float:
+    """The measured tensor rate the row's format runs against (FP8 weights: the e4m3 product's)."""
+    return result["tflops_peak"]["fp8" if wfmt.startswith("fp8") else "bf16"]
+
+
 def write_outputs(result, out: Path, tag: str):
     out.mkdir(parents=True, exist_ok=True)
     (out / f"moe-h200{tag}.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"# Fused MoE on {result['device']} ({result['date']})",
+    peaks = result["tflops_peak"]
+    head = [
+        f"Copy bandwidth measured in the run: {result['copy_gbs']:.0f} GB/s (read + write); tensor rate of an 8192^3 "
+        f"product on random data in the same run: bf16 {peaks['bf16']:.0f}, FP8 {peaks['fp8']:.0f} TFLOP/s. "
+        f"torch {result['torch']}, Triton {result['triton']}, commit {result['commit']}. {result['method']}",
         "",
-        f"Copy bandwidth measured in the run: {result['copy_gbs']:.0f} GB/s (read + write). "
-        f"torch {result['torch']}, Triton {result['triton']}. {result['method']}",
-        "",
-        "| shape | w | T | ours us | floor us | % copy bw | GB/s | ours no-PDL | grouped_mm | inductor | eager loop |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    lines = [f"# Fused MoE on {result['device']} ({result['date']})", "", *head]
+    lines += [
+        "| shape | w | T | ours us | floor us | % copy bw | GB/s | TFLOP/s | % tensor peak | ours no-PDL | vllm | "
+        "grouped_mm | inductor | eager loop |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(r, b):
+        u = r["us"]
+        return f"{u[b]:.1f} ({u[b] / u['triton']:.2f}x)" if b in u else "-"
+
     for r in result["rows"]:
         u = r["us"]
-
-        def cell(b):
-            return f"{u[b]:.1f} ({u[b] / u['triton']:.2f}x)" if b in u else "-"
-
         lines.append(
             f"| {r['shape']} | {r['wfmt']} | {r['T']} | {u['triton']:.1f} | {r['floor_us']:.1f} | "
-            f"{r['pct_copy_bw']:.1f} | {r['gbs']:.0f} | {cell('triton_nopdl')} | {cell('grouped_mm')} | "
-            f"{cell('inductor')} | {cell('eager_loop')} |"
+            f"{r['pct_copy_bw']:.1f} | {r['gbs']:.0f} | {r['tflops']:.0f} | {100 * r['tflops'] / _peak(result, r['wfmt']):.1f} | "
+            f"{cell(r, 'triton_nopdl')} | {cell(r, 'vllm')} | {cell(r, 'grouped_mm')} | {cell(r, 'inductor')} | "
+            f"{cell(r, 'eager_loop')} |"
         )
-    lines += ["", "Baseline cells: time in us (time / ours: >1 means ours is faster)."]
-    (out / f"moe-h200{tag}.md").write_text("\n".join(lines) + "\n")
+    notes = ["", "Baseline cells: time in us (time / ours: >1 means ours is faster)."]
+    errors = [
+        f"- {r['shape']} {r['wfmt']} T={r['T']}: {e}" for r in result["rows"] for e in r.get("errors", {}).items()
+    ]
+    if errors:
+        notes += ["", "Baselines that did not run:", *errors]
+    (out / f"moe-h200{tag}.md").write_text("\n".join(lines + notes) + "\n")
+    prefill = [r for r in result["rows"] if r["T"] >= PREFILL_MIN_T]
+    if prefill:
+        (out / f"moe-prefill-h200{tag}.json").write_text(json.dumps(dict(result, rows=prefill), indent=1))
+        lines = [f"# Fused MoE at prefill sizes (T >= {PREFILL_MIN_T}) on {result['device']} ({result['date']})", ""]
+        lines += head + [
+            "| shape | w | T | ours us | TFLOP/s | % tensor peak | % copy bw | vllm us (vllm / ours) | vllm config | "
+            "grouped_mm | inductor |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        ]
+        for r in prefill:
+            vc = r.get("vllm_config", {})
+            vcfg = "x".join(str(vc[n]) for n in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K") if n in vc)
+            lines.append(
+                f"| {r['shape']} | {r['wfmt']} | {r['T']} | {r['us']['triton']:.1f} | {r['tflops']:.0f} | "
+                f"{100 * r['tflops'] / _peak(result, r['wfmt']):.1f} | {r['pct_copy_bw']:.1f} | {cell(r, 'vllm')} | "
+                f"{vcfg or '-'} | {cell(r, 'grouped_mm')} | {cell(r, 'inductor')} |"
+            )
+        (out / f"moe-prefill-h200{tag}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -231,7 +317,13 @@ def write_outputs(result, out: Path, tag: str):
                 continue
             Ts = [r["T"] for r in rs]
             ax.plot(Ts, [r["floor_us"] for r in rs], "k" + style, lw=1, label=f"roofline {wf}")
-            for b, c in (("triton", "C0"), ("grouped_mm", "C1"), ("inductor", "C2"), ("eager_loop", "C3")):
+            for b, c in (
+                ("triton", "C0"),
+                ("grouped_mm", "C1"),
+                ("inductor", "C2"),
+                ("eager_loop", "C3"),
+                ("vllm", "C4"),
+            ):
                 pts = [(r["T"], r["us"][b]) for r in rs if b in r["us"]]
                 if pts:
                     ax.plot(*zip(*pts), style, color=c, marker="o", ms=3, label=f"{b} {wf}")
@@ -246,6 +338,49 @@ def write_outputs(result, out: Path, tag: str):
     fig.savefig(out / f"moe-h200{tag}.png", dpi=110)
 
 
+def commit() -> str:
+    """The tree's commit: RUBIN_COMMIT when set (a GPU run's copy of the tree may carry a stale .git), else git's."""
+    if os.environ.get("RUBIN_COMMIT"):
+        return os.environ["RUBIN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+BASELINE_COLUMNS = {"grouped_mm": "aten", "vllm": "vllm"}  # a result row's baseline -> its name in moe_choice
+
+
+def write_baselines(result, path: Path, source: str) -> int:
+    """Merge the bf16 rows of ``result`` (ours and each measured baseline, us) into the selection table at ``path``
+    (moe_choice's format); returns the number of (shape, T) entries written."""
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    if table and table.get("device") != result["device"]:
+        raise SystemExit(f"{path} is the table of {table.get('device')!r}, not of {result['device']!r}")
+    entries = table.setdefault("entries", {})
+    written = 0
+    for r in result["rows"]:
+        times = {name: r["us"][b] for b, name in BASELINE_COLUMNS.items() if b in r["us"]}
+        if r["wfmt"] != "bf16" or not times:
+            continue
+        key = moe_choice.table_key(r["E"], r["H"], r["I"], r["k"], r["wfmt"])
+        entries.setdefault(key, {})[str(r["T"])] = {
+            "triton": round(r["us"]["triton"], 2),
+            **{n: round(t, 2) for n, t in times.items()},
+        }
+        written += 1
+    table["device"] = result["device"]
+    table["measured"] = source
+    table["method"] = (
+        "per (shape, T): ours and the baselines timed in one run of benchmarks/moe.py (" + result["method"] + "); "
+        "aten = rubin.moe's ATen form as sort + torch._grouped_mm (the grouped_mm column), vllm = vLLM's Triton "
+        "fused_moe with its config (the vllm column)"
+    )
+    table["entries"] = {k: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for k, v in sorted(entries.items())}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return written
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="fused MoE benchmark")
     ap.add_argument("--out", default="benchmarks/results")
@@ -253,22 +388,41 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--formats", default="bf16,fp8_block")
-    ap.add_argument("--baselines", default="grouped_mm,inductor,eager_loop")
+    ap.add_argument(
+        "--baselines", default="grouped_mm,inductor,eager_loop", help="of grouped_mm,inductor,eager_loop,vllm"
+    )
     ap.add_argument("--inductor-tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--vllm-src", default=None, help="vLLM's fused_moe folder (default: the installed vLLM's)")
+    ap.add_argument("--write-baselines", default=None, help="merge ours / grouped_mm / vllm times into this table")
+    ap.add_argument("--baselines-from", default=None, help="a results JSON of an earlier run: write the table from it")
     args = ap.parse_args(argv)
 
     def log(msg):
         print(msg, flush=True)
 
+    if args.baselines_from:
+        if not args.write_baselines:
+            ap.error("--baselines-from needs --write-baselines PATH")
+        result = json.loads(Path(args.baselines_from).read_text())
+        source = f"{args.baselines_from} ({result['device']}, {result['date']}, torch {result['torch']}, Triton {result['triton']})"
+        n = write_baselines(result, Path(args.write_baselines), source)
+        log(f"wrote {n} entries from {args.baselines_from} into {args.write_baselines}")
+        return 0
     copy_gbs = copy_bandwidth_gbs()
-    log(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+    peaks = {"bf16": matmul_tflops(False), "fp8": matmul_tflops(True)}
+    log(
+        f"device {torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s (read + write); "
+        f"8192^3 products: bf16 {peaks['bf16']:.0f}, FP8 {peaks['fp8']:.0f} TFLOP/s"
+    )
     result = dict(
         device=torch.cuda.get_device_name(),
         date=time.strftime("%Y-%m-%d"),
         torch=torch.__version__,
         triton=__import__("triton").__version__,
+        commit=commit(),
         copy_gbs=copy_gbs,
+        tflops_peak=peaks,
         method=f"CUDA-graph replays of {CALLS} calls on {COPIES} rotating weight copies, fresh random "
         f"routing before each replay, median of {args.reps}; eager_loop timed per call with events "
         f"(host-syncing reference), median of 10-20",
@@ -278,10 +432,24 @@ def main(argv=None):
     ind_toks = {int(t) for t in args.inductor_tokens.split(",")}
     for s in args.shapes.split(","):
         result["rows"] += bench_shape(
-            s, SHAPES[s], toks, args.formats.split(","), args.baselines.split(","), args.reps, copy_gbs, log, ind_toks
+            s,
+            SHAPES[s],
+            toks,
+            args.formats.split(","),
+            args.baselines.split(","),
+            args.reps,
+            copy_gbs,
+            log,
+            ind_toks,
+            args.vllm_src,
         )
         write_outputs(result, Path(args.out), args.tag)
     log(f"wrote {args.out}/moe-h200{args.tag}.*")
+    if args.write_baselines:
+        source = f"benchmarks/moe.py on {result['device']}, {result['date']}, commit {result['commit']}"
+        n = write_baselines(result, Path(args.write_baselines), source)
+        log(f"merged {n} entries into {args.write_baselines}")
+    return 0
 
 
 if __name__ == "__main__":

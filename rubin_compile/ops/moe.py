@@ -666,10 +666,17 @@ def aten_declines(args: MoEArgs, target_is_cuda: bool = False) -> Optional[str]:
     default (grouped-mm) experts compile to, for what Inductor supports of it: bf16, unquantised, plain weights, on
     the CPU. On a GPU target the reference runs only where no kernel takes the call (and torch's grouped GEMM there is
     bf16 on sm_80+, which the Triton kernel covers), so the node stays the op: a plan for a GPU made on this CPU keeps
-    showing the GPU's passes."""
+    showing the GPU's passes. (The Triton kernel's adapter runs ``aten`` itself, per call, at the sizes where it
+    measured faster: kernels/triton/moe_choice.py.)"""
     device = args.hidden_states.device.type
     if target_is_cuda or device != "cpu":
         return "the ATen form (grouped GEMM) is used for the CPU target only"
+    return aten_unsupported(args)
+
+
+def aten_unsupported(args: MoEArgs) -> Optional[str]:
+    """Why ``aten`` cannot compute this call on any device (``None`` when it can): torch's grouped GEMM takes bf16
+    operands of plain layout with rows of whole 16 bytes."""
     if _grouped_mm is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
     if (
@@ -702,33 +709,59 @@ def aten(args: MoEArgs) -> torch.Tensor:
     Inductor compiles it as it compiles Hugging Face's grouped-mm experts. An expert id outside [0, E) cannot be
     reported without one: its slot is sorted after every expert's run, outside the grouped GEMMs (whose rows past the
     last run are not written), and contributes nothing (the reference raises)."""
-    x = args.hidden_states
-    T, H, E, k = args.T, args.H, args.E, args.k
+    return aten_tensors(
+        args.hidden_states,
+        args.w13,
+        args.w2,
+        args.topk_weights,
+        args.topk_ids,
+        args.activation,
+        args.w13_bias,
+        args.w2_bias,
+        args.apply_router_weight_on_input,
+        args.activation_constants,
+    )
+
+
+def aten_tensors(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    apply_router_weight_on_input: bool = False,
+    activation_constants: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``aten`` on the tensors themselves (no argument checks; sizes read off the shapes), so Dynamo can trace it
+    (benchmarks/moe.py compiles it as its Inductor baseline)."""
+    T, H = x.shape
+    E, k = w13.shape[0], topk_ids.shape[1]
     acc_dtype = torch.float32
-    ids = args.topk_ids.reshape(-1).to(torch.int64)
+    ids = topk_ids.reshape(-1).to(torch.int64)
     ids = torch.where((ids >= 0) & (ids < E), ids, E)  # an id outside [0, E): "expert E", after all the others
     order = torch.argsort(ids, stable=True)
     expert_of_slot = ids.index_select(0, order)
     token_of_slot = torch.div(order, k, rounding_mode="floor")
-    slot_weight = args.topk_weights.reshape(-1).index_select(0, order)
+    slot_weight = topk_weights.reshape(-1).index_select(0, order)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
     counts = counts.index_add_(0, expert_of_slot, torch.ones_like(expert_of_slot))[:E]
     offs = counts.cumsum(0).to(torch.int32)
     routed = (expert_of_slot < E).unsqueeze(1)
     expert_or_last = expert_of_slot.clamp(max=E - 1)  # for the bias gathers; the unrouted slots are masked below
     xs = x.index_select(0, token_of_slot)
-    if args.apply_router_weight_on_input:
+    if apply_router_weight_on_input:
         xs = xs * slot_weight.to(x.dtype).unsqueeze(1)
-    gate_up = _grouped_mm(xs, args.w13.transpose(1, 2), offs=offs)
-    if args.w13_bias is not None:
-        gate_up = gate_up + args.w13_bias.to(x.dtype).index_select(0, expert_or_last)
-    y = _grouped_mm(
-        apply_activation(gate_up, args.activation, args.activation_constants), args.w2.transpose(1, 2), offs=offs
-    )
-    if args.w2_bias is not None:
-        y = y + args.w2_bias.to(x.dtype).index_select(0, expert_or_last)
+    gate_up = _grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias.to(x.dtype).index_select(0, expert_or_last)
+    y = _grouped_mm(apply_activation(gate_up, activation, activation_constants), w2.transpose(1, 2), offs=offs)
+    if w2_bias is not None:
+        y = y + w2_bias.to(x.dtype).index_select(0, expert_or_last)
     y = torch.where(routed, y.to(acc_dtype), 0.0)  # what the GEMMs left unwritten, NaN included, is dropped
-    if not args.apply_router_weight_on_input:
+    if not apply_router_weight_on_input:
         y = y * slot_weight.to(acc_dtype).unsqueeze(1)
     out = torch.zeros(T, H, dtype=acc_dtype, device=x.device).index_add_(0, token_of_slot, y)
     return out.to(x.dtype)
@@ -894,6 +927,7 @@ def moe_spec(node: torch.fx.Node) -> KernelSpec:
         ),
         static_input_scales=args.get("a13_scale") is not None and args.get("a2_scale") is not None,
         has_bias=args.get("w13_bias") is not None or args.get("w2_bias") is not None,
+        baseline="aten",
     )
 
 

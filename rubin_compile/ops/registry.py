@@ -91,6 +91,10 @@ class KernelSpec:
         ``a_scale`` with FP4 weights): what W8A8 / W4A4 kernels that quantise activations statically need.
     has_bias:
         The node adds biases (``rubin.moe``'s ``w13_bias`` / ``w2_bias``), which some kernels do not take.
+    baseline:
+        What computes the node where rubin's kernel does not, for a kernel that chooses per call size between itself
+        and it (``rubin.moe``: ``"aten"``, its ATen form; vLLM's MoE layer op: ``"vllm"``, vLLM's own fused MoE;
+        kernels/triton/moe_choice.py). ``""``: none.
     """
 
     op: str
@@ -105,6 +109,7 @@ class KernelSpec:
     features: tuple[str, ...] = ()
     static_input_scales: bool = False
     has_bias: bool = False
+    baseline: str = ""
 
     def dim(self, name: str) -> Optional[int]:
         return dict(self.shape).get(name)

@@ -182,6 +182,41 @@ def test_op_matches_vllm_op(make_layer, vllm_config):
         assert_close(a, b)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["moe_forward", "moe_forward_shared"])
+def test_triton_bound_layer_runs_vllms_own_fused_moe_at_prefill_sizes(make_layer, vllm_config, shared):
+    """Bound to our Triton kernels (a GPU plan), a call of more tokens than moe_choice gives ours against vLLM's fused
+    MoE runs vLLM's own path, the layer's _forward_impl: here on the CPU that is vLLM's CPU experts, so the result
+    equals vllm.moe_forward's, and the input is left as it was (vLLM's path gets a copy). A decode-sized call goes
+    to our kernels, which this machine cannot run: the error names them."""
+    from vllm.forward_context import set_forward_context
+
+    from rubin_compile.kernels.triton.moe_choice import VLLM_RULE_MAX_T
+    from rubin_compile.ops.registry import KernelUnavailableError
+
+    layer = make_layer(op_form=True, shared=shared)
+    name = layer._encode_layer_name()
+    x, logits = fresh_inputs(layer, torch.float32, tokens=VLLM_RULE_MAX_T + 1)
+    x_before = x.clone()
+    ours_op = torch.ops.rubin.vllm_moe_layer_shared if shared else torch.ops.rubin.vllm_moe_layer
+    theirs_op = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
+    with torch.no_grad(), set_forward_context(None, vllm_config):
+        args = (x, logits, x if shared else None, None, name)
+        ours = ours_op(*args, "triton@sm90")
+        theirs = theirs_op(x.clone(), *args[1:], 0)
+        assert torch.equal(x, x_before)
+        for a, b in zip(ours if shared else [ours], theirs if shared else [theirs]):
+            assert_close(a, b)
+        with pytest.raises(KernelUnavailableError, match="'triton'"):
+            ours_op(
+                x[:VLLM_RULE_MAX_T],
+                logits[:VLLM_RULE_MAX_T],
+                x[:VLLM_RULE_MAX_T] if shared else None,
+                None,
+                name,
+                "triton@sm90",
+            )
+
+
 def llama4_layer(make_layer, dtype, **kw):
     """Llama 4's MoE layer as vllm/model_executor/models/llama4.py builds it: top-1 of the logits then sigmoid (its
     custom routing function), no renormalisation, the router weight on the expert input."""

@@ -48,6 +48,7 @@ from typing import Any, Optional
 import torch
 
 from rubin_compile.integrations import after_import
+from rubin_compile.kernels.triton import moe_choice
 from rubin_compile.ops.moe import (
     MOE,
     SWIGLUOAI_ALPHA,
@@ -61,7 +62,7 @@ from rubin_compile.ops.moe import (
     pack_cpu_weight,
 )
 from rubin_compile.ops.nodes import bound_arguments, dtype_name, static_size, val_dtype
-from rubin_compile.ops.registry import KernelSpec, Launch
+from rubin_compile.ops.registry import KernelSpec, Launch, parse_impl
 
 PLAIN_CPU, VNNI_CPU = WeightLayout("vllm_cpu", "<isa>"), WeightLayout("vllm_cpu", "<isa>", vnni=True)
 
@@ -384,7 +385,11 @@ def run_layer(
     pdl: bool = False,
     placement: str = "",
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(shared_out or None, fused_out) of ``layer``, as the module docstring defines them."""
+    """(shared_out or None, fused_out) of ``layer``, as the module docstring defines them. Bound to our Triton
+    kernels, a call of a size at which vLLM's own fused MoE is the faster (kernels/triton/moe_choice.py: measured on
+    this GPU, else by the rule) runs vLLM's own path instead (``vllm_forward``)."""
+    if parse_impl(impl)[0] == "triton" and _vllm_is_faster(layer, hidden_states):
+        return vllm_forward(layer, hidden_states, router_logits, shared_experts_input, input_ids)
     if layer.gate is not None:
         router_logits, _ = layer.gate(hidden_states)
     shared_out = None
@@ -414,6 +419,41 @@ def run_layer(
         apply_router_weight_on_input=layer_on_input(layer),
     )
     return shared_out, MOE.run(impl, args, Launch.decode(pdl, placement))
+
+
+def _vllm_is_faster(layer: Any, hidden_states: torch.Tensor) -> bool:
+    """Whether, for this call's number of tokens, vLLM's own fused MoE measured faster than our Triton kernels
+    on this GPU (or, off the measured table, the rule says so: moe_choice.choose)."""
+    experts = layer.routed_experts
+    E, n13, H = experts.w13_weight.shape
+    I = n13 // 2 if layer.activation.is_gated else n13
+    name = _device_name(hidden_states.device.index or 0) if hidden_states.is_cuda else ""
+    wfmt = moe_choice.weight_format(experts.w13_weight.dtype, False)  # the matcher rewrites unquantised layers only
+    T = hidden_states.shape[0]
+    return moe_choice.choose(T, int(E), int(H), int(I), layer.router.top_k, wfmt, name, "vllm").kernel == "vllm"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_properties(index).name
+
+
+def vllm_forward(
+    layer: Any,
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    shared_experts_input: Optional[torch.Tensor],
+    input_ids: Optional[torch.Tensor],
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(shared_out or None, fused_out) as vLLM's own ``moe_forward`` / ``moe_forward_shared`` compute them: the
+    layer's ``_forward_impl``, which those ops call (vllm/model_executor/layers/fused_moe/runner/moe_runner.py). vLLM
+    declares ``hidden_states`` mutated by that path (its fused experts may write their output in place); the ops
+    here mutate nothing, so it gets a copy (T x H elements, against the MoE's own 6 T k H I FLOPs)."""
+    result = layer._forward_impl(hidden_states.clone(), router_logits, shared_experts_input, input_ids)
+    if layer.shared_experts is not None:
+        shared_out, fused_out = result
+        return shared_out, fused_out
+    return None, result
 
 
 def find_layer(name: str) -> Any:
@@ -571,6 +611,7 @@ def layer_spec(node: torch.fx.Node) -> KernelSpec:
         activation=details.get("activation"),
         weight_layout=details.get("weight_layout", "plain"),
         features=call_features(bool(details.get("apply_router_weight_on_input")), False),
+        baseline="vllm",
     )
 
 

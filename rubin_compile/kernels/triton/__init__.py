@@ -11,6 +11,7 @@ through Triton's interpreter, which the CPU tests use to check indexing.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Optional
@@ -20,7 +21,8 @@ import torch._inductor.config  # noqa: F401  (read by the GEMM's selection: max-
 
 from rubin_compile.ops.attention import ATTENTION, AttentionArgs, reference
 from rubin_compile.ops.gemm import GEMM, GemmArgs
-from rubin_compile.ops.moe import MOE, MoEArgs
+from rubin_compile.kernels.triton import moe_choice
+from rubin_compile.ops.moe import MOE, MoEArgs, aten, aten_unsupported
 from rubin_compile.ops.registry import QUANT_LABELS, KernelSpec, Launch
 from rubin_compile.ops.route import ROUTE, RouteArgs
 from rubin_compile import target as target_mod
@@ -64,18 +66,66 @@ def _runnable(here: Target) -> Optional[str]:
 
 # Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on Blackwell
 # FlashInfer first and Triton after it; on Hopper Triton first (docs/kernels/selection.md).
+def _plan_device_name(target: Target) -> str:
+    """The name of this machine's GPU when a plan is made for it (its measured tables apply), else "" (a plan
+    for a GPU this machine lacks follows the rules off the tables)."""
+    here = target_mod.detect()
+    if here.name == target.name and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).name
+    return ""
+
+
+def _moe_entry(spec: KernelSpec) -> str:
+    """What runs a node bound to our MoE kernels, with the per-call-size choice against its baseline (what runs
+    the node without rubin; moe_choice.py): for a static T the decision and its source, else the policy."""
+    base = "rubin_compile.kernels.triton.moe.fused_moe"
+    if not spec.baseline or None in (spec.dim("E"), spec.dim("H"), spec.dim("I"), spec.dim("k")):
+        return base
+    E, H, I, k, T = (spec.dim(n) for n in ("E", "H", "I", "k", "T"))
+    wfmt = _moe_wfmt(spec)
+    name = _plan_device_name(target_mod.resolve("sm90"))
+    if T is None:
+        return (
+            f"{base}; per call by T against {spec.baseline}: {moe_choice.policy(E, H, I, k, wfmt, name, spec.baseline)}"
+        )
+    choice = moe_choice.choose(T, E, H, I, k, wfmt, name, spec.baseline)
+    runs = base if choice.kernel == "triton" else moe_choice.BASELINES[spec.baseline]
+    return f"{runs}; T={T} against {spec.baseline}: {choice.describe()}"
+
+
+def _moe_wfmt(spec: KernelSpec) -> str:
+    """The MoE tables' weight-format word for ``spec`` (moe_choice.weight_format for a call)."""
+    if spec.quant == "fp8_block":
+        return "fp8_block"
+    if spec.quant == "fp8_tensor":
+        return "fp8"
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(spec.weight_dtype, spec.weight_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_properties(index).name if torch.cuda.is_available() else ""
+
+
 @MOE.register_kernel(
     "triton",
     supports=_moe_supports,
     priority={"*": 10, "sm90": 30},
     runnable=_runnable,
-    entry=lambda spec: "rubin_compile.kernels.triton.moe.fused_moe",
+    entry=_moe_entry,
     pdl=lambda spec: None,
     placements=("split_n",),
     in_graph=True,
 )
 def triton_moe(args: MoEArgs, launch: Launch) -> torch.Tensor:
-    """The fused Triton MoE (kernels/triton/moe.py: ``run``)."""
+    """The fused Triton MoE (kernels/triton/moe.py: ``run``), or, for a call of a size at which rubin.moe's ATen form
+    measured faster on this GPU (moe_choice.py), that form."""
+    if aten_unsupported(args) is None:
+        x = args.hidden_states
+        name = _device_name(x.device.index or 0) if x.is_cuda else ""
+        wfmt = moe_choice.weight_format(args.w13.dtype, args.block_shape is not None)
+        if moe_choice.choose(args.T, args.E, args.H, args.I, args.k, wfmt, name, "aten").kernel == "aten":
+            return aten(args)
     # Imported here, not at the top: registering the kernel must need neither Triton nor a GPU.
     from rubin_compile.kernels.triton import moe
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.moe_choice import table_file, table_key, weight_format
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -128,16 +129,12 @@ class MoEConfig:
 
 def shape_key(E: int, H: int, I: int, k: int, weight_dtype: torch.dtype, block_shape=None) -> str:
     """Key of a shape bucket in the tuned-config JSON."""
-    if weight_dtype in FP8_DTYPES:
-        w = "fp8_block" if block_shape is not None else "fp8"
-    else:
-        w = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(weight_dtype, str(weight_dtype))
-    return f"E={E},H={H},I={I},k={k},w={w}"
+    return table_key(E, H, I, k, weight_format(weight_dtype, block_shape is not None))
 
 
 def device_file_name(device_name: str) -> str:
     """File name of a GPU's tuned-config table, e.g. 'NVIDIA H200' -> 'NVIDIA_H200.json'."""
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name.strip()) + ".json"
+    return table_file(device_name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,165 @@
+"""Ours or the baseline for one ``rubin.moe`` call of ``T`` tokens: the kernel selection runs per call size.
+
+The Triton MoE kernels (moe.py) are built for decode: from T = 16 to 128 they read each routed expert's weights at
+92-107% of the copy bandwidth on the four benchmark shapes, and below that they run forms made for one token. At
+prefill sizes the same kernels can be slower than what the source graph would have run -- vLLM's own fused MoE
+(its Triton ``fused_moe_kernel`` with vLLM's tuned configs: 1.9-2.0x faster at T = 1024 on Qwen3-30B-A3B and
+DeepSeek-V3 TP8, issue 14), or, for a graph built from transformers' experts, rubin.moe's ATen form (sort +
+``torch._grouped_mm``: 1.1x faster on Mixtral-8x7B at T = 4096, benchmarks/results/moe-h200.md). A graph compiled
+with a symbolic T (vLLM, ``dynamic=True``) meets every size, so the choice is made per call, from the call's T
+alone (a size, never data: no host synchronisation, and each CUDA graph a serving runner captures holds one
+choice).
+
+``choose`` decides, with the first of:
+
+1. **The measured table** of this GPU (``moe_baselines/<GPU name>.json``, written by ``benchmarks/moe.py
+   --baselines ... --write-baselines``): per shape (E, H, I, k, weight format) and measured T, our time and each
+   baseline's; the entry of the smallest measured T at least the call's (the largest for a larger T) decides,
+   ours where it measured faster. The plan and ``Choice.describe`` carry the times.
+2. **Off the table, the rule**: against the ATen form, ours at every T (it measured faster at every benchmark
+   shape and T but Mixtral's 256 and 4096, which the table holds); against vLLM's fused MoE, ours up to
+   ``VLLM_RULE_MAX_T`` tokens and vLLM's own above (ours measured slower or tied at every prefill size measured).
+
+The baseline a node has is what its graph runs without rubin (``KernelSpec.baseline``): ``"aten"`` for rubin.moe
+(matched from graph code: transformers' experts, expert loops), ``"vllm"`` for vLLM's MoE layer op. This module
+imports neither Triton nor vLLM: selection reads it when it plans for a GPU this machine lacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+TABLE_DIR = Path(__file__).with_name("moe_baselines")
+
+# What each baseline is, for plans and messages.
+BASELINES: dict[str, str] = {
+    "aten": "rubin.moe's ATen form (the slots sorted by expert, two torch._grouped_mm)",
+    "vllm": "vLLM's own fused MoE (the layer's quant method: vLLM's Triton fused_moe and its tuned configs)",
+}
+# Off the table, ours runs a call against vLLM's fused MoE up to this many tokens. At 16 <= T <= 128 ours reads
+# the routed experts at 92-107% of the copy bandwidth (bf16, the four benchmark shapes, benchmarks/results/moe-h200.md),
+# so no kernel reading the same weights is much faster; below 16 the rule keeps ours, whose decode forms (no routing
+# launch, split K, the fused top-k sum) vLLM's kernel lacks, though the two have not been timed against each other
+# there; at T = 256 ours was 1.01x / 1.45x slower than vLLM's on Qwen3-30B-A3B / Mixtral-8x7B, at T = 1024 1.1-2.0x
+# (issue 14, H200, 2026-11-30).
+VLLM_RULE_MAX_T = 128
+
+_WFMT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def weight_format(weight_dtype: torch.dtype, block_scaled: bool) -> str:
+    """The tables' word for a weight format: bf16 / fp16 / fp32, fp8 (per-tensor or per-expert scales) or
+    fp8_block."""
+    if weight_dtype.is_floating_point and weight_dtype.itemsize == 1:
+        return "fp8_block" if block_scaled else "fp8"
+    return _WFMT.get(weight_dtype, str(weight_dtype).replace("torch.", ""))
+
+
+def table_key(E: int, H: int, I: int, k: int, wfmt: str) -> str:
+    """Key of a shape in the MoE tables (this one and moe_configs/, the tuned configs)."""
+    return f"E={E},H={H},I={I},k={k},w={wfmt}"
+
+
+def table_file(device_name: str) -> str:
+    """File name of a GPU's tables, e.g. 'NVIDIA H200' -> 'NVIDIA_H200.json'."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name.strip()) + ".json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
+    """The measured table of a GPU ({} when there is none). Read once per process."""
+    path = (Path(directory) if directory else TABLE_DIR) / table_file(device_name)
+    if not device_name or not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What runs one call: ``kernel`` ("triton" or the baseline's name), the ``baseline`` it was weighed against,
+    where the decision came from (``source``: ``table:<key>@T=<measured T>``, or the rule's ``RULES`` text) and, from
+    the table, the two times (us)."""
+
+    kernel: str
+    baseline: str
+    source: str
+    ours_us: Optional[float] = None
+    baseline_us: Optional[float] = None
+
+    @property
+    def margin(self) -> Optional[float]:
+        """The baseline's time / ours (> 1: ours is faster), from the table."""
+        if self.ours_us and self.baseline_us:
+            return self.baseline_us / self.ours_us
+        return None
+
+    def describe(self) -> str:
+        who = "ours" if self.kernel == "triton" else self.baseline
+        text = f"{who} ({self.source}"
+        if self.margin is not None:
+            text += f": ours {self.ours_us:.1f} us, {self.baseline} {self.baseline_us:.1f} us"
+        return text + ")"
+
+
+RULES = {
+    "aten": "no measured entry; rule: ours at every T",
+    "vllm": f"no measured entry; rule: ours up to T = {VLLM_RULE_MAX_T}, vllm above",
+}
+
+
+def _rule(T: int, baseline: str) -> str:
+    return "vllm" if baseline == "vllm" and T > VLLM_RULE_MAX_T else "triton"
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(
+    T: int, E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str, directory: Optional[str] = None
+) -> Choice:
+    """Ours or ``baseline`` for a call of ``T`` tokens on the GPU called ``device_name`` ("" for none: the rule).
+    ``baseline`` "" (none known) always gives ours. Cached: a serving step asks once per layer and call."""
+    if baseline not in BASELINES:
+        return Choice("triton", baseline, "no baseline")
+    key = table_key(E, H, I, k, wfmt)
+    rows = load_table(device_name, directory).get("entries", {}).get(key, {})
+    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    if measured:
+        at = next((t for t in measured if t >= T), measured[-1])  # the smallest measured T at least T
+        row = rows[str(at)]
+        ours, other = float(row["triton"]), float(row[baseline])
+        return Choice("triton" if ours <= other else baseline, baseline, f"table:{key}@T={at}", ours, other)
+    return Choice(_rule(T, baseline), baseline, RULES[baseline])
+
+
+def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str) -> str:
+    """Which kernel runs which T for one shape, in words, for the plan of a node with a symbolic T."""
+    if baseline not in BASELINES:
+        return "ours at every T"
+    key = table_key(E, H, I, k, wfmt)
+    rows = load_table(device_name).get("entries", {}).get(key, {})
+    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    if not measured:
+        why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
+        return f"{RULES[baseline].split('rule: ')[1]} (rule: {why})"
+    # Runs of consecutive measured sizes with one winner: "ours T <= 128; vllm T in (128, 4096]; ..."
+    parts: list[str] = []
+    lo = 0
+    for i, t in enumerate(measured):
+        who = choose(t, E, H, I, k, wfmt, device_name, baseline).kernel
+        last = i == len(measured) - 1
+        nxt = None if last else choose(measured[i + 1], E, H, I, k, wfmt, device_name, baseline).kernel
+        if nxt != who:
+            name = "ours" if who == "triton" else baseline
+            if last:
+                span = "at every T" if lo == 0 else f"T > {lo}"
+            else:
+                span = f"T <= {t}" if lo == 0 else f"{lo} < T <= {t}"
+            parts.append(f"{name} {span}")
+            lo = t
+    return "; ".join(parts) + f" (measured on {device_name}: {', '.join(map(str, measured))} tokens)"

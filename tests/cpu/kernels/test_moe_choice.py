@@ -1,0 +1,165 @@
+"""kernels/triton/moe_choice.py: ours or the baseline per rubin.moe call size -- the measured table, the rule off it,
+what the plan says, and the adapters that act on it (the Triton MoE adapter runs the ATen form where that measured
+faster). The vLLM side (a bound vLLM layer running vLLM's own fused MoE) is tested on real vLLM layers in
+tests/vllm/test_vllm_layer_matcher.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rubin_compile.kernels.triton import moe_choice
+from rubin_compile.ops.moe import MoEArgs, moe_reference
+from rubin_compile.ops.registry import Launch
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "benchmarks" / "results" / "moe-h200.json"
+QWEN = (128, 2048, 768, 8)  # E, H, I, k
+MIXTRAL = (8, 4096, 14336, 2)
+
+
+@pytest.fixture
+def table(tmp_path):
+    """A GPU table of our own in a temporary folder: ours against the ATen form measured at T = 256, 1024, 4096."""
+    key = moe_choice.table_key(*MIXTRAL, "bf16")
+    entries = {key: {"256": {"triton": 10.0, "aten": 9.0}, "1024": {"triton": 10.0, "aten": 11.0}}}
+    entries[key]["4096"] = {"triton": 50.0, "aten": 40.0, "vllm": 60.0}
+    (tmp_path / "Test_GPU.json").write_text(json.dumps({"device": "Test GPU", "entries": entries}))
+    moe_choice.load_table.cache_clear()
+    moe_choice.choose.cache_clear()
+    yield str(tmp_path)
+    moe_choice.load_table.cache_clear()
+    moe_choice.choose.cache_clear()
+
+
+def test_rule_off_the_table():
+    """Against vLLM's fused MoE ours runs up to VLLM_RULE_MAX_T tokens and vLLM's above; against the ATen form ours
+    runs at every T; without a baseline, ours."""
+    limit = moe_choice.VLLM_RULE_MAX_T
+    for T, want in ((1, "triton"), (limit, "triton"), (limit + 1, "vllm"), (8192, "vllm")):
+        c = moe_choice.choose(T, *QWEN, "bf16", "", "vllm")
+        assert (c.kernel, c.source) == (want, moe_choice.RULES["vllm"]), T
+    for T in (1, 128, 4096, 65536):
+        assert moe_choice.choose(T, *QWEN, "bf16", "", "aten").kernel == "triton"
+        assert moe_choice.choose(T, *QWEN, "bf16", "", "").kernel == "triton"
+
+
+def test_table_decides_by_the_smallest_measured_size_at_least_T(table):
+    def choose(T, baseline="aten"):
+        return moe_choice.choose(T, *MIXTRAL, "bf16", "Test GPU", baseline, table)
+
+    key = moe_choice.table_key(*MIXTRAL, "bf16")
+    assert [choose(T).kernel for T in (1, 256, 257, 1024, 1025, 4096, 100000)] == [
+        "aten",
+        "aten",
+        "triton",
+        "triton",
+        "aten",
+        "aten",
+        "aten",
+    ]
+    c = choose(300)
+    assert c.source == f"table:{key}@T=1024" and (c.ours_us, c.baseline_us) == (10.0, 11.0)
+    assert c.margin == pytest.approx(1.1)
+    assert c.describe() == f"ours (table:{key}@T=1024: ours 10.0 us, aten 11.0 us)"
+    assert choose(4096).describe() == f"aten (table:{key}@T=4096: ours 50.0 us, aten 40.0 us)"
+    # Only the sizes where the baseline was measured count: vLLM only at 4096, slower there than ours.
+    assert [choose(T, "vllm").kernel for T in (1, 300, 8192)] == ["triton"] * 3
+    # Another shape, or a GPU without a table, follows the rule.
+    rule = moe_choice.RULES["vllm"]
+    assert moe_choice.choose(8192, *QWEN, "bf16", "Test GPU", "vllm", table).source == rule
+    assert moe_choice.choose(8192, *MIXTRAL, "bf16", "Other GPU", "vllm", table).source == rule
+
+
+def test_policy_says_which_kernel_runs_which_sizes(table, monkeypatch):
+    monkeypatch.setattr(moe_choice, "TABLE_DIR", Path(table))
+    assert moe_choice.policy(*MIXTRAL, "bf16", "Test GPU", "aten") == (
+        "aten T <= 256; ours 256 < T <= 1024; aten T > 1024 (measured on Test GPU: 256, 1024, 4096 tokens)"
+    )
+    assert moe_choice.policy(*MIXTRAL, "bf16", "Test GPU", "vllm") == (
+        "ours at every T (measured on Test GPU: 4096 tokens)"
+    )
+    key = moe_choice.table_key(*QWEN, "bf16")
+    assert moe_choice.policy(*QWEN, "bf16", "Test GPU", "vllm") == (
+        f"ours up to T = {moe_choice.VLLM_RULE_MAX_T}, vllm above (rule: no measured entry for {key} on Test GPU)"
+    )
+
+
+def test_committed_tables_are_whole():
+    """Every committed table names its device and provenance, and every entry has our time and a baseline's."""
+    files = sorted(moe_choice.TABLE_DIR.glob("*.json"))
+    assert files, "no committed table"
+    for path in files:
+        data = json.loads(path.read_text())
+        assert moe_choice.table_file(data["device"]) == path.name
+        assert data["measured"] and data["method"]
+        for key, rows in data["entries"].items():
+            assert key.startswith("E=") and ",w=" in key, key
+            for T, row in rows.items():
+                assert int(T) > 0 and row["triton"] > 0, (key, T)
+                assert any(row.get(b) for b in moe_choice.BASELINES), (key, T)
+
+
+def test_choice_on_the_benchmark_is_never_more_than_5pct_slower():
+    """The committed H200 table (and the rule where it has no entry) against the committed benchmark of ours and the
+    ATen form's grouped GEMMs (benchmarks/results/moe-h200.json): at every shape and measured T the chosen kernel is
+    within 5% of the faster of the two."""
+    rows = json.loads(RESULTS.read_text())["rows"]
+    checked = 0
+    for r in rows:
+        if r["wfmt"] != "bf16" or "grouped_mm" not in r["us"]:
+            continue
+        ours, aten = r["us"]["triton"], r["us"]["grouped_mm"]
+        c = moe_choice.choose(r["T"], r["E"], r["H"], r["I"], r["k"], "bf16", "NVIDIA H200", "aten")
+        chosen = ours if c.kernel == "triton" else aten
+        assert chosen <= 1.05 * min(ours, aten), (r["shape"], r["T"], c.describe(), ours, aten)
+        checked += 1
+    assert checked >= 40
+
+
+def _args(T, E=4, H=64, I=32, k=2, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / 8).to(dtype)
+    tw, ids = torch.topk(torch.randn(T, E, generator=g).softmax(-1), k)
+    return MoEArgs(x, w13, w2, tw, ids.to(torch.int32), "silu")
+
+
+def test_triton_adapter_runs_the_aten_form_where_it_measured_faster(monkeypatch):
+    """The Triton MoE adapter asks moe_choice with the ATen form as baseline (and the call's sizes); where the answer
+    is "aten", the ATen form computes the call -- on the CPU here, with no Triton kernel involved."""
+    from rubin_compile.kernels import triton as triton_kernels
+
+    asked = []
+
+    def fake_choose(T, E, H, I, k, wfmt, device_name, baseline, directory=None):
+        asked.append((T, E, H, I, k, wfmt, baseline))
+        return triton_kernels.moe_choice.Choice("aten", baseline, "test")
+
+    # the module the adapter reads (other test files re-import the kernels package)
+    monkeypatch.setattr(triton_kernels.moe_choice, "choose", fake_choose)
+    args = _args(40)
+    out = triton_kernels.triton_moe(args, Launch())
+    assert asked == [(40, 4, 64, 32, 2, "bf16", "aten")]
+    ref = moe_reference(args.hidden_states, args.w13, args.w2, args.topk_weights, args.topk_ids, "silu")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_triton_adapter_does_not_ask_where_the_aten_form_cannot_compute(monkeypatch):
+    """fp32 activations (or FP8 weights): torch's grouped GEMM takes bf16 only, so the adapter goes straight to our
+    kernels without asking; a bf16 call the choice gives to ours goes there too."""
+    from rubin_compile.kernels import triton as triton_kernels
+    from rubin_compile.kernels.triton import moe as tmoe
+
+    ran = []
+    monkeypatch.setattr(tmoe, "run", lambda args, launch: ran.append(args.T) or "ours")
+    choice = triton_kernels.moe_choice  # the module the adapter reads (other test files re-import the package)
+    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("asked for an fp32 call"))
+    assert triton_kernels.triton_moe(_args(40, dtype=torch.float32), Launch()) == "ours"
+    monkeypatch.setattr(choice, "choose", lambda *a, **k: choice.Choice("triton", "aten", "test"))
+    assert triton_kernels.triton_moe(_args(8), Launch()) == "ours"
+    assert ran == [40, 8]
