@@ -419,3 +419,81 @@ def test_registry_and_op(tmoe):
     x, tw, ids, kw = _inputs(3, 16, 512, 384, 4, torch.bfloat16)
     got = torch.ops.rubin.moe(x, kw["w13"], kw["w2"], tw, ids, impl="triton")
     _check(got, _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+# ------------------------------------------------------------------ the persistent prefill path (moe_prefill.py)
+
+
+def _persistent_cfg(tmoe, tile=0):
+    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES) as a config."""
+    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) = PERSISTENT_TILES[tile]
+    G = tmoe.GemmConfig
+    return tmoe.MoEConfig(
+        mode="persistent",
+        fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1),
+        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2),
+    )
+
+
+try:
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES
+except ImportError:  # no Triton here: the module is skipped anyway
+    PERSISTENT_TILES = ()
+PERSISTENT_CASES = [(tile, (300, 16, 512, 384, 4)) for tile in range(len(PERSISTENT_TILES))] + [
+    (tile, shape) for tile in (0, 4) for shape in ((1000, 64, 1024, 256, 8), (37, 9, 328, 200, 2))
+]
+
+
+@pytest.mark.parametrize("tile,shape", PERSISTENT_CASES, ids=[f"tile{t}-T{s[0]}-E{s[1]}" for t, s in PERSISTENT_CASES])
+def test_persistent_path(tmoe, tile, shape):
+    """Every tuner tile against the reference, two of them on more shapes: many experts at k = 8, and H, I that are
+    not multiples of the tiles (but of 8, as TMA needs) with few tokens."""
+    T, E, H, I, k = shape
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
+    cfg = _persistent_cfg(tmoe, tile)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("route", ["random", "skewed", "one_expert"])
+@pytest.mark.parametrize("act,bias", [("silu", False), ("gelu_tanh", True)])
+def test_persistent_path_routings_dtypes_epilogues(tmoe, dtype, route, act, bias):
+    """Skewed routing (most experts empty, a few with many M tiles), every slot on one expert, fp16, GELU and
+    biases."""
+    x, tw, ids, kw = _inputs(512, 32, 512, 384, 4, dtype, act=act, bias=bias, route=route)
+    _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe, 4)), _reference(x, tw, ids, kw), TOL[dtype])
+
+
+def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):
+    """FP8 weights (and H or I not a multiple of 8): the call runs another mode, still right."""
+    x, tw, ids, kw = _inputs(300, 9, 320, 200, 2, torch.bfloat16, wfmt="fp8_block")
+    _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe)), _reference(x, tw, ids, kw), TOL["fp8"])
+    x, tw, ids, kw = _inputs(300, 9, 324, 200, 2, torch.bfloat16)
+    _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe)), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+def test_persistent_path_deterministic_pdl_bitwise_and_replayed_with_new_routing(tmoe):
+    """Bitwise the same run to run and with PDL on and off (the slots' order within an expert's run varies with the
+    atomics; no value depends on it); a CUDA graph of it replays with routing written into its inputs afterwards,
+    bitwise what an eager call on that routing computes."""
+    T, E, H, I, k = 700, 32, 512, 384, 8
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
+    cfg = _persistent_cfg(tmoe, 1)
+    args = (x, kw["w13"], kw["w2"], tw, ids, "silu")
+    first = tmoe.fused_moe(*args, config=cfg, pdl=False)
+    for pdl in (False, True, True):
+        assert torch.equal(tmoe.fused_moe(*args, config=cfg, pdl=pdl), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tmoe.fused_moe(*args, config=cfg, pdl=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tmoe.fused_moe(*args, config=cfg, pdl=True)
+    for seed in (1, 2):
+        x2, tw2, ids2, _ = _inputs(T, E, H, I, k, torch.bfloat16, seed=seed, route="skewed" if seed == 2 else "random")
+        x.copy_(x2), tw.copy_(tw2), ids.copy_(ids2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, tmoe.fused_moe(*args, config=cfg, pdl=False)), seed

@@ -33,6 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton import moe_prefill
+from rubin_compile.kernels.triton.activations import CODES as _ACT_CODES
+from rubin_compile.kernels.triton.activations import gelu_tanh as _gelu_tanh
+from rubin_compile.kernels.triton.activations import silu as _silu
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.moe_choice import table_file, table_key, weight_format
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
@@ -50,7 +54,6 @@ SLOT_MAX = 64  # decode "slot" mode handles up to this many (token, expert) slot
 ROUTE_KERNEL_MAX = 4096  # the single-program routing kernel sorts up to this many slots in registers
 GEMV_MAX_BM = 4  # rows per chunk the reduction (GEMV) form takes (GemmConfig.gemv); more run on the tensor cores
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_ACT_CODES = {"silu": 0, "gelu_tanh": 1}  # rubin.moe activation -> the kernels' ACT (kernels/triton/__init__.py)
 
 # ------------------------------------------------------------------------------------------------
 # configurations
@@ -87,7 +90,9 @@ class GemmConfig:
 class MoEConfig:
     """How one MoE call is run: routing mode, the two GEMMs' tiles, and the top-k reduction."""
 
-    mode: str = "slot"  # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert) or "prefill"
+    # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert), "prefill" (BM-row blocks of sorted slots), or
+    # "persistent" (moe_prefill.py: slots aligned on the GPU, persistent TMA + wgmma grouped GEMMs; fc1.BM rows)
+    mode: str = "slot"
     fc1: GemmConfig = field(default_factory=GemmConfig)
     fc2: GemmConfig = field(default_factory=GemmConfig)
     cap: int = 0  # rows per group in "prefill" mode (0 = one group per expert)
@@ -114,6 +119,21 @@ class MoEConfig:
             return "a_fp8=True needs the tensor cores, gemv=True does not use them; set a_fp8=False for a GEMV GEMM"
         if self.fc2.gemv and self.fc1.split_k > 1:
             return "fc2.gemv=True after a K-split FC1 (fc1.split_k > 1) is not implemented; set fc1.split_k=1"
+        if self.mode == "persistent":
+            return self._persistent_problem()
+        return None
+
+    def _persistent_problem(self) -> Optional[str]:
+        """What the persistent path (moe_prefill.py) does not take: its two GEMMs share the sorted rows' tile."""
+        if self.fc1.BM != self.fc2.BM:
+            return f"mode='persistent': fc1.BM ({self.fc1.BM}) and fc2.BM ({self.fc2.BM}) must be equal (one row tile)"
+        for name, g in (("fc1", self.fc1), ("fc2", self.fc2)):
+            if g.swap or g.gemv or g.split_k > 1 or g.prefetch:
+                return f"mode='persistent': {name} takes plain tiles (no swap, gemv, split_k or prefetch)"
+            if g.BM not in (16, 32, 64, 128) or g.BN > 256 or g.BK > 256:
+                return f"mode='persistent': {name} tile {g.BM}x{g.BN}x{g.BK}: BM in 16..128, BN and BK <= 256"
+        if self.a_fp8 or self.w2_l2 or self.early_launch or not self.fused_sum:
+            return "mode='persistent': a_fp8, w2_l2, early_launch and fused_sum=False are decode-path options"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -310,18 +330,6 @@ def _fit_mode(cfg: MoEConfig, T: int, k: int) -> MoEConfig:
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _gelu_tanh(x):
-    # tanh(u) = 2 * sigmoid(2u) - 1 (no libdevice call: also runs under TRITON_INTERPRET)
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0))
 
 
 @triton.jit
@@ -1800,6 +1808,13 @@ def run(
         block = tuple(args.block_shape) if args.block_shape is not None else None
         config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms)
     placed = launch.placement is not None and launch.placement.applies(T)
+    if config.mode == "persistent":
+        why = moe_prefill.problem(args) or ("a split-N placement (decode sizes)" if placed else None)
+        if why is None:
+            tiles = moe_prefill.Tiles.of(config)
+            return moe_prefill.run(args, launch, tiles, num_sms, out)
+        # a call the persistent path does not take (FP8 weights, odd rows, split-N): another mode
+        config = heuristic_config(T, E, H, I, k, args.w13.dtype, args.block_shape, num_sms)
     dom = _domains_for(launch.placement, args, dev, domains) if placed else None
     plan = plan_call(
         T,

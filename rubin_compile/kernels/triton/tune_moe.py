@@ -269,7 +269,7 @@ def _overlap_variants(moe, cfg, H: int, I: int, wfmt: str) -> list:
     """The FC1 -> FC2 boundary options of a decode config: FC1 pulls w2 into L2; FC1 lets FC2 start early
     and FC2 prefetches its whole weight slice before its wait; both. (The tuner times every call with
     pdl=True, so PDL joins our kernels in all of them; ``chain`` matters only for calls with pdl=False.)"""
-    if cfg.mode == "prefill":
+    if cfg.mode in ("prefill", "persistent"):
         return []
     elt = 2 if wfmt == "bf16" else 1
     slice2 = min(cfg.fc2.BN, H) * I * elt
@@ -278,16 +278,58 @@ def _overlap_variants(moe, cfg, H: int, I: int, wfmt: str) -> list:
     return [replace(cfg, w2_l2=True), early, replace(early, w2_l2=True)]
 
 
-def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
+# The persistent path's tiles (moe_prefill.py): (BM, FC1 (BN, BK, warps, stages), FC2 (BN, BK, warps, stages)). Shared
+# memory per stage: FC1 BM x BK gathered rows + two BN x BK weight tiles, FC2 BM x BK + BN x BK; each fits the
+# H100 / H200's 227 KB at its stages, and compiles for sm_90 without spilling (tests/cpu/kernels/test_triton_moe_prefill.py).
+PERSISTENT_TILES = (
+    (128, (128, 64, 8, 3), (128, 64, 8, 4)),
+    (128, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (128, (64, 64, 8, 4), (256, 64, 8, 3)),
+    (128, (64, 128, 8, 3), (128, 128, 8, 3)),
+    (64, (128, 64, 4, 4), (128, 64, 4, 4)),
+    (64, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (64, (64, 64, 4, 4), (128, 64, 4, 4)),
+)
+PERSISTENT_MIN_T = 128  # below this many tokens the tuner does not try the persistent path (decode sizes)
+
+
+def persistent_candidates(moe, T: int, wfmt: str) -> list:
+    """The persistent path's configs (bf16 / fp16 weights; prefill-sized T)."""
+    if wfmt != "bf16" or T < PERSISTENT_MIN_T:
+        return []
+    G = moe.GemmConfig
+    out = []
+    for bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) in PERSISTENT_TILES:
+        out.append(
+            moe.MoEConfig(
+                mode="persistent",
+                fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1),
+                fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2),
+            )
+        )
+    return out
+
+
+def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None, modes=None) -> list:
     """Round 1: FC1 tiles paired with the heuristic FC2, FC2 tiles paired with the heuristic FC1, FC1 split
-    over K, the kernel-boundary options of the heuristic, and the current table's entry for this T (so
-    a re-tune never loses a config that won before)."""
+    over K, the kernel-boundary options of the heuristic, the persistent path's tiles at prefill sizes, and the
+    current table's entry for this T (so a re-tune never loses a config that won before). ``modes``: only the
+    candidates of these modes, besides the heuristic and the table's entry (a shorter run that weighs one path
+    against what the table has)."""
     wdt = torch.bfloat16 if wfmt == "bf16" else torch.float8_e4m3fn
     block = BLOCK if wfmt == "fp8_block" else None
     base = moe.heuristic_config(T, E, H, I, k, wdt, block)
     cands = [base]
     if table_entry is not None:
         cands.append(moe._fit_mode(moe.MoEConfig.from_json(table_entry), T, k))
+    if modes:
+        kept = cands + [c for c in _all_candidates(moe, base, T, E, H, I, k, wfmt) if c.mode in modes]
+        return list(dict.fromkeys(kept))
+    return list(dict.fromkeys(cands + _all_candidates(moe, base, T, E, H, I, k, wfmt)))
+
+
+def _all_candidates(moe, base, T, E, H, I, k, wfmt) -> list:
+    cands = []
     rows = T * k / max(1.0, moe.expected_distinct_experts(T, E, k))
     for a8 in (False, True) if wfmt != "bf16" else (False,):
         b = replace(base, a_fp8=a8)
@@ -303,6 +345,7 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
         cands.append(replace(base, fused_sum=False))
         cands += _split_candidates(moe, base, T, E, H, I, k)
         cands += _overlap_variants(moe, base, H, I, wfmt)
+    cands += persistent_candidates(moe, T, wfmt)
     if base.mode == "grouped" and T >= 64:  # also try splitting experts into 64-row blocks
         p = replace(
             base,
@@ -313,7 +356,7 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None) -> list:
         )
         if _fits(p.fc1, "fc1", wfmt) and _fits(p.fc2, "fc2", wfmt):
             cands.append(p)
-    return list(dict.fromkeys(cands))
+    return cands
 
 
 def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
@@ -414,7 +457,15 @@ def _warm_key(H, I, k, T, wfmt, cfg, pdl):
 
 
 def tune(
-    shapes: dict, tokens: list, formats: Sequence[str], out_dir: Path, reps: int, workers: int, log, merge: bool = False
+    shapes: dict,
+    tokens: list,
+    formats: Sequence[str],
+    out_dir: Path,
+    reps: int,
+    workers: int,
+    log,
+    merge: bool = False,
+    modes: Optional[set] = None,
 ) -> dict:
     moe = moe_kernels
     name = torch.cuda.get_device_name()
@@ -439,7 +490,12 @@ def tune(
     cases = [(s, wf, T) for s in shapes for wf in formats for T in tokens]
     cand = {
         c: candidate_configs(
-            moe, c[2], **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")}, wfmt=c[1], table_entry=old_entry(*c)
+            moe,
+            c[2],
+            **{kk: shapes[c[0]][kk] for kk in ("E", "H", "I", "k")},
+            wfmt=c[1],
+            table_entry=old_entry(*c),
+            modes=modes,
         )
         for c in cases
     }
@@ -582,6 +638,11 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--merge", action="store_true", help="update the existing table instead of replacing it")
     ap.add_argument("--log", default=None, help="also write every candidate's time to this file")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="only candidates of these modes (e.g. persistent), besides the heuristic and table",
+    )
     args = ap.parse_args(argv)
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -594,7 +655,8 @@ def main(argv=None) -> None:
             logf.write(msg + "\n")
             logf.flush()
 
-    tune(shapes, tokens, args.formats.split(","), Path(args.out), args.reps, args.workers, log, args.merge)
+    modes = set(args.modes.split(",")) if args.modes else None
+    tune(shapes, tokens, args.formats.split(","), Path(args.out), args.reps, args.workers, log, args.merge, modes)
 
 
 if __name__ == "__main__":

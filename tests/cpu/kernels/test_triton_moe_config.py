@@ -437,6 +437,15 @@ INTERP_CASES = [
     # FP8 block weights, against an emulation of exactly those roundings
     (1, 8, 64, 32, 2, "slot", {"gemv": (1, 1), "dtype": "bf16", "act": "gelu_tanh", "bias": True}),
     (3, 5, 48, 32, 2, "slot", {"gemv": (2, 1), "dtype": "bf16", "wfmt": "fp8_block"}),
+    # the persistent prefill path (moe_prefill.py): the slots aligned into BM-row tiles on the device, TMA descriptors,
+    # the persistent walk over (M tile, N tile); H, I not multiples of the tiles with bias and GELU; every slot on one
+    # expert; few tokens; zero tokens; and a call it does not take (rows of x not contiguous: another mode runs it)
+    (40, 6, 48, 32, 2, "persistent", {}),
+    (40, 6, 40, 24, 2, "persistent", {"act": "gelu_tanh", "bias": True}),
+    (20, 4, 32, 16, 1, "persistent", {"route": "one_expert"}),
+    (9, 3, 32, 16, 3, "persistent", {}),
+    (0, 4, 32, 16, 2, "persistent", {}),
+    (40, 6, 48, 32, 2, "persistent", {"noncontig": True}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 

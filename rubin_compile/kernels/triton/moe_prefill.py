@@ -1,0 +1,422 @@
+"""The prefill path of ``rubin.moe``'s Triton kernels: slots sorted by expert into M tiles on the GPU, then two
+persistent grouped GEMMs on TMA tensor descriptors and wgmma, then the top-k sum (``MoEConfig.mode ==
+"persistent"``).
+
+Contract: ``run(args, launch, config)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 activations and weights
+(fp32 under Triton's interpreter, for the CPU tests), SiLU or GELU-tanh, with or without biases, within the bf16
+tolerances of tests/gpu/test_triton_moe.py; no host synchronisation (capturable in a CUDA graph: every buffer is
+sized by T, E and the tile, never by the routing); deterministic, and bitwise the same with PDL on and off and
+whatever order the GPU runs the programs in.
+
+Why this shape. At prefill sizes (hundreds of rows per expert) the MoE is two grouped GEMMs whose tensor-core work
+outweighs their weight bytes (Qwen3-30B-A3B at T = 1024: 77 GFLOP against 288 MB), so what matters is what a dense
+GEMM needs -- full 64- or 128-row wgmma tiles fed by TMA, every SM busy until the work runs out -- and that no step
+around them costs more than it must:
+
+1. ``_align_count`` and ``_align_scatter`` (two launches after one memset): the ``T * k`` slots counted per expert
+   (integer atomics), each expert's run padded to a multiple of ``BM``, the slots written into their expert's run
+   (a position claimed with an integer atomic: within a run the order varies from call to call, but every row of a
+   tile is computed alone, so no value depends on it), the expert of every M tile and the number of tiles. No sort,
+   no host synchronisation, fixed-size buffers (``P_MAX = T k + E (BM - 1)`` rows, ``cdiv(P_MAX, BM)`` tiles).
+2. ``_fc1_kernel``: a persistent grid (one program per SM) walks the (M tile, N tile) work items in groups of
+   ``GROUP_M`` M tiles (so the tiles of one expert's weight columns run together and share them in L2); each item
+   gathers its rows' tokens (``cp.async`` through pointers: TMA cannot gather rows on sm_90), loads the expert's
+   gate and up weight tiles through a TMA descriptor over ``w13`` seen as ``[E * 2I, H]``, multiplies on wgmma into
+   two float32 accumulators, and writes ``act(gate) * up`` through a TMA store into the intermediate
+   ``[P_MAX, I]``, rows in sorted order.
+3. ``_fc2_kernel``: the same walk; both operands through TMA (the intermediate's rows are already in tile order;
+   ``w2`` seen as ``[E * H, I]``); each row rounded to the activations' dtype, as the reference rounds its expert
+   output, and scattered to its slot's row of ``[T k, H]``.
+4. ``_sum_kernel``: each token's k slot rows, times their routing weights, summed in float32 in slot order.
+
+Tiles that reach past an expert's weight rows (``I`` or ``H`` not a multiple of ``BN``) read the next expert's rows
+or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits: ``H`` and
+``I`` multiples of 8 (TMA's 16-byte rows), weights contiguous. FP8 weights take the other modes (moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.activations import CODES as _ACT
+from rubin_compile.kernels.triton.activations import gated
+from rubin_compile.kernels.triton.pdl import INTERPRET, gdc_launch_dependents, gdc_wait, has_gdc
+from rubin_compile.ops.moe import MoEArgs
+from rubin_compile.ops.registry import Launch
+
+ALIGN_BLOCK = 1024  # slots per program of the two alignment kernels
+TILE_CHUNK = 64  # M tiles per step of _align_scatter's tile table
+GROUP_M = 8  # M tiles walked together per N tile (their weight tiles are the same expert's while they last)
+
+
+@triton.jit
+def _align_count(ids_ptr, counts_ptr, sorted_ptr, S, P_MAX, FILL, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    """Slots per expert into ``counts`` (zeroed by the caller), and -1 into this program's share of ``sorted``."""
+    pid = tl.program_id(0)
+    if GDC:
+        gdc_wait()  # the routing (ids) is an earlier kernel's output
+        gdc_launch_dependents()
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < S
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + e, 1, mask=ok, sem="relaxed")
+    lo = pid * FILL
+    hi = tl.minimum(lo + FILL, P_MAX)
+    for c in range(lo, hi, BLOCK):
+        o = c + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + o, tl.full([BLOCK], -1, tl.int32), mask=o < hi)
+
+
+@triton.jit
+def _align_scatter(
+    ids_ptr,
+    counts_ptr,
+    cursor_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    ntiles_ptr,
+    S,
+    E,
+    TILES_MAX,
+    BM: tl.constexpr,
+    E_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TCH: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """Each slot into its expert's run of ``sorted`` (runs padded to ``BM``, in expert order); program 0 also
+    writes the expert of every M tile and the number of tiles."""
+    pid = tl.program_id(0)
+    if GDC:
+        gdc_wait()  # counts and the -1 fill are _align_count's
+        gdc_launch_dependents()
+    ce = tl.arange(0, E_P2)
+    cnt = tl.load(counts_ptr + ce, mask=ce < E, other=0)
+    padded = (cnt + BM - 1) // BM * BM
+    incl = tl.cumsum(padded, 0)
+    start = incl - padded
+    if pid == 0:
+        tl.store(ntiles_ptr, tl.sum(padded, 0) // BM)
+        tile_end = tl.where(ce < E, incl // BM, 1 << 30)  # expert e owns tiles [start / BM, incl / BM)
+        for t0 in range(0, TILES_MAX, TCH):
+            t = t0 + tl.arange(0, TCH)
+            ex = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+            tl.store(tile_expert_ptr + t, tl.minimum(ex, E - 1), mask=t < TILES_MAX)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < S
+    e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    rank = tl.atomic_add(cursor_ptr + e, 1, mask=ok, sem="relaxed")
+    tl.store(sorted_ptr + tl.gather(start, e, axis=0) + rank, offs, mask=ok)
+
+
+@triton.jit
+def _tile_of(tile, num_m, num_n, GROUP: tl.constexpr):
+    """(M tile, N tile) of work item ``tile``: GROUP M tiles per N tile, then the next N tile."""
+    per_group = GROUP * num_n
+    first_m = (tile // per_group) * GROUP
+    rows = tl.minimum(num_m - first_m, GROUP)
+    m = first_m + (tile % per_group) % rows
+    n = (tile % per_group) // rows
+    return m, n
+
+
+@triton.jit
+def _fc1_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    ntiles_ptr,
+    inter_ptr,
+    E,
+    H,
+    I,
+    P_MAX,
+    K_TOP,
+    stride_xt,
+    stride_be,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b) for every row p of every tile."""
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
+    o_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BN])
+    if GDC:
+        gdc_wait()  # hidden states, tile table and sorted slots are earlier kernels' writes
+        gdc_launch_dependents()
+    num_m = tl.load(ntiles_ptr)
+    num_n = tl.cdiv(I, BN)
+    offs_k = tl.arange(0, BK)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        m, n = _tile_of(tile, num_m, num_n, GROUP)
+        e = tl.load(tile_expert_ptr + m)
+        rows = m * BM + tl.arange(0, BM)
+        slot = tl.load(sorted_ptr + rows)
+        tok = tl.where(slot >= 0, slot // K_TOP, 0).to(tl.int64)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+        a_ok = (slot >= 0)[:, None]
+        gate_row = e * 2 * I + n * BN
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in tl.range(0, H, BK, num_stages=NUM_STAGES):
+            a = tl.load(a_ptrs, mask=a_ok & (offs_k[None, :] < H - k0), other=0.0)
+            wg = w_desc.load([gate_row, k0])
+            wu = w_desc.load([gate_row + I, k0])
+            acc_g = tl.dot(a, wg.T, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, wu.T, acc_u, input_precision=DOT_PREC)
+            a_ptrs += BK
+        if HAS_BIAS:
+            cols = n * BN + tl.arange(0, BN)
+            bg = tl.load(b_ptr + e * stride_be + cols, mask=cols < I, other=0.0).to(tl.float32)
+            bu = tl.load(b_ptr + e * stride_be + I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            acc_g += bg[None, :]
+            acc_u += bu[None, :]
+        o_desc.store([m * BM, n * BN], (gated(acc_g, ACT) * acc_u).to(inter_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _fc2_kernel(
+    inter_ptr,
+    w_ptr,
+    b_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    ntiles_ptr,
+    y_ptr,
+    E,
+    H,
+    I,
+    P_MAX,
+    stride_be,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """y[slot, n] = inter[p] . w2[e, n] + b, rounded to the activations' dtype, for every real row p."""
+    a_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * H, I], strides=[I, 1], block_shape=[BN, BK])
+    if GDC:
+        gdc_wait()  # the intermediate is FC1's
+        gdc_launch_dependents()
+    num_m = tl.load(ntiles_ptr)
+    num_n = tl.cdiv(H, BN)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        m, n = _tile_of(tile, num_m, num_n, GROUP)
+        e = tl.load(tile_expert_ptr + m)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in tl.range(0, I, BK, num_stages=NUM_STAGES):
+            a = a_desc.load([m * BM, k0])
+            w = w_desc.load([e * H + n * BN, k0])
+            acc = tl.dot(a, w.T, acc, input_precision=DOT_PREC)
+        cols = n * BN + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        slot = tl.load(sorted_ptr + m * BM + tl.arange(0, BM))
+        ptrs = y_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64)[:, None] * H + cols[None, :]
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, w_ptr, out_ptr, H, K_TOP, stride_ot, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    """out[t] = sum over j < k of w[t, j] * y[t k + j], in float32, in slot order."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    if GDC:
+        gdc_wait()  # y is FC2's
+        gdc_launch_dependents()
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, K_TOP):
+        s = t * K_TOP + j
+        w = tl.load(w_ptr + s).to(tl.float32)
+        acc += w * tl.load(y_ptr + s.to(tl.int64) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The persistent path's tiles (``MoEConfig.fc1`` / ``fc2`` give them: BM, BN, BK, num_warps, num_stages);
+    FC1 and FC2 share BM, the sorted rows' padding."""
+
+    BM: int
+    fc1: tuple[int, int, int, int]  # BN, BK, num_warps, num_stages
+    fc2: tuple[int, int, int, int]
+
+    @staticmethod
+    def of(config) -> "Tiles":
+        """From a ``moe.MoEConfig`` of mode "persistent" (its ``problem`` has checked the tiles; moe.py imports this
+        module, not the reverse)."""
+        f1, f2 = config.fc1, config.fc2
+        return Tiles(f1.BM, (f1.BN, f1.BK, f1.num_warps, f1.num_stages), (f2.BN, f2.BK, f2.num_warps, f2.num_stages))
+
+
+def problem(args: MoEArgs) -> str | None:
+    """Why this path cannot run the call (None: it can)."""
+    if args.hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{args.hidden_states.dtype} activations (the persistent path takes bf16 / fp16)"
+    if args.w13.dtype != args.hidden_states.dtype or args.w2.dtype != args.hidden_states.dtype:
+        return f"weights in {args.w13.dtype} / {args.w2.dtype}: the persistent path takes unquantised weights"
+    if args.activation not in _ACT:
+        return f"activation {args.activation} (the persistent path has {', '.join(_ACT)})"
+    if args.apply_router_weight_on_input or args.activation_constants is not None:
+        return "the router weight on the input / runtime activation constants"
+    if args.H % 8 or args.I % 8:
+        return f"H={args.H}, I={args.I}: TMA takes rows of whole 16 bytes (multiples of 8 elements)"
+    if not (args.w13.is_contiguous() and args.w2.is_contiguous()):
+        return "weights that are not contiguous (the TMA descriptors see them as [E * rows, K])"
+    if args.hidden_states.stride(1) != 1:
+        return "hidden states whose rows are not contiguous"
+    return None
+
+
+def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device() if not INTERPRET else "cpu")
+
+
+def _ensure_allocator() -> None:
+    """The TMA descriptors are built on the device, in scratch memory Triton asks an allocator for at launch: ours
+    allocates through torch (so it is graph-safe under capture), set where none is (an application's -- vLLM sets
+    one -- is kept). Triton has no public getter; the allocator lives in a ContextVar (per thread), so this looks
+    on every call."""
+    holder = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
+    null = getattr(getattr(triton.runtime, "_allocation", None), "NullAllocator", ())
+    if holder is None or isinstance(holder.get(), null):
+        triton.set_allocator(_alloc)
+
+
+def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rubin.moe`` through the persistent path (module docstring). ``tiles`` from the call's ``MoEConfig``;
+    ``num_sms``: the persistent grids' size; ``out`` ([T, H], contiguous rows) receives the result."""
+    why = problem(args)
+    if why is not None:
+        raise NotImplementedError(f"rubin.moe[triton, persistent]: {why}")
+    x = args.hidden_states
+    T, H, E, I, k = args.T, args.H, args.E, args.I, args.k
+    dev, dtype = x.device, x.dtype
+    out = torch.empty((T, H), dtype=dtype, device=dev) if out is None else out
+    S = T * k
+    if S == 0:
+        return out.zero_()
+    _ensure_allocator()
+    BM = tiles.BM
+    p_max = S + E * (BM - 1)
+    tiles_max = cdiv(p_max, BM)
+    gdc = has_gdc()
+    pdl = {"launch_pdl": True} if (gdc and launch.pdl) else {}
+    chain = {"launch_pdl": True} if gdc else {}  # our own kernels after the first: always safe (each waits)
+    i32 = torch.int32
+    ids = args.topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    tw = args.topk_weights.reshape(-1)
+    tw = tw if tw.is_contiguous() else tw.contiguous()
+    counters = torch.zeros(2 * E, dtype=i32, device=dev)  # counts, then cursors
+    sorted_slots = torch.empty(p_max, dtype=i32, device=dev)
+    tile_expert = torch.empty(tiles_max, dtype=i32, device=dev)
+    ntiles = torch.empty(1, dtype=i32, device=dev)
+    g_align = cdiv(S, ALIGN_BLOCK)
+    launcher(_align_count)[(g_align,)](
+        ids, counters, sorted_slots, S, p_max, cdiv(p_max, g_align), BLOCK=ALIGN_BLOCK, GDC=gdc, num_warps=4, **pdl
+    )
+    launcher(_align_scatter)[(g_align,)](
+        ids,
+        counters,
+        counters[E:],
+        sorted_slots,
+        tile_expert,
+        ntiles,
+        S,
+        E,
+        tiles_max,
+        BM=BM,
+        E_P2=next_power_of_2(E),
+        BLOCK=ALIGN_BLOCK,
+        TCH=TILE_CHUNK,
+        GDC=gdc,
+        num_warps=4,
+        **chain,
+    )
+    inter = torch.empty((p_max, I), dtype=dtype, device=dev)
+    y = torch.empty((S, H), dtype=dtype, device=dev)
+    dot_prec = "ieee" if dtype == torch.float32 else "tf32"
+    b13, b2 = args.w13_bias, args.w2_bias
+    bn1, bk1, nw1, ns1 = tiles.fc1
+    bn2, bk2, nw2, ns2 = tiles.fc2
+    launcher(_fc1_kernel)[(max(1, min(num_sms, tiles_max * cdiv(I, bn1))),)](
+        x,
+        args.w13,
+        b13 if b13 is not None else x,
+        sorted_slots,
+        tile_expert,
+        ntiles,
+        inter,
+        E,
+        H,
+        I,
+        p_max,
+        k,
+        x.stride(0),
+        b13.stride(0) if b13 is not None else 0,
+        ACT=_ACT[args.activation],
+        HAS_BIAS=b13 is not None,
+        BM=BM,
+        BN=bn1,
+        BK=bk1,
+        GROUP=GROUP_M,
+        NUM_STAGES=ns1,
+        DOT_PREC=dot_prec,
+        GDC=gdc,
+        num_warps=nw1,
+        **chain,
+    )
+    launcher(_fc2_kernel)[(max(1, min(num_sms, tiles_max * cdiv(H, bn2))),)](
+        inter,
+        args.w2,
+        b2 if b2 is not None else x,
+        sorted_slots,
+        tile_expert,
+        ntiles,
+        y,
+        E,
+        H,
+        I,
+        p_max,
+        b2.stride(0) if b2 is not None else 0,
+        HAS_BIAS=b2 is not None,
+        BM=BM,
+        BN=bn2,
+        BK=bk2,
+        GROUP=GROUP_M,
+        NUM_STAGES=ns2,
+        DOT_PREC=dot_prec,
+        GDC=gdc,
+        num_warps=nw2,
+        **chain,
+    )
+    block = min(1024, next_power_of_2(H))
+    launcher(_sum_kernel)[(T, cdiv(H, block))](
+        y, tw, out, H, k, out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **chain
+    )
+    return out

@@ -1,0 +1,147 @@
+"""The persistent prefill path of the Triton MoE (kernels/triton/moe_prefill.py) on the CPU: what its configs may be,
+the tuner's tiles, and the kernels compiled ahead of time for sm_90 (Triton's own ptxas): the GEMMs run on wgmma with
+their weights (FC2: both operands) loaded through TMA descriptors and FC1's output stored through one, FC1's gathered
+rows through 16-byte cp.async copies, one griddepcontrol.wait each, and no spill at any tile the tuner tries.
+Numerics under the interpreter are in test_triton_moe_config.py (the "persistent" cases); on the GPU in
+tests/gpu/test_triton_moe.py."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, resource_usage
+
+BF = "*bf16"
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    from tests.cpu.kernels.triton_aot import load_plain
+
+    yield load_plain("moe_prefill", "rubin_moe_prefill_aot")
+    del sys.modules["rubin_moe_prefill_aot"]
+
+
+def _tuner_tiles():
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES
+
+    return PERSISTENT_TILES
+
+
+# A Qwen3-30B-A3B prefill call (H = 2048, I = 768, k = 8) at T = 1024 with 128-row tiles
+QWEN3 = dict(E=128, H=2048, I=768, P_MAX=8192 + 128 * 127, K_TOP=8, stride_xt=2048, stride_be=0)
+PTRS = dict(sorted_ptr="*i32", tile_expert_ptr="*i32", ntiles_ptr="*i32", b_ptr=BF, w_ptr=BF)
+
+
+def _compile(fn, consts, ptrs, warps, stages):
+    asm: dict = {}
+    ints = {n: v for n, v in QWEN3.items() if n in fn.arg_names}
+    ptx = compile_like_a_launch(fn, consts, {**PTRS, **ptrs}, ints, num_stages=stages, asm=asm, num_warps=warps)
+    return ptx, resource_usage(asm["cubin"])
+
+
+@pytest.mark.parametrize("tile", range(len(_tuner_tiles())))
+def test_fc1_runs_on_tma_and_wgmma_without_spills(prefill, tile):
+    bm, (bn, bk, warps, stages), _ = _tuner_tiles()[tile]
+    consts = dict(ACT=0, HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP=8, NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
+    ptx, use = _compile(prefill._fc1_kernel, consts, dict(x_ptr=BF, inter_ptr=BF), warps, stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma"
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "weights not loaded through TMA"
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx), "output not stored through TMA"
+    assert async_copy_sizes(ptx) == {"0x10"}, "gathered rows not in 16-byte copies"
+    assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
+    assert use["LOCAL"] == 0 and use["STACK"] == 0, use
+
+
+@pytest.mark.parametrize("tile", range(len(_tuner_tiles())))
+def test_fc2_runs_on_tma_and_wgmma_without_spills(prefill, tile):
+    bm, _, (bn, bk, warps, stages) = _tuner_tiles()[tile]
+    consts = dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP=8, NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
+    ptx, use = _compile(prefill._fc2_kernel, consts, dict(inter_ptr=BF, y_ptr=BF), warps, stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma"
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)
+    assert len(loads) >= 2, "both operands through TMA"
+    assert not async_copy_sizes(ptx), "a pointer-based copy in the K loop"
+    assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
+    assert use["LOCAL"] == 0 and use["STACK"] == 0, use
+
+
+def test_alignment_and_sum_kernels_compile(prefill):
+    """The alignment counts and claims positions with integer atomics (no float atomics anywhere: deterministic)."""
+    count = compile_like_a_launch(
+        prefill._align_count,
+        dict(BLOCK=1024, GDC=True),
+        dict(ids_ptr="*i64", counts_ptr="*i32", sorted_ptr="*i32"),
+        dict(S=8192, P_MAX=24448, FILL=3056),
+        num_stages=1,
+    )
+    scatter = compile_like_a_launch(
+        prefill._align_scatter,
+        dict(BM=128, E_P2=128, BLOCK=1024, TCH=64, GDC=True),
+        dict(
+            ids_ptr="*i64",
+            counts_ptr="*i32",
+            cursor_ptr="*i32",
+            sorted_ptr="*i32",
+            tile_expert_ptr="*i32",
+            ntiles_ptr="*i32",
+        ),
+        dict(S=8192, E=128, TILES_MAX=191),
+        num_stages=1,
+    )
+    total = compile_like_a_launch(
+        prefill._sum_kernel,
+        dict(BLOCK=1024, GDC=True),
+        dict(y_ptr=BF, w_ptr="*fp32", out_ptr=BF),
+        dict(H=2048, K_TOP=8, stride_ot=2048),
+        num_stages=1,
+    )
+    for ptx in (count, scatter):
+        assert re.search(r"\b(red|atom)\.global\.[\w.]*(add\.u32|add\.s32)", ptx)
+    for ptx in (count, scatter, total):
+        assert not re.search(r"\b(red|atom)\.[\w.]*\.f(16|32|64)", ptx), "a float atomic"
+
+
+def test_persistent_configs_are_checked():
+    from rubin_compile.kernels.triton import moe as tmoe
+
+    G, M = tmoe.GemmConfig, tmoe.MoEConfig
+    ok = M(mode="persistent", fc1=G(BM=128, BN=128, BK=64, num_warps=8), fc2=G(BM=128, BN=256, BK=64, num_warps=8))
+    assert ok.problem() is None
+    with pytest.raises(ValueError, match="fc1.BM .128. and fc2.BM .64. must be equal"):
+        M(mode="persistent", fc1=G(BM=128), fc2=G(BM=64))
+    with pytest.raises(ValueError, match="plain tiles"):
+        M(mode="persistent", fc1=G(BM=64, swap=True), fc2=G(BM=64))
+    with pytest.raises(ValueError, match="decode-path options"):
+        M(mode="persistent", fc1=G(BM=64), fc2=G(BM=64), w2_l2=True)
+
+
+def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton import tune_moe
+
+    for T in (1, 64):
+        assert not [c for c in tune_moe.candidate_configs(tmoe, T, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
+    cands = [c for c in tune_moe.candidate_configs(tmoe, 1024, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
+    assert len(cands) == len(tune_moe.PERSISTENT_TILES)
+    for c in cands:
+        assert c.problem() is None
+        for which, g in (("fc1", c.fc1), ("fc2", c.fc2)):
+            smem = g.num_stages * (g.BM * g.BK + (2 if which == "fc1" else 1) * g.BN * g.BK) * 2
+            assert smem <= tmoe.SMEM_LIMIT, (which, g, smem)
+    assert not tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
+
+
+def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
+    """``--modes persistent``: the heuristic, the table's entry for this T and the persistent tiles only."""
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton import tune_moe
+
+    entry = tmoe.load_config_table("NVIDIA H200")["configs"]["E=128,H=2048,I=768,k=8,w=bf16"]["1024"]
+    cands = tune_moe.candidate_configs(tmoe, 1024, 128, 2048, 768, 8, "bf16", table_entry=entry, modes={"persistent"})
+    heuristic = tmoe.heuristic_config(1024, 128, 2048, 768, 8, tmoe.torch.bfloat16)
+    assert cands[:2] == [heuristic, tmoe.MoEConfig.from_json(entry)]
+    assert [c.mode for c in cands[2:]] == ["persistent"] * len(tune_moe.PERSISTENT_TILES)
