@@ -4,10 +4,11 @@
 # (kernels/triton/moe_choice.py).
 #   1. GPU tests: the persistent path (every tuner tile, routings, dtypes, epilogues, PDL / graph replay bitwise) and
 #      the choice (ours, the ATen form and vLLM's fused_moe timed; the chosen kernel within 5% of the fastest);
-#   2. the tuner with the persistent tiles against the committed table's entries at T = 256, 1024, 4096 (bf16, the
-#      four benchmark shapes), merged into a copy of the table ($OUT/moe_configs), which the next steps then use;
+#   2. the tuner with the persistent tiles against the committed table's entries at T = 256, 1024, 4096 (bf16 and FP8
+#      block, the three shapes of issue 14), merged into a copy of the table ($OUT/moe_configs), which the next steps
+#      then use;
 #   3. benchmarks/moe.py with the vllm and grouped_mm baselines at T = 1 .. 4096 (bf16): the prefill table, and the
-#      times merged into a copy of the selection table ($OUT/NVIDIA_H200.json).
+#      times merged into a copy of the selection table ($OUT/NVIDIA_H200.json); then FP8 block at T = 256, 1024, 4096.
 # Commit both tables (and the results) after reading them.
 # Before: bash benchmarks/h200/vllm-src.sh on the CPU machine; carry [".whl", ".vllm-src"].
 #   bash benchmarks/h200/moe14-1-prefill.sh
@@ -21,8 +22,8 @@ echo "pytest exit $?"; grep -E "FAILED|passed|failed|Error" "$OUT/pytest-prefill
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_moe_choice_gpu.py > "$OUT/pytest-choice.log" 2>&1
 echo "pytest exit $?"; grep -E "FAILED|SKIPPED|passed|failed|Error" "$OUT/pytest-choice.log" | cut -c1-300 | tail -12
 mkdir -p "$OUT/moe_configs" && cp rubin_compile/kernels/triton/moe_configs/NVIDIA_H200.json "$OUT/moe_configs/"
-timeout 420 python3 -m rubin_compile.kernels.triton.tune_moe --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b,minimax-m2 \
-  --formats bf16 --tokens 256,1024,4096 --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
+timeout 480 python3 -m rubin_compile.kernels.triton.tune_moe --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b \
+  --formats bf16,fp8_block --tokens 256,1024,4096 --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
   --log "$OUT/tune-prefill-detail.log" > "$OUT/tune-prefill.log" 2>&1
 echo "tune exit $?"; grep -v "compile failed" "$OUT/tune-prefill.log" | grep -E "T=|WRONG|Error|compiled" | cut -c1-220
 cp "$OUT/moe_configs/NVIDIA_H200.json" rubin_compile/kernels/triton/moe_configs/NVIDIA_H200.json
@@ -32,6 +33,9 @@ timeout 480 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8,mix
   --write-baselines "$OUT/NVIDIA_H200.json" > "$OUT/moe-prefill.log" 2>&1
 echo "benchmark exit $?"; grep -E "T=|merged|Error|Traceback" "$OUT/moe-prefill.log" | cut -c1-220
 [ -f "$OUT/moe-prefill-h200-prefill.md" ] && cat "$OUT/moe-prefill-h200-prefill.md"
+timeout 300 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b --tokens 256,1024,4096 \
+  --formats fp8_block --baselines none --reps 20 --out "$OUT" --tag -prefill-fp8 > "$OUT/moe-prefill-fp8.log" 2>&1
+echo "benchmark fp8 exit $?"; grep -E "T=|Error|Traceback" "$OUT/moe-prefill-fp8.log" | cut -c1-220
 python3 - "$OUT/NVIDIA_H200.json" <<'PY'
 import json, pathlib, sys
 from rubin_compile.kernels.triton import moe_choice

@@ -424,21 +424,22 @@ def test_registry_and_op(tmoe):
 # ------------------------------------------------------------------ the persistent prefill path (moe_prefill.py)
 
 
-def _persistent_cfg(tmoe, tile=0):
-    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES) as a config."""
-    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) = PERSISTENT_TILES[tile]
+def _persistent_cfg(tmoe, tile=0, fp8=False):
+    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES, or the FP8 ones) as a config."""
+    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) = (PERSISTENT_TILES_FP8 if fp8 else PERSISTENT_TILES)[tile]
     G = tmoe.GemmConfig
     return tmoe.MoEConfig(
         mode="persistent",
+        a_fp8=fp8,
         fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1),
         fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2),
     )
 
 
 try:
-    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES, PERSISTENT_TILES_FP8
 except ImportError:  # no Triton here: the module is skipped anyway
-    PERSISTENT_TILES = ()
+    PERSISTENT_TILES = PERSISTENT_TILES_FP8 = ()
 PERSISTENT_CASES = [(tile, (300, 16, 512, 384, 4)) for tile in range(len(PERSISTENT_TILES))] + [
     (tile, shape) for tile in (0, 4) for shape in ((1000, 64, 1024, 256, 8), (37, 9, 328, 200, 2))
 ]
@@ -464,10 +465,22 @@ def test_persistent_path_routings_dtypes_epilogues(tmoe, dtype, route, act, bias
     _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe, 4)), _reference(x, tw, ids, kw), TOL[dtype])
 
 
+@pytest.mark.parametrize("tile", range(len(PERSISTENT_TILES_FP8)))
+@pytest.mark.parametrize("wfmt", ["fp8_block", "fp8_expert", "fp8_tensor"])
+def test_persistent_path_fp8(tmoe, tile, wfmt):
+    """FP8 weights with e4m3 activations (quantised once per call per FC1 K tile; the intermediate per FC1 N tile):
+    128 x 128 block scales, one scale per expert, one per tensor; within e4m3's error of the reference."""
+    x, tw, ids, kw = _inputs(300, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt)
+    cfg = _persistent_cfg(tmoe, tile, fp8=True)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8_a8"])
+
+
 def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):
-    """FP8 weights (and H or I not a multiple of 8): the call runs another mode, still right."""
+    """Rows that are not whole 16 bytes for TMA (FP8 with I = 200; bf16 with H = 324): the call runs another mode,
+    still right."""
     x, tw, ids, kw = _inputs(300, 9, 320, 200, 2, torch.bfloat16, wfmt="fp8_block")
-    _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe)), _reference(x, tw, ids, kw), TOL["fp8"])
+    cfg = _persistent_cfg(tmoe, fp8=True)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8_a8"])
     x, tw, ids, kw = _inputs(300, 9, 324, 200, 2, torch.bfloat16)
     _check(_run(tmoe, x, tw, ids, kw, config=_persistent_cfg(tmoe)), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
 

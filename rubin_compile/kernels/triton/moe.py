@@ -37,6 +37,7 @@ from rubin_compile.kernels.triton import moe_prefill
 from rubin_compile.kernels.triton.activations import CODES as _ACT_CODES
 from rubin_compile.kernels.triton.activations import gelu_tanh as _gelu_tanh
 from rubin_compile.kernels.triton.activations import silu as _silu
+from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.moe_choice import table_file, table_key, weight_format
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
@@ -132,8 +133,8 @@ class MoEConfig:
                 return f"mode='persistent': {name} takes plain tiles (no swap, gemv, split_k or prefetch)"
             if g.BM not in (16, 32, 64, 128) or g.BN > 256 or g.BK > 256:
                 return f"mode='persistent': {name} tile {g.BM}x{g.BN}x{g.BK}: BM in 16..128, BN and BK <= 256"
-        if self.a_fp8 or self.w2_l2 or self.early_launch or not self.fused_sum:
-            return "mode='persistent': a_fp8, w2_l2, early_launch and fused_sum=False are decode-path options"
+        if self.w2_l2 or self.early_launch or not self.fused_sum:
+            return "mode='persistent': w2_l2, early_launch and fused_sum=False are decode-path options"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -526,45 +527,6 @@ def _tile_scale(s_base, n0, k, k_last, stride_sn, stride_sk, SCALE_BN, SCALE_BK)
     return tl.load(s_base + (n0 // SCALE_BN) * stride_sn + (tl.minimum(k, k_last) // SCALE_BK) * stride_sk)
 
 
-@triton.jit(do_not_specialize=["H", "n_tick"])
-def _quant_fp8_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    tick_ptr,
-    n_tick,
-    H,
-    stride_xt,
-    stride_xh,
-    stride_qt,
-    stride_st,
-    G: tl.constexpr,
-    NG: tl.constexpr,
-    GDC: tl.constexpr,
-):
-    """Activations to e4m3 once per call, for FC1: q[t, j] = e4m3(x[t, j] / s[t, j // G]) with s = max(amax of
-    the G-wide group, 1e-12) / 448, G = FC1's K tile, the same numbers FC1 used to compute in every program
-    and K step. Program (t, b) does groups [b * NG, (b + 1) * NG) of token t. Program (0, 0) also zeroes the
-    ``n_tick`` arrival tickets of a K-split FC1 (after its wait: the memory may be a buffer an earlier kernel
-    still used)."""
-    t = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1) * NG + tl.arange(0, NG)
-    offs = gi[:, None] * G + tl.arange(0, G)[None, :]
-    mask = offs < H
-    if GDC:
-        gdc_wait()  # the hidden states are the previous kernel's output
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        for c0 in range(0, n_tick, 1024):
-            zo = c0 + tl.arange(0, 1024)
-            tl.store(tick_ptr + zo, tl.zeros([1024], tl.int32), mask=zo < n_tick)
-    x = tl.load(x_ptr + t * stride_xt + offs * stride_xh, mask=mask, other=0.0).to(tl.float32)
-    if GDC:
-        gdc_launch_dependents()
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    tl.store(q_ptr + t * stride_qt + offs, (x / s[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + t * stride_st + gi, s, mask=gi * G < H)
-
-
 @triton.jit(
     do_not_specialize=[
         "S",
@@ -664,7 +626,7 @@ def _moe_fc1_kernel(
     ``W2_L2`` > 0: each program also asks L2 for its share (W2_L2 bytes) of its expert's w2, so FC2
     finds its weights in L2 instead of waiting on HBM after the kernel boundary.
 
-    FP8 activations (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK] (``A_PRE``, see _quant_fp8_kernel);
+    FP8 activations (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK] (``A_PRE``, see fp8.quantise_rows);
     ``Q_OUT``: the epilogue writes the intermediate as e4m3 with one scale per (slot, BN columns) into
     ``isc`` [S, I / BN], which FC2 reads with its K tile equal to our BN. The scales of the next K step are
     loaded one step ahead, so their latency hides behind this step's copies and MMAs.
@@ -1150,17 +1112,6 @@ def route_groups_torch(flat_ids: torch.Tensor, E: int, cap: int):
     return order.to(i32), e.to(i32), gstart.to(i32), gcount.to(i32)
 
 
-def _scale_args(scale: Optional[torch.Tensor], block_scaled: bool):
-    """(tensor, stride_e, stride_n, stride_k) of a weight scale for the kernels."""
-    if scale is None:
-        return None, 0, 0, 0
-    s = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
-    if block_scaled:
-        return s, s.stride(0), s.stride(1), s.stride(2)
-    s = s.reshape(-1)
-    return s, (0 if s.numel() == 1 else s.stride(0)), 0, 0
-
-
 def _pf_chunk(prefetch: int, cfg: GemmConfig) -> int:
     """Bytes per prefetch instruction: one instruction per thread, so no thread repeats another's."""
     if prefetch <= 0:
@@ -1301,28 +1252,7 @@ class MoEPlan:
         (token, FC1 K tile), made by one small kernel (which also zeroes ``tick``); else ``x`` itself and None."""
         if not self.a_fp8:
             return x, None
-        G = self.fc1.BK
-        ng = max(1, 2048 // G)
-        q = torch.empty((self.T, self.H), dtype=torch.float8_e4m3fn, device=x.device)
-        xs = torch.empty((self.T, cdiv(self.H, G)), dtype=torch.float32, device=x.device)
-        launcher(_quant_fp8_kernel)[(self.T, cdiv(cdiv(self.H, G), ng))](
-            x,
-            q,
-            xs,
-            tick if tick is not None else xs,
-            tick.numel() if tick is not None else 0,
-            self.H,
-            x.stride(0),
-            x.stride(1),
-            q.stride(0),
-            xs.stride(0),
-            G=G,
-            NG=ng,
-            GDC=self.gdc,
-            num_warps=4,
-            **self._pdl(pdl),
-        )
-        return q, xs
+        return quantise_rows(x, self.fc1.BK, self.gdc, self._pdl(pdl), tick)
 
     # the two GEMMs -------------------------------------------------------------------------------
 
@@ -1566,8 +1496,8 @@ class MoEPlan:
         if self.w_scale == 2:  # block scales: rows in units of the scale block
             sbn = self.block[0]
             blk = lambda bounds: [(lo // sbn, -(-hi // sbn)) for lo, hi in bounds]  # noqa: E731
-            sc13 = [_scale_args(s, True) for s in locality.shards(c.s13[0], dom, "s13", blk(ib), up=I // sbn)]
-            sc2 = [_scale_args(s, True) for s in locality.shards(c.s2[0], dom, "s2", blk(hb))]
+            sc13 = [scale_args(s, True) for s in locality.shards(c.s13[0], dom, "s13", blk(ib), up=I // sbn)]
+            sc2 = [scale_args(s, True) for s in locality.shards(c.s2[0], dom, "s2", blk(hb))]
         else:  # per-tensor / per-expert scales (or none) are shared
             sc13, sc2 = [c.s13] * n, [c.s2] * n
         cnts = [torch.empty((self.T, cdiv(hi - lo, self.fc2.BN)), dtype=torch.int32, device=dev) for lo, hi in hb]
@@ -1809,11 +1739,11 @@ def run(
         config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms)
     placed = launch.placement is not None and launch.placement.applies(T)
     if config.mode == "persistent":
-        why = moe_prefill.problem(args) or ("a split-N placement (decode sizes)" if placed else None)
+        tiles = moe_prefill.Tiles.of(config)
+        why = moe_prefill.problem(args, tiles) or ("a split-N placement (decode sizes)" if placed else None)
         if why is None:
-            tiles = moe_prefill.Tiles.of(config)
             return moe_prefill.run(args, launch, tiles, num_sms, out)
-        # a call the persistent path does not take (FP8 weights, odd rows, split-N): another mode
+        # a call the persistent path does not take (rows off 16 bytes, another weight format, split-N): another mode
         config = heuristic_config(T, E, H, I, k, args.w13.dtype, args.block_shape, num_sms)
     dom = _domains_for(launch.placement, args, dev, domains) if placed else None
     plan = plan_call(
@@ -1848,8 +1778,8 @@ def run(
         routes,
         plan.intermediate(dev),
         torch.empty((plan.S, H), dtype=dtype, device=dev),
-        _scale_args(args.w13_scale, block_scaled),
-        _scale_args(args.w2_scale, block_scaled),
+        scale_args(args.w13_scale, block_scaled),
+        scale_args(args.w2_scale, block_scaled),
         fc1_pdl=plan.chain_pdl if (plan.route_kernel or plan.a_fp8) else plan.first_pdl,
         x=xq,
         xs=xs,

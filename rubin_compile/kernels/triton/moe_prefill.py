@@ -37,6 +37,7 @@ or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -45,6 +46,7 @@ import triton.language as tl
 from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
+from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
 from rubin_compile.kernels.triton.pdl import INTERPRET, gdc_launch_dependents, gdc_wait, has_gdc
 from rubin_compile.ops.moe import MoEArgs
 from rubin_compile.ops.registry import Launch
@@ -126,23 +128,55 @@ def _tile_of(tile, num_m, num_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _step(a, w, acc, sa, sw, A_FP8: tl.constexpr, W_SCALE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + a . w^T over one K tile (a [BM, BK], w [BN, BK]). FP8 (``A_FP8``): e4m3 operands on the FP8 tensor
+    cores, the product scaled by the rows' activation scales ``sa`` [BM] and, with 128 x 128 block scales
+    (``W_SCALE == 2``), the columns' weight scales ``sw`` [BN] of this K tile; a per-tensor / per-expert weight scale
+    (``W_SCALE == 1``) is applied once, after the loop."""
+    if A_FP8:
+        d = tl.dot(a, w.T)
+        if W_SCALE == 2:
+            return acc + d * (sa[:, None] * sw[None, :])
+        return acc + d * sa[:, None]
+    return tl.dot(a, w.T, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _col_scales(ws_ptr, e, rows, row_ok, k0, stride_se, stride_sn, stride_sk, SBN, SBK):
+    """The 128 x 128 block scales of weight rows ``rows`` of expert ``e`` at K offset ``k0`` (float32 [len(rows)])."""
+    return tl.load(ws_ptr + e * stride_se + (rows // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _fc1_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     sorted_ptr,
     tile_expert_ptr,
     ntiles_ptr,
     inter_ptr,
+    isc_ptr,
     E,
     H,
     I,
     P_MAX,
     K_TOP,
     stride_xt,
+    stride_xst,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    SBN,
+    SBK,
     stride_be,
+    stride_ist,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    A_FP8: tl.constexpr,
+    W_SCALE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -151,11 +185,14 @@ def _fc1_kernel(
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b) for every row p of every tile."""
+    """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b) for every row p of every tile.
+    FP8 (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK]; the intermediate is written in e4m3 with one
+    scale (amax / 448 over the tile's real columns) per (row, N tile) into ``isc`` [P_MAX, I / BN]: FC2's A tile,
+    FC2's K tile being this BN."""
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
     o_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BN])
     if GDC:
-        gdc_wait()  # hidden states, tile table and sorted slots are earlier kernels' writes
+        gdc_wait()  # hidden states (and their scales), tile table and sorted slots are earlier kernels' writes
         gdc_launch_dependents()
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(I, BN)
@@ -165,32 +202,51 @@ def _fc1_kernel(
         e = tl.load(tile_expert_ptr + m)
         rows = m * BM + tl.arange(0, BM)
         slot = tl.load(sorted_ptr + rows)
-        tok = tl.where(slot >= 0, slot // K_TOP, 0).to(tl.int64)
+        real = slot >= 0
+        tok = tl.where(real, slot // K_TOP, 0).to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-        a_ok = (slot >= 0)[:, None]
+        cols = n * BN + tl.arange(0, BN)
         gate_row = e * 2 * I + n * BN
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
+        sa = tl.zeros([BM], tl.float32)
+        sg = tl.zeros([BN], tl.float32)
+        su = tl.zeros([BN], tl.float32)
         for k0 in tl.range(0, H, BK, num_stages=NUM_STAGES):
-            a = tl.load(a_ptrs, mask=a_ok & (offs_k[None, :] < H - k0), other=0.0)
+            a = tl.load(a_ptrs, mask=real[:, None] & (offs_k[None, :] < H - k0), other=0.0)
             wg = w_desc.load([gate_row, k0])
             wu = w_desc.load([gate_row + I, k0])
-            acc_g = tl.dot(a, wg.T, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(a, wu.T, acc_u, input_precision=DOT_PREC)
+            if A_FP8:
+                sa = tl.load(xs_ptr + tok * stride_xst + k0 // BK, mask=real, other=0.0)
+            if W_SCALE == 2:
+                sg = _col_scales(ws_ptr, e, cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+                su = _col_scales(ws_ptr, e, I + cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+            acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
+            acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
             a_ptrs += BK
+        if W_SCALE == 1:
+            s = tl.load(ws_ptr + e * stride_se).to(tl.float32)
+            acc_g *= s
+            acc_u *= s
         if HAS_BIAS:
-            cols = n * BN + tl.arange(0, BN)
             bg = tl.load(b_ptr + e * stride_be + cols, mask=cols < I, other=0.0).to(tl.float32)
             bu = tl.load(b_ptr + e * stride_be + I + cols, mask=cols < I, other=0.0).to(tl.float32)
             acc_g += bg[None, :]
             acc_u += bu[None, :]
-        o_desc.store([m * BM, n * BN], (gated(acc_g, ACT) * acc_u).to(inter_ptr.dtype.element_ty))
+        h = gated(acc_g, ACT) * acc_u
+        if A_FP8:  # e4m3 for FC2, one scale per row over this tile's real columns
+            hs = tl.maximum(tl.max(tl.abs(tl.where((cols < I)[None, :], h, 0.0)), axis=1), 1e-12) / 448.0
+            tl.store(isc_ptr + rows.to(tl.int64) * stride_ist + n, hs)
+            h = h / hs[:, None]
+        o_desc.store([m * BM, n * BN], h.to(inter_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _fc2_kernel(
     inter_ptr,
+    isc_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     sorted_ptr,
     tile_expert_ptr,
@@ -200,8 +256,16 @@ def _fc2_kernel(
     H,
     I,
     P_MAX,
+    stride_ist,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    SBN,
+    SBK,
     stride_be,
     HAS_BIAS: tl.constexpr,
+    A_FP8: tl.constexpr,
+    W_SCALE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -210,26 +274,36 @@ def _fc2_kernel(
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    """y[slot, n] = inter[p] . w2[e, n] + b, rounded to the activations' dtype, for every real row p."""
+    """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
+    (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
     a_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * H, I], strides=[I, 1], block_shape=[BN, BK])
     if GDC:
-        gdc_wait()  # the intermediate is FC1's
+        gdc_wait()  # the intermediate (and its scales) are FC1's
         gdc_launch_dependents()
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(H, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         m, n = _tile_of(tile, num_m, num_n, GROUP)
         e = tl.load(tile_expert_ptr + m)
+        rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = n * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], tl.float32)
+        sa = tl.zeros([BM], tl.float32)
+        sw = tl.zeros([BN], tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=NUM_STAGES):
             a = a_desc.load([m * BM, k0])
             w = w_desc.load([e * H + n * BN, k0])
-            acc = tl.dot(a, w.T, acc, input_precision=DOT_PREC)
-        cols = n * BN + tl.arange(0, BN)
+            if A_FP8:
+                sa = tl.load(isc_ptr + rows * stride_ist + k0 // BK)
+            if W_SCALE == 2:
+                sw = _col_scales(ws_ptr, e, cols, cols < H, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+            acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
+        if W_SCALE == 1:
+            acc *= tl.load(ws_ptr + e * stride_se).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-        slot = tl.load(sorted_ptr + m * BM + tl.arange(0, BM))
+        slot = tl.load(sorted_ptr + rows)
         ptrs = y_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64)[:, None] * H + cols[None, :]
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None] & (cols < H)[None, :])
 
@@ -273,22 +347,36 @@ class Tiles:
         return Tiles(f1.BM, (f1.BN, f1.BK, f1.num_warps, f1.num_stages), (f2.BN, f2.BK, f2.num_warps, f2.num_stages))
 
 
-def problem(args: MoEArgs) -> str | None:
-    """Why this path cannot run the call (None: it can)."""
-    if args.hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"{args.hidden_states.dtype} activations (the persistent path takes bf16 / fp16)"
-    if args.w13.dtype != args.hidden_states.dtype or args.w2.dtype != args.hidden_states.dtype:
-        return f"weights in {args.w13.dtype} / {args.w2.dtype}: the persistent path takes unquantised weights"
+def problem(args: MoEArgs, tiles: Optional[Tiles] = None) -> Optional[str]:
+    """Why this path cannot run the call (with these ``tiles``; None: it can)."""
+    x = args.hidden_states
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{x.dtype} activations (the persistent path takes bf16 / fp16)"
+    fp8 = args.w13.dtype == torch.float8_e4m3fn and args.w2.dtype == torch.float8_e4m3fn
+    if not fp8 and (args.w13.dtype != x.dtype or args.w2.dtype != x.dtype):
+        return f"weights in {args.w13.dtype} / {args.w2.dtype} (the persistent path takes the activations' or e4m3)"
+    if fp8 and args.w13_scale is None:
+        return "e4m3 weights without scales"
+    if args.fp4 is not None or args.w13_scale_2 is not None:
+        return "FP4 weights"
     if args.activation not in _ACT:
         return f"activation {args.activation} (the persistent path has {', '.join(_ACT)})"
     if args.apply_router_weight_on_input or args.activation_constants is not None:
         return "the router weight on the input / runtime activation constants"
-    if args.H % 8 or args.I % 8:
-        return f"H={args.H}, I={args.I}: TMA takes rows of whole 16 bytes (multiples of 8 elements)"
+    row = 16 if fp8 else 8
+    if args.H % row or args.I % row:
+        return f"H={args.H}, I={args.I}: TMA takes rows of whole 16 bytes (multiples of {row} elements)"
     if not (args.w13.is_contiguous() and args.w2.is_contiguous()):
         return "weights that are not contiguous (the TMA descriptors see them as [E * rows, K])"
-    if args.hidden_states.stride(1) != 1:
+    if x.stride(1) != 1:
         return "hidden states whose rows are not contiguous"
+    if fp8 and tiles is not None:
+        (bn1, bk1, _, _), (_, bk2, _, _) = tiles.fc1, tiles.fc2
+        if bk2 != bn1:
+            return f"FP8: FC2's K tile ({bk2}) must be FC1's N tile ({bn1}), the intermediate's scale groups"
+        sbk = int(args.block_shape[1]) if args.block_shape is not None else 0
+        if sbk and (sbk % bk1 or sbk % bk2):
+            return f"FP8 block scales {sbk} wide along K: the K tiles ({bk1}, {bk2}) must divide them"
     return None
 
 
@@ -307,10 +395,10 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_alloc)
 
 
-def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``rubin.moe`` through the persistent path (module docstring). ``tiles`` from the call's ``MoEConfig``;
     ``num_sms``: the persistent grids' size; ``out`` ([T, H], contiguous rows) receives the result."""
-    why = problem(args)
+    why = problem(args, tiles)
     if why is not None:
         raise NotImplementedError(f"rubin.moe[triton, persistent]: {why}")
     x = args.hidden_states
@@ -332,6 +420,14 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Te
     ids = ids if ids.is_contiguous() else ids.contiguous()
     tw = args.topk_weights.reshape(-1)
     tw = tw if tw.is_contiguous() else tw.contiguous()
+    bn1, bk1, nw1, ns1 = tiles.fc1
+    bn2, bk2, nw2, ns2 = tiles.fc2
+    fp8 = args.w13.dtype == torch.float8_e4m3fn
+    if fp8:  # the call's first kernel: activations to e4m3, one scale per (token, FC1 K tile)
+        xa, xs = quantise_rows(x, bk1, gdc, pdl)
+        pdl = chain
+    else:
+        xa, xs = x, x
     counters = torch.zeros(2 * E, dtype=i32, device=dev)  # counts, then cursors
     sorted_slots = torch.empty(p_max, dtype=i32, device=dev)
     tile_expert = torch.empty(tiles_max, dtype=i32, device=dev)
@@ -358,29 +454,45 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Te
         num_warps=4,
         **chain,
     )
-    inter = torch.empty((p_max, I), dtype=dtype, device=dev)
+    inter = torch.empty((p_max, I), dtype=torch.float8_e4m3fn if fp8 else dtype, device=dev)
+    isc = torch.empty((p_max, cdiv(I, bn1)), dtype=torch.float32, device=dev) if fp8 else x
     y = torch.empty((S, H), dtype=dtype, device=dev)
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
     b13, b2 = args.w13_bias, args.w2_bias
-    bn1, bk1, nw1, ns1 = tiles.fc1
-    bn2, bk2, nw2, ns2 = tiles.fc2
+    block = args.block_shape is not None
+    w_scale = 2 if (fp8 and block) else 1 if fp8 else 0
+    s13, s13e, s13n, s13k = scale_args(args.w13_scale, block) if fp8 else (x, 0, 0, 0)
+    s2, s2e, s2n, s2k = scale_args(args.w2_scale, block) if fp8 else (x, 0, 0, 0)
+    sbn, sbk = (int(args.block_shape[0]), int(args.block_shape[1])) if block else (1, 1)
     launcher(_fc1_kernel)[(max(1, min(num_sms, tiles_max * cdiv(I, bn1))),)](
-        x,
+        xa,
+        xs,
         args.w13,
+        s13,
         b13 if b13 is not None else x,
         sorted_slots,
         tile_expert,
         ntiles,
         inter,
+        isc,
         E,
         H,
         I,
         p_max,
         k,
-        x.stride(0),
+        xa.stride(0),
+        xs.stride(0),
+        s13e,
+        s13n,
+        s13k,
+        sbn,
+        sbk,
         b13.stride(0) if b13 is not None else 0,
+        isc.stride(0),
         ACT=_ACT[args.activation],
         HAS_BIAS=b13 is not None,
+        A_FP8=fp8,
+        W_SCALE=w_scale,
         BM=BM,
         BN=bn1,
         BK=bk1,
@@ -393,7 +505,9 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Te
     )
     launcher(_fc2_kernel)[(max(1, min(num_sms, tiles_max * cdiv(H, bn2))),)](
         inter,
+        isc,
         args.w2,
+        s2,
         b2 if b2 is not None else x,
         sorted_slots,
         tile_expert,
@@ -403,8 +517,16 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Te
         H,
         I,
         p_max,
+        isc.stride(0),
+        s2e,
+        s2n,
+        s2k,
+        sbn,
+        sbk,
         b2.stride(0) if b2 is not None else 0,
         HAS_BIAS=b2 is not None,
+        A_FP8=fp8,
+        W_SCALE=w_scale,
         BM=BM,
         BN=bn2,
         BK=bk2,
@@ -415,8 +537,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: torch.Te
         num_warps=nw2,
         **chain,
     )
-    block = min(1024, next_power_of_2(H))
-    launcher(_sum_kernel)[(T, cdiv(H, block))](
-        y, tw, out, H, k, out.stride(0), BLOCK=block, GDC=gdc, num_warps=4, **chain
+    width = min(1024, next_power_of_2(H))
+    launcher(_sum_kernel)[(T, cdiv(H, width))](
+        y, tw, out, H, k, out.stride(0), BLOCK=width, GDC=gdc, num_warps=4, **chain
     )
     return out

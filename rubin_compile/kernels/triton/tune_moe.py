@@ -290,19 +290,31 @@ PERSISTENT_TILES = (
     (64, (128, 64, 8, 4), (256, 64, 8, 3)),
     (64, (64, 64, 4, 4), (128, 64, 4, 4)),
 )
+# FP8 weights (e4m3 activations): FC2's K tile is FC1's N tile (the intermediate's scale groups), both dividing the
+# 128-wide scale blocks; FC1 holds two accumulators and two products of a K step in registers.
+# (A K step's float32 products beside the accumulators: at 8 warps, 128 x 128 FC1 tiles or 128 x 256 FC2 tiles spill on
+# sm_90; those are left out.)
+PERSISTENT_TILES_FP8 = (
+    (128, (64, 128, 8, 4), (128, 64, 8, 4)),
+    (128, (64, 64, 8, 4), (128, 64, 8, 4)),
+    (64, (64, 128, 8, 4), (256, 64, 8, 3)),
+    (64, (128, 128, 8, 4), (128, 128, 8, 4)),
+    (64, (64, 128, 4, 4), (128, 64, 4, 4)),
+)
 PERSISTENT_MIN_T = 128  # below this many tokens the tuner does not try the persistent path (decode sizes)
 
 
 def persistent_candidates(moe, T: int, wfmt: str) -> list:
-    """The persistent path's configs (bf16 / fp16 weights; prefill-sized T)."""
-    if wfmt != "bf16" or T < PERSISTENT_MIN_T:
+    """The persistent path's configs at prefill-sized T (bf16, or FP8 weights with e4m3 activations)."""
+    if T < PERSISTENT_MIN_T:
         return []
     G = moe.GemmConfig
     out = []
-    for bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) in PERSISTENT_TILES:
+    for bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) in PERSISTENT_TILES if wfmt == "bf16" else PERSISTENT_TILES_FP8:
         out.append(
             moe.MoEConfig(
                 mode="persistent",
+                a_fp8=wfmt != "bf16",
                 fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1),
                 fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2),
             )

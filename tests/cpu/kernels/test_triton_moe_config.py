@@ -446,6 +446,12 @@ INTERP_CASES = [
     (9, 3, 32, 16, 3, "persistent", {}),
     (0, 4, 32, 16, 2, "persistent", {}),
     (40, 6, 48, 32, 2, "persistent", {"noncontig": True}),
+    # ... with FP8 weights: the hidden states in e4m3 once per call (groups of FC1's K tile), e4m3 products scaled per
+    # K tile by the rows' and the 16 x 16 blocks' scales (or one per expert and projection), FC1 writing the e4m3
+    # intermediate with one scale per (row, N tile) = FC2's K tile; bias, GELU
+    (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_block", "a_fp8": True}),
+    (40, 6, 48, 48, 2, "persistent", {"wfmt": "fp8_block", "a_fp8": True, "act": "gelu_tanh", "bias": True}),
+    (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_tensor", "a_fp8": True, "bias": True}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 

@@ -25,46 +25,67 @@ def prefill():
     del sys.modules["rubin_moe_prefill_aot"]
 
 
-def _tuner_tiles():
-    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES
+def _tuner_tiles(fp8: bool = False):
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES, PERSISTENT_TILES_FP8
 
-    return PERSISTENT_TILES
+    return PERSISTENT_TILES_FP8 if fp8 else PERSISTENT_TILES
 
+
+TILES = [(False, i) for i in range(len(_tuner_tiles()))] + [(True, i) for i in range(len(_tuner_tiles(True)))]
+TILE_IDS = [f"{'fp8' if f else 'bf16'}-{i}" for f, i in TILES]
+WGMMA = {False: r"m64n\d+k16\.f32\.bf16\.bf16", True: r"m64n\d+k32\.f32\.e4m3\.e4m3"}
 
 # A Qwen3-30B-A3B prefill call (H = 2048, I = 768, k = 8) at T = 1024 with 128-row tiles
 QWEN3 = dict(E=128, H=2048, I=768, P_MAX=8192 + 128 * 127, K_TOP=8, stride_xt=2048, stride_be=0)
-PTRS = dict(sorted_ptr="*i32", tile_expert_ptr="*i32", ntiles_ptr="*i32", b_ptr=BF, w_ptr=BF)
+PTRS = dict(
+    sorted_ptr="*i32",
+    tile_expert_ptr="*i32",
+    ntiles_ptr="*i32",
+    b_ptr=BF,
+    ws_ptr="*fp32",
+    xs_ptr="*fp32",
+    isc_ptr="*fp32",
+)
+F8 = "*fp8e4nv"
+# the scale strides of 128 x 128 blocks over Qwen3's w13 [128, 1536, 2048] and w2 [128, 2048, 768]
+SCALES = dict(stride_xst=16, stride_se=12 * 16, stride_sn=16, stride_sk=1, SBN=128, SBK=128, stride_ist=12)
 
 
 def _compile(fn, consts, ptrs, warps, stages):
     asm: dict = {}
-    ints = {n: v for n, v in QWEN3.items() if n in fn.arg_names}
+    ints = {n: v for n, v in {**QWEN3, **SCALES}.items() if n in fn.arg_names}
     ptx = compile_like_a_launch(fn, consts, {**PTRS, **ptrs}, ints, num_stages=stages, asm=asm, num_warps=warps)
     return ptx, resource_usage(asm["cubin"])
 
 
-@pytest.mark.parametrize("tile", range(len(_tuner_tiles())))
-def test_fc1_runs_on_tma_and_wgmma_without_spills(prefill, tile):
-    bm, (bn, bk, warps, stages), _ = _tuner_tiles()[tile]
-    consts = dict(ACT=0, HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP=8, NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
-    ptx, use = _compile(prefill._fc1_kernel, consts, dict(x_ptr=BF, inter_ptr=BF), warps, stages)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma"
+@pytest.mark.parametrize("fp8,tile", TILES, ids=TILE_IDS)
+def test_fc1_runs_on_tma_and_wgmma_without_spills(prefill, fp8, tile):
+    bm, (bn, bk, warps, stages), _ = _tuner_tiles(fp8)[tile]
+    consts = dict(ACT=0, HAS_BIAS=True, A_FP8=fp8, W_SCALE=2 if fp8 else 0, BM=bm, BN=bn, BK=bk, GROUP=8)
+    consts.update(NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
+    ptrs = dict(x_ptr=F8 if fp8 else BF, w_ptr=F8 if fp8 else BF, inter_ptr=F8 if fp8 else BF)
+    ptx, use = _compile(prefill._fc1_kernel, consts, ptrs, warps, stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + WGMMA[fp8], ptx), "no wgmma of the weights' format"
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "weights not loaded through TMA"
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx), "output not stored through TMA"
-    assert async_copy_sizes(ptx) == {"0x10"}, "gathered rows not in 16-byte copies"
+    # the gathered rows in 16-byte copies; with FP8 also the K step's scales, 4 bytes each
+    sizes = async_copy_sizes(ptx)
+    assert "0x10" in sizes and sizes <= ({"0x10", "0x4"} if fp8 else {"0x10"}), sizes
     assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
     assert use["LOCAL"] == 0 and use["STACK"] == 0, use
 
 
-@pytest.mark.parametrize("tile", range(len(_tuner_tiles())))
-def test_fc2_runs_on_tma_and_wgmma_without_spills(prefill, tile):
-    bm, _, (bn, bk, warps, stages) = _tuner_tiles()[tile]
-    consts = dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP=8, NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
-    ptx, use = _compile(prefill._fc2_kernel, consts, dict(inter_ptr=BF, y_ptr=BF), warps, stages)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma"
+@pytest.mark.parametrize("fp8,tile", TILES, ids=TILE_IDS)
+def test_fc2_runs_on_tma_and_wgmma_without_spills(prefill, fp8, tile):
+    bm, _, (bn, bk, warps, stages) = _tuner_tiles(fp8)[tile]
+    consts = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=2 if fp8 else 0, BM=bm, BN=bn, BK=bk, GROUP=8)
+    consts.update(NUM_STAGES=stages, DOT_PREC="tf32", GDC=True)
+    ptrs = dict(inter_ptr=F8 if fp8 else BF, w_ptr=F8 if fp8 else BF, y_ptr=BF)
+    ptx, use = _compile(prefill._fc2_kernel, consts, ptrs, warps, stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + WGMMA[fp8], ptx), "no wgmma of the weights' format"
     loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)
     assert len(loads) >= 2, "both operands through TMA"
-    assert not async_copy_sizes(ptx), "a pointer-based copy in the K loop"
+    assert async_copy_sizes(ptx) <= ({"0x4"} if fp8 else set()), "operands copied through pointers (FP8: scales only)"
     assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
     assert use["LOCAL"] == 0 and use["STACK"] == 0, use
 
@@ -132,7 +153,10 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
         for which, g in (("fc1", c.fc1), ("fc2", c.fc2)):
             smem = g.num_stages * (g.BM * g.BK + (2 if which == "fc1" else 1) * g.BN * g.BK) * 2
             assert smem <= tmoe.SMEM_LIMIT, (which, g, smem)
-    assert not tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
+    fp8 = tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
+    assert len(fp8) == len(tune_moe.PERSISTENT_TILES_FP8)
+    for c in fp8:  # FC2's K tile is FC1's N tile (the intermediate's scale groups); both divide the scale blocks
+        assert c.problem() is None and c.a_fp8 and c.fc2.BK == c.fc1.BN and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
 
 
 def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():

@@ -1,0 +1,93 @@
+"""FP8 helpers the MoE kernels share (moe.py's decode path, moe_prefill.py's persistent one): activations quantised
+to e4m3 once per call with one scale per (row, K group), and weight scales as the kernels take them."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.kernels.triton.launch import cdiv, launcher
+from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit(do_not_specialize=["H", "n_tick"])
+def quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    tick_ptr,
+    n_tick,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """Activations to e4m3 once per call, for FC1: q[t, j] = e4m3(x[t, j] / s[t, j // G]) with s = max(amax of
+    the G-wide group, 1e-12) / 448, G = FC1's K tile, the same numbers FC1 used to compute in every program
+    and K step. Program (t, b) does groups [b * NG, (b + 1) * NG) of token t. Program (0, 0) also zeroes the
+    ``n_tick`` arrival tickets of a K-split FC1 (after its wait: the memory may be a buffer an earlier kernel
+    still used)."""
+    t = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * NG + tl.arange(0, NG)
+    offs = gi[:, None] * G + tl.arange(0, G)[None, :]
+    mask = offs < H
+    if GDC:
+        gdc_wait()  # the hidden states are the previous kernel's output
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for c0 in range(0, n_tick, 1024):
+            zo = c0 + tl.arange(0, 1024)
+            tl.store(tick_ptr + zo, tl.zeros([1024], tl.int32), mask=zo < n_tick)
+    x = tl.load(x_ptr + t * stride_xt + offs * stride_xh, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_launch_dependents()
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    tl.store(q_ptr + t * stride_qt + offs, (x / s[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t * stride_st + gi, s, mask=gi * G < H)
+
+
+def quantise_rows(
+    x: torch.Tensor, G: int, gdc: bool, launch_kwargs: dict[str, Any], tick: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` [T, H] in e4m3, its scales [T, cdiv(H, G)]): one scale (amax / 448) per row and G-wide group, by one
+    small kernel (which also zeroes ``tick``, a K-split FC1's arrival tickets, when given). ``launch_kwargs``:
+    ``launch_pdl`` when PDL-launched."""
+    T, H = x.shape
+    ng = max(1, 2048 // G)
+    q = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((T, cdiv(H, G)), dtype=torch.float32, device=x.device)
+    launcher(quant_rows_kernel)[(T, cdiv(cdiv(H, G), ng))](
+        x,
+        q,
+        xs,
+        tick if tick is not None else xs,
+        tick.numel() if tick is not None else 0,
+        H,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        xs.stride(0),
+        G=G,
+        NG=ng,
+        GDC=gdc,
+        num_warps=4,
+        **launch_kwargs,
+    )
+    return q, xs
+
+
+def scale_args(scale: Optional[torch.Tensor], block_scaled: bool):
+    """(tensor, stride_e, stride_n, stride_k) of a weight scale for the kernels."""
+    if scale is None:
+        return None, 0, 0, 0
+    s = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
+    if block_scaled:
+        return s, s.stride(0), s.stride(1), s.stride(2)
+    s = s.reshape(-1)
+    return s, (0 if s.numel() == 1 else s.stride(0)), 0, 0
