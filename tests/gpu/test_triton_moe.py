@@ -327,18 +327,25 @@ def test_pdl_on_off_bitwise_identical_and_deterministic(tmoe, T, mode, wfmt, swa
     assert torch.equal(off, on) and torch.equal(on, again)
 
 
+def _captured(fn):
+    """(a CUDA graph of ``fn()``, what the captured call returns): warmed up once on a side stream (kernels compile
+    there, outside the capture), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def test_pdl_inside_cuda_graph(tmoe):
     x, tw, ids, kw = _inputs(4, 16, 512, 384, 4, torch.bfloat16)
     eager = _run(tmoe, x, tw, ids, kw, pdl=False)
     args = (x, kw["w13"], kw["w2"], tw, ids)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        tmoe.fused_moe(*args, pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [tmoe.fused_moe(*args, pdl=True) for _ in range(3)]
+    g, outs = _captured(lambda: [tmoe.fused_moe(*args, pdl=True) for _ in range(3)])
     g.replay()
     torch.cuda.synchronize()
     for o in outs:
@@ -396,14 +403,7 @@ def test_gemv_form_pdl_bitwise_under_graph_replay(tmoe):
     cfg = _gemv_cfg(tmoe, "slot", 1)
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw["w13_scale"], kw["w2_scale"], kw["block_shape"])
     eager = tmoe.fused_moe(*args, config=cfg, pdl=False)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        tmoe.fused_moe(*args, config=cfg, pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(3)]
+    g, outs = _captured(lambda: [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(3)])
     for _ in range(2):
         g.replay()
         torch.cuda.synchronize()
@@ -496,14 +496,7 @@ def test_persistent_path_deterministic_pdl_bitwise_and_replayed_with_new_routing
     first = tmoe.fused_moe(*args, config=cfg, pdl=False)
     for pdl in (False, True, True):
         assert torch.equal(tmoe.fused_moe(*args, config=cfg, pdl=pdl), first)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        tmoe.fused_moe(*args, config=cfg, pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tmoe.fused_moe(*args, config=cfg, pdl=True)
+    g, out = _captured(lambda: tmoe.fused_moe(*args, config=cfg, pdl=True))
     for seed in (1, 2):
         x2, tw2, ids2, _ = _inputs(T, E, H, I, k, torch.bfloat16, seed=seed, route="skewed" if seed == 2 else "random")
         x.copy_(x2), tw.copy_(tw2), ids.copy_(ids2)

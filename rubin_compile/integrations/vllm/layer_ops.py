@@ -427,15 +427,10 @@ def _vllm_is_faster(layer: Any, hidden_states: torch.Tensor) -> bool:
     experts = layer.routed_experts
     E, n13, H = experts.w13_weight.shape
     I = n13 // 2 if layer.activation.is_gated else n13
-    name = _device_name(hidden_states.device.index or 0) if hidden_states.is_cuda else ""
+    name = moe_choice.device_name(hidden_states.device)
     wfmt = moe_choice.weight_format(experts.w13_weight.dtype, False)  # the matcher rewrites unquantised layers only
     T = hidden_states.shape[0]
     return moe_choice.choose(T, int(E), int(H), int(I), layer.router.top_k, wfmt, name, "vllm").kernel == "vllm"
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_properties(index).name
 
 
 def vllm_forward(

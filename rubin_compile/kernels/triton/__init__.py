@@ -11,7 +11,6 @@ through Triton's interpreter, which the CPU tests use to check indexing.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from typing import Optional
@@ -102,11 +101,6 @@ def _moe_wfmt(spec: KernelSpec) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(spec.weight_dtype, spec.weight_dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_properties(index).name if torch.cuda.is_available() else ""
-
-
 @MOE.register_kernel(
     "triton",
     supports=_moe_supports,
@@ -121,8 +115,7 @@ def triton_moe(args: MoEArgs, launch: Launch) -> torch.Tensor:
     """The fused Triton MoE (kernels/triton/moe.py: ``run``), or, for a call of a size at which rubin.moe's ATen form
     measured faster on this GPU (moe_choice.py), that form."""
     if aten_unsupported(args) is None:
-        x = args.hidden_states
-        name = _device_name(x.device.index or 0) if x.is_cuda else ""
+        name = moe_choice.device_name(args.hidden_states.device)
         wfmt = moe_choice.weight_format(args.w13.dtype, args.block_shape is not None)
         if moe_choice.choose(args.T, args.E, args.H, args.I, args.k, wfmt, name, "aten").kernel == "aten":
             return aten(args)

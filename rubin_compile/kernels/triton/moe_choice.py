@@ -71,6 +71,16 @@ def table_file(device_name: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name.strip()) + ".json"
 
 
+def device_name(device: torch.device) -> str:
+    """The name the tables of ``device`` are filed under ("NVIDIA H200"); "" off a GPU (the rules apply)."""
+    return _cuda_name(device.index or 0) if device.type == "cuda" else ""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_properties(index).name
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
     """The measured table of a GPU ({} when there is none). Read once per process."""
