@@ -63,8 +63,6 @@ def _runnable(here: Target) -> Optional[str]:
     return None
 
 
-# Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on Blackwell
-# FlashInfer first and Triton after it; on Hopper Triton first (docs/kernels/selection.md).
 def _plan_device_name(target: Target) -> str:
     """The name of this machine's GPU when a plan is made for it (its measured tables apply), else "" (a plan
     for a GPU this machine lacks follows the rules off the tables)."""
@@ -101,6 +99,8 @@ def _moe_wfmt(spec: KernelSpec) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(spec.weight_dtype, spec.weight_dtype)
 
 
+# Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on Blackwell
+# FlashInfer first and Triton after it; on Hopper Triton first (docs/kernels/selection.md).
 @MOE.register_kernel(
     "triton",
     supports=_moe_supports,
