@@ -72,8 +72,9 @@ def table_file(device_name: str) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """The name the tables of ``device`` are filed under ("NVIDIA H200"); "" off a GPU (the rules apply)."""
-    return _cuda_name(device.index or 0) if device.type == "cuda" else ""
+    """The name the tables of ``device`` are filed under ("NVIDIA H200"); "" off a GPU, and for the fake CUDA tensors
+    of a trace made without one (the rules apply)."""
+    return _cuda_name(device.index or 0) if device.type == "cuda" and torch.cuda.is_available() else ""
 
 
 @functools.lru_cache(maxsize=None)
