@@ -2,9 +2,10 @@
 persistent grouped GEMMs on TMA tensor descriptors and wgmma, then the top-k sum (``MoEConfig.mode ==
 "persistent"``).
 
-Contract: ``run(args, launch, config)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 activations and weights
-(fp32 under Triton's interpreter, for the CPU tests), SiLU or GELU-tanh, with or without biases, within the bf16
-tolerances of tests/gpu/test_triton_moe.py; no host synchronisation (capturable in a CUDA graph: every buffer is
+Contract: ``run(args, launch, tiles, num_sms)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 activations with
+weights in their dtype (fp32 under Triton's interpreter, for the CPU tests) or in e4m3 with 128 x 128 block or
+per-expert / per-tensor scales (then with e4m3 activations, below), SiLU or GELU-tanh, with or without biases, within
+the tolerances of tests/gpu/test_triton_moe.py (bf16: 1e-2; FP8 activations: 6e-2); no host synchronisation (capturable in a CUDA graph: every buffer is
 sized by T, E and the tile, never by the routing); deterministic, and bitwise the same with PDL on and off and
 whatever order the GPU runs the programs in.
 
@@ -29,9 +30,14 @@ around them costs more than it must:
    output, and scattered to its slot's row of ``[T k, H]``.
 4. ``_sum_kernel``: each token's k slot rows, times their routing weights, summed in float32 in slot order.
 
+FP8 weights run W8A8: the hidden states in e4m3 once per call (``fp8.quantise_rows``: one scale per token and FC1 K
+tile), each K step's e4m3 product scaled by its rows' and columns' scales (a per-expert scale once, after the loop),
+and FC1's epilogue writing the intermediate in e4m3 with one scale per (row, FC1 N tile), which is FC2's K tile.
+
 Tiles that reach past an expert's weight rows (``I`` or ``H`` not a multiple of ``BN``) read the next expert's rows
-or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits: ``H`` and
-``I`` multiples of 8 (TMA's 16-byte rows), weights contiguous. FP8 weights take the other modes (moe.py).
+or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits (``problem``):
+rows of whole 16 bytes (``H`` and ``I`` multiples of 8, of 16 for e4m3), contiguous weights and hidden-state rows;
+other calls run the other modes (moe.py).
 """
 
 from __future__ import annotations
