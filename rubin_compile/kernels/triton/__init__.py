@@ -76,10 +76,11 @@ def _moe_entry(spec: KernelSpec) -> str:
     """What runs a node bound to our MoE kernels, with the per-call-size choice against its baseline (what runs
     the node without rubin; moe_choice.py): for a static T the decision and its source, else the policy."""
     base = "rubin_compile.kernels.triton.moe.fused_moe"
-    if not spec.baseline or None in (spec.dim("E"), spec.dim("H"), spec.dim("I"), spec.dim("k")):
+    weight_dtype = getattr(torch, spec.weight_dtype, None)
+    if not spec.baseline or None in (spec.dim("E"), spec.dim("H"), spec.dim("I"), spec.dim("k"), weight_dtype):
         return base
     E, H, I, k, T = (spec.dim(n) for n in ("E", "H", "I", "k", "T"))
-    wfmt = _moe_wfmt(spec)
+    wfmt = moe_choice.weight_format(weight_dtype, spec.quant == "fp8_block")
     name = _plan_device_name(target_mod.resolve("sm90"))
     if T is None:
         return (
@@ -88,15 +89,6 @@ def _moe_entry(spec: KernelSpec) -> str:
     choice = moe_choice.choose(T, E, H, I, k, wfmt, name, spec.baseline)
     runs = base if choice.kernel == "triton" else moe_choice.BASELINES[spec.baseline]
     return f"{runs}; T={T} against {spec.baseline}: {choice.describe()}"
-
-
-def _moe_wfmt(spec: KernelSpec) -> str:
-    """The MoE tables' weight-format word for ``spec`` (moe_choice.weight_format for a call)."""
-    if spec.quant == "fp8_block":
-        return "fp8_block"
-    if spec.quant == "fp8_tensor":
-        return "fp8"
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(spec.weight_dtype, spec.weight_dtype)
 
 
 # Priorities mirror vLLM's MoE backend order (vllm/model_executor/layers/fused_moe/oracle/): on Blackwell

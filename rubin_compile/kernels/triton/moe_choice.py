@@ -119,10 +119,8 @@ class Choice:
         return text + ")"
 
 
-RULES = {
-    "aten": "no measured entry; rule: ours at every T",
-    "vllm": f"no measured entry; rule: ours up to T = {VLLM_RULE_MAX_T}, vllm above",
-}
+RULE_TEXT = {"aten": "ours at every T", "vllm": f"ours up to T = {VLLM_RULE_MAX_T}, vllm above"}
+RULES = {b: f"no measured entry; rule: {text}" for b, text in RULE_TEXT.items()}  # a Choice's source off the table
 
 
 def _rule(T: int, baseline: str) -> str:
@@ -137,9 +135,7 @@ def choose(
     ``baseline`` "" (none known) always gives ours. Cached: a serving step asks once per layer and call."""
     if baseline not in BASELINES:
         return Choice("triton", baseline, "no baseline")
-    key = table_key(E, H, I, k, wfmt)
-    rows = load_table(device_name, directory).get("entries", {}).get(key, {})
-    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    key, rows, measured = _measured(E, H, I, k, wfmt, device_name, baseline, directory)
     if measured:
         at = next((t for t in measured if t >= T), measured[-1])  # the smallest measured T at least T
         row = rows[str(at)]
@@ -148,24 +144,29 @@ def choose(
     return Choice(_rule(T, baseline), baseline, RULES[baseline])
 
 
+def _measured(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, dict, list[int]]:
+    """(the shape's key, its rows in the GPU's table, the sorted T at which ours and ``baseline`` were both timed)."""
+    key = table_key(E, H, I, k, wfmt)
+    rows = load_table(device_name, directory).get("entries", {}).get(key, {})
+    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    return key, rows, measured
+
+
 def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str) -> str:
     """Which kernel runs which T for one shape, in words, for the plan of a node with a symbolic T."""
     if baseline not in BASELINES:
         return "ours at every T"
-    key = table_key(E, H, I, k, wfmt)
-    rows = load_table(device_name).get("entries", {}).get(key, {})
-    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    key, _, measured = _measured(E, H, I, k, wfmt, device_name, baseline)
     if not measured:
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
-        return f"{RULES[baseline].split('rule: ')[1]} (rule: {why})"
-    # Runs of consecutive measured sizes with one winner: "ours T <= 128; vllm T in (128, 4096]; ..."
+        return f"{RULE_TEXT[baseline]} (rule: {why})"
+    # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 256; ..."
+    winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
     parts: list[str] = []
     lo = 0
-    for i, t in enumerate(measured):
-        who = choose(t, E, H, I, k, wfmt, device_name, baseline).kernel
+    for i, (t, who) in enumerate(zip(measured, winners)):
         last = i == len(measured) - 1
-        nxt = None if last else choose(measured[i + 1], E, H, I, k, wfmt, device_name, baseline).kernel
-        if nxt != who:
+        if last or winners[i + 1] != who:
             name = "ours" if who == "triton" else baseline
             if last:
                 span = "at every T" if lo == 0 else f"T > {lo}"
