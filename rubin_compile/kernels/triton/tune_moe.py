@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -421,15 +422,17 @@ def describe(cfg) -> str:
 
 
 def _warm_one(job):
-    """Worker: compile one (shape, format, T, config) by running it once on small inputs."""
+    """Worker: compile one (shape, format, T, config) by running it once on small inputs. Runs in a process of its
+    own (``warm_compile``) with CUDA_LAUNCH_BLOCKING, so a kernel that faults is named and cannot poison the next
+    candidate's run: CUDA errors are sticky for the whole process."""
     H, I, k, T, wfmt, cfg_json, pdl = job
     moe = moe_kernels
-    torch.cuda.set_device(0)
-    E = 4
-    w = make_weights(E, H, I, wfmt, seed=1)
-    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
-    tw, ids = make_routing(T, E, min(k, E))
     try:
+        torch.cuda.set_device(0)
+        E = 4
+        w = make_weights(E, H, I, wfmt, seed=1)
+        x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
+        tw, ids = make_routing(T, E, min(k, E))
         moe.fused_moe(
             x,
             w["w13"],
@@ -448,16 +451,27 @@ def _warm_one(job):
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # reported, not hidden: the caller prints it and drops the candidate
-        return f"{type(exc).__name__}: {exc}"[:300]
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} [{_where(exc)}]"[:400]
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of this package in ``exc``'s traceback (which launch faulted, under CUDA_LAUNCH_BLOCKING)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "rubin_compile" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else "no frame of ours"
+
+
+def _warm_init() -> None:
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # set before the worker's CUDA context exists: faults name their launch
 
 
 def warm_compile(jobs: list, workers: int, worker: Callable[[object], Optional[str]] = _warm_one) -> dict:
     """Compile kernel variants in parallel processes (they share Triton's on-disk cache): ``worker(job)`` compiles
-    one (a module-level function: it is pickled to the workers) and returns an error text or None. {job: error}."""
+    one (a module-level function: it is pickled to the workers) and returns an error text or None. {job: error}.
+    One process per job (maxtasksperchild=1): a candidate that faults on the GPU leaves the others' runs intact."""
     if not jobs:
         return {}
     ctx = mp.get_context("spawn")
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(workers, initializer=_warm_init, maxtasksperchild=1) as pool:
         errs = pool.map(worker, jobs, chunksize=1)
     return {j: e for j, e in zip(jobs, errs) if e}
 

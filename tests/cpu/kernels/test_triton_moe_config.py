@@ -682,3 +682,23 @@ if __name__ == "__main__":  # the subprocess of interp_results
     _gpu_rounding()
     mod = importlib.import_module(PKG + ".moe")
     print(json.dumps([_interp_case(mod, *c[:6], **c[6]) for c in INTERP_CASES]))
+
+
+def _fault_on_two(job):
+    """A warm worker whose second job leaves its process unusable (as a GPU fault does: CUDA errors are sticky)."""
+    import os
+
+    if job == 2:
+        os.environ["RUBIN_TEST_POISONED"] = "1"
+        return "AcceleratorError: an illegal memory access was encountered"
+    return "poisoned by an earlier job" if os.environ.get("RUBIN_TEST_POISONED") else None
+
+
+def test_warm_compile_one_process_per_job_so_a_fault_drops_only_its_candidate():
+    """The tuner's warm step runs each candidate in a fresh process: a faulting candidate is reported and dropped, the
+    ones after it (same worker slot) still compile. With processes reused, jobs 3 and 4 would report the fault too."""
+    from rubin_compile.kernels.triton.tune_moe import warm_compile
+
+    assert warm_compile([1, 2, 3, 4], 1, _fault_on_two) == {
+        2: "AcceleratorError: an illegal memory access was encountered"
+    }
