@@ -503,3 +503,17 @@ def test_persistent_path_deterministic_pdl_bitwise_and_replayed_with_new_routing
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, tmoe.fused_moe(*args, config=cfg, pdl=False)), seed
+
+
+def test_persistent_path_back_to_back_with_pdl_at_prefill_size(tmoe):
+    """Many calls back to back with PDL at a prefill size, one sync at the end: every result equal to the first. A
+    kernel that wrote its TMA descriptors before gdc_wait raced the previous kernel for the reused scratch block
+    (an illegal address on the H100, only without CUDA_LAUNCH_BLOCKING); each config of the tuner's tiles."""
+    T, E, H, I, k = 2048, 64, 1024, 768, 8
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
+    for tile in range(len(PERSISTENT_TILES)):
+        cfg = _persistent_cfg(tmoe, tile)
+        outs = [tmoe.fused_moe(x, kw["w13"], kw["w2"], tw, ids, "silu", config=cfg, pdl=True) for _ in range(16)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, outs[0]) for o in outs), tile
+    _check(outs[0], _reference(x, tw, ids, kw), TOL[torch.bfloat16])

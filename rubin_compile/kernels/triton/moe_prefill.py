@@ -195,11 +195,14 @@ def _fc1_kernel(
     FP8 (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK]; the intermediate is written in e4m3 with one
     scale (amax / 448 over the tile's real columns) per (row, N tile) into ``isc`` [P_MAX, I / BN]: FC2's A tile,
     FC2's K tile being this BN."""
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
-    o_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BN])
     if GDC:
         gdc_wait()  # hidden states (and their scales), tile table and sorted slots are earlier kernels' writes
         gdc_launch_dependents()
+    # The descriptors after the wait: they are written to scratch memory the launch took from torch's allocator,
+    # which may be a block the previous kernel still reads: under PDL, stream order no longer
+    # means the previous kernel has finished (see _ensure_allocator)
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
+    o_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BN])
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(I, BN)
     offs_k = tl.arange(0, BK)
@@ -282,11 +285,12 @@ def _fc2_kernel(
 ):
     """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
     (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
-    a_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BK])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * H, I], strides=[I, 1], block_shape=[BN, BK])
     if GDC:
         gdc_wait()  # the intermediate (and its scales) are FC1's
         gdc_launch_dependents()
+    # after the wait, as in _fc1_kernel: FC1's descriptors may sit in the same scratch block
+    a_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * H, I], strides=[I, 1], block_shape=[BN, BK])
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(H, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
@@ -393,7 +397,9 @@ def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
 def _ensure_allocator() -> None:
     """The TMA descriptors are built on the device, in scratch memory Triton asks an allocator for at launch: ours
     allocates through torch (so it is graph-safe under capture), set where none is (an application's -- vLLM sets
-    one -- is kept). Triton has no public getter; the allocator lives in a ContextVar (per thread), so this looks
+    one -- is kept). The block is freed when the launch returns, so the next launch may get it while this kernel
+    still runs; with PDL that next kernel is running too, so the kernels write their descriptors only after
+    gdc_wait (a fault on the H100 before they did). Triton has no public getter; the allocator lives in a ContextVar (per thread), so this looks
     on every call."""
     holder = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
     null = getattr(getattr(triton.runtime, "_allocation", None), "NullAllocator", ())
