@@ -241,7 +241,8 @@ def test_shipped_tables_are_valid(tmoe):
             assert key.startswith("E=")
             for t, c in entry.items():
                 cfg = tmoe.MoEConfig.from_json(c)
-                assert cfg.mode in ("slot", "grouped", "prefill")
+                assert cfg.mode in ("slot", "grouped", "prefill", "persistent")
+                assert cfg.problem() is None, (f.name, key, t)
                 assert cfg.mode != "slot" or int(t) * int(key.split("k=")[1].split(",")[0]) <= tmoe.SLOT_MAX
 
 

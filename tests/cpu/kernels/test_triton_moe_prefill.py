@@ -167,5 +167,7 @@ def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
     entry = tmoe.load_config_table("NVIDIA H200")["configs"]["E=128,H=2048,I=768,k=8,w=bf16"]["1024"]
     cands = tune_moe.candidate_configs(tmoe, 1024, 128, 2048, 768, 8, "bf16", table_entry=entry, modes={"persistent"})
     heuristic = tmoe.heuristic_config(1024, 128, 2048, 768, 8, tmoe.torch.bfloat16)
-    assert cands[:2] == [heuristic, tmoe.MoEConfig.from_json(entry)]
-    assert [c.mode for c in cands[2:]] == ["persistent"] * len(tune_moe.PERSISTENT_TILES)
+    tiles = tune_moe.persistent_candidates(tmoe, 1024, "bf16")
+    # the H200 table's entry is itself one of the persistent tiles since it was tuned: each candidate once
+    assert cands == list(dict.fromkeys([heuristic, tmoe.MoEConfig.from_json(entry), *tiles]))
+    assert set(tiles) <= set(cands) and len(tiles) == len(tune_moe.PERSISTENT_TILES)
