@@ -21,7 +21,9 @@ format (bf16, FP8 128x128 block) it times, in the same run:
 
 ``--write-baselines PATH`` merges ours and the baselines' times into the per-size selection table
 (rubin_compile/kernels/triton/moe_baselines/<GPU>.json, kernels/triton/moe_choice.py); ``--baselines-from
-JSON`` writes it from a results file of an earlier run instead of measuring (no GPU needed). Rows with T >= 256
+JSON`` writes it from a results file of an earlier run instead of measuring (no GPU needed; ``--configs-from``
+names the tuned-config table of that run where its results predate the ``config_entry`` field). Each row keeps
+the tuned entry ours ran, and counts only while ours runs the same today. Rows with T >= 256
 also go to ``moe-prefill-h200<tag>.{md,json}``.
 
 Method: CUDA-graph replays of 4 back-to-back calls (weights rotated over 2 copies, so no call finds its
@@ -137,6 +139,10 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                 torch.cuda.get_device_properties(0).multi_processor_count,
             )
             row = dict(shape=name, E=E, k=k, H=H, I=I, T=T, wfmt=wf, config=cfg.to_json(), config_source=src, us={})
+            # the tuned table's entry as written (moe_choice compares it with today's before it counts our time)
+            row["config_entry"] = moe_choice.current_config(
+                T, moe_choice.table_key(E, H, I, k, wf), moe_choice.load_configs(torch.cuda.get_device_name())
+            )
 
             def ours(i, pdl=True):
                 w = weights[i % COPIES]
@@ -352,8 +358,8 @@ BASELINE_COLUMNS = {"grouped_mm": "aten", "vllm": "vllm"}  # a result row's base
 
 
 def write_baselines(result, path: Path, source: str) -> int:
-    """Merge the bf16 rows of ``result`` (ours and each measured baseline, us) into the selection table at ``path``
-    (moe_choice's format); returns the number of (shape, T) entries written."""
+    """Merge the bf16 rows of ``result`` (ours and each measured baseline, us, and the tuned entry ours ran) into the
+    selection table at ``path`` (moe_choice's format); returns the number of (shape, T) entries written."""
     table = json.loads(path.read_text()) if path.is_file() else {}
     if table and table.get("device") != result["device"]:
         raise SystemExit(f"{path} is the table of {table.get('device')!r}, not of {result['device']!r}")
@@ -364,9 +370,12 @@ def write_baselines(result, path: Path, source: str) -> int:
         if r["wfmt"] != "bf16" or not times:
             continue
         key = moe_choice.table_key(r["E"], r["H"], r["I"], r["k"], r["wfmt"])
+        if "config_entry" not in r:
+            print(f"{key} T={r['T']}: the results do not say which tuned entry ours ran; the row will not count")
         entries.setdefault(key, {})[str(r["T"])] = {
             "triton": round(r["us"]["triton"], 2),
             **{n: round(t, 2) for n, t in times.items()},
+            "config": r.get("config_entry"),
         }
         written += 1
     table["device"] = result["device"]
@@ -396,6 +405,12 @@ def main(argv=None):
     ap.add_argument("--vllm-src", default=None, help="vLLM's fused_moe folder (default: the installed vLLM's)")
     ap.add_argument("--write-baselines", default=None, help="merge ours / grouped_mm / vllm times into this table")
     ap.add_argument("--baselines-from", default=None, help="a results JSON of an earlier run: write the table from it")
+    ap.add_argument(
+        "--configs-from",
+        default=None,
+        help="with --baselines-from, for results older than the config_entry field: the tuned-config table (a "
+        "moe_configs JSON) that was in effect when they were measured, e.g. from git show REV:PATH",
+    )
     args = ap.parse_args(argv)
 
     def log(msg):
@@ -405,6 +420,11 @@ def main(argv=None):
         if not args.write_baselines:
             ap.error("--baselines-from needs --write-baselines PATH")
         result = json.loads(Path(args.baselines_from).read_text())
+        if args.configs_from:
+            old = json.loads(Path(args.configs_from).read_text())
+            for r in result["rows"]:
+                key = moe_choice.table_key(r["E"], r["H"], r["I"], r["k"], r["wfmt"])
+                r.setdefault("config_entry", moe_choice.current_config(r["T"], key, old))
         source = f"{args.baselines_from} ({result['device']}, {result['date']}, torch {result['torch']}, Triton {result['triton']})"
         n = write_baselines(result, Path(args.write_baselines), source)
         log(f"wrote {n} entries from {args.baselines_from} into {args.write_baselines}")

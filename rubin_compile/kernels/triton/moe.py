@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,7 +38,7 @@ from rubin_compile.kernels.triton.activations import gelu_tanh as _gelu_tanh
 from rubin_compile.kernels.triton.activations import silu as _silu
 from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
-from rubin_compile.kernels.triton.moe_choice import table_file, table_key, weight_format
+from rubin_compile.kernels.triton.moe_choice import nearest_tuned_T, table_file, table_key, weight_format
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -308,9 +307,7 @@ def lookup_config(
         table = load_config_table(device_name) if device_name else {}
     entry = table.get("configs", {}).get(shape_key(E, H, I, k, weight_dtype, block_shape))
     if entry:
-        tuned = sorted(int(t) for t in entry)
-        # nearest in log2 space, ties towards the smaller T
-        best = min(tuned, key=lambda t: (abs(math.log2(max(T, 1)) - math.log2(t)), t))
+        best = nearest_tuned_T(T, sorted(int(t) for t in entry))  # one rule with moe_choice.current_config
         cfg = MoEConfig.from_json(entry[str(best)])
         return _fit_mode(cfg, T, k), f"table:{shape_key(E, H, I, k, weight_dtype, block_shape)}@T={best}"
     return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms), "heuristic"

@@ -13,10 +13,12 @@ choice).
 ``choose`` decides, with the first of:
 
 1. **The measured table** of this GPU (``moe_baselines/<GPU name>.json``, written by ``benchmarks/moe.py
-   --baselines ... --write-baselines``): per shape (E, H, I, k, weight format) and measured T, our time and each
-   baseline's; the entry of the smallest measured T at least the call's (the largest for a larger T) decides,
-   ours where it measured faster. The plan and ``Choice.describe`` carry the times.
-2. **Off the table, the rule**: against the ATen form, ours at every T (it measured faster at every benchmark
+   --baselines ... --write-baselines``): per shape (E, H, I, k, weight format) and measured T, our time, the
+   tuned config ours ran with (``config``) and each baseline's time; the entry of the smallest measured T at
+   least the call's decides, ours where it measured faster. An entry counts only while ours would still run the
+   config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
+   then our time there is not ours any more). The plan and ``Choice.describe`` carry the times.
+2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at every T (it measured faster at every benchmark
    shape and T but Mixtral's 256 and 4096, which the table holds); against vLLM's fused MoE, ours up to
    ``VLLM_RULE_MAX_T`` tokens and vLLM's own above (ours measured slower or tied at every prefill size measured).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +39,9 @@ from typing import Any, Optional
 import torch
 
 TABLE_DIR = Path(__file__).with_name("moe_baselines")
+CONFIG_DIR = Path(__file__).with_name("moe_configs")  # the tuned configs (moe.py reads them through lookup_config)
+# Fields of a tuned-config entry that are its measurement, not the config
+MEASUREMENT_FIELDS = frozenset({"us", "rel_err", "heuristic_us"})
 
 # What each baseline is, for plans and messages.
 BASELINES: dict[str, str] = {
@@ -92,6 +98,29 @@ def load_table(device_name: str, directory: Optional[str] = None) -> dict[str, A
         return json.load(f)
 
 
+def nearest_tuned_T(T: int, tuned: list[int]) -> int:
+    """The tuned size whose entry serves a call of ``T`` tokens: the nearest in log2, ties towards the smaller."""
+    return min(tuned, key=lambda t: (abs(math.log2(max(T, 1)) - math.log2(t)), t))
+
+
+def current_config(T: int, key: str, configs: dict[str, Any]) -> Any:
+    """What ours runs at ``T`` for shape ``key`` by the tuned-config table ``configs`` (a moe_configs JSON): the
+    entry (its config fields only), or "heuristic" where the table has none for the shape. Recorded beside our
+    time in the measured table, and compared with it when the table is read."""
+    entry = configs.get("configs", {}).get(key)
+    if not entry:
+        return "heuristic"
+    row = entry[str(nearest_tuned_T(T, sorted(int(t) for t in entry)))]
+    return {f: v for f, v in row.items() if f not in MEASUREMENT_FIELDS}
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
+    """The tuned-config table of a GPU as JSON ({} when there is none), read without Triton."""
+    path = (Path(directory) if directory else CONFIG_DIR) / table_file(device_name)
+    return json.loads(path.read_text()) if device_name and path.is_file() else {}
+
+
 @dataclass(frozen=True)
 class Choice:
     """What runs one call: ``kernel`` ("triton" or the baseline's name), the ``baseline`` it was weighed against,
@@ -132,12 +161,14 @@ def choose(
     T: int, E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str, directory: Optional[str] = None
 ) -> Choice:
     """Ours or ``baseline`` for a call of ``T`` tokens on the GPU called ``device_name`` ("" for none: the rule).
-    ``baseline`` "" (none known) always gives ours. Cached: a serving step asks once per layer and call."""
+    ``baseline`` "" (none known) always gives ours. ``directory``: a folder holding the measured table in place of
+    moe_baselines/ (its ``configs`` subfolder then stands for moe_configs/). Cached: a serving step asks once per
+    layer and call."""
     if baseline not in BASELINES:
         return Choice("triton", baseline, "no baseline")
     key, rows, measured = _measured(E, H, I, k, wfmt, device_name, baseline, directory)
-    if measured:
-        at = next((t for t in measured if t >= T), measured[-1])  # the smallest measured T at least T
+    at = next((t for t in measured if t >= T), None)  # the smallest measured T at least T; beyond them the rule
+    if at is not None:
         row = rows[str(at)]
         ours, other = float(row["triton"]), float(row[baseline])
         return Choice("triton" if ours <= other else baseline, baseline, f"table:{key}@T={at}", ours, other)
@@ -145,11 +176,27 @@ def choose(
 
 
 def _measured(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, dict, list[int]]:
-    """(the shape's key, its rows in the GPU's table, the sorted T at which ours and ``baseline`` were both timed)."""
+    """(the shape's key, its rows in the GPU's table, the sorted T at which ours and ``baseline`` were both timed,
+    ours with the config it runs today)."""
     key = table_key(E, H, I, k, wfmt)
     rows = load_table(device_name, directory).get("entries", {}).get(key, {})
-    measured = sorted(int(t) for t, r in rows.items() if r.get("triton") is not None and r.get(baseline) is not None)
+    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
+    measured = sorted(
+        int(t)
+        for t, r in rows.items()
+        if r.get("triton") is not None
+        and r.get(baseline) is not None
+        and r.get("config") == current_config(int(t), key, configs)
+    )
     return key, rows, measured
+
+
+def stale(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, directory: Optional[str] = None) -> list[int]:
+    """The sizes of a shape's measured rows whose config is not what ours runs today (left out of the choice)."""
+    key = table_key(E, H, I, k, wfmt)
+    rows = load_table(device_name, directory).get("entries", {}).get(key, {})
+    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
+    return sorted(int(t) for t, r in rows.items() if r.get("config") != current_config(int(t), key, configs))
 
 
 def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str) -> str:
@@ -160,18 +207,20 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
     if not measured:
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
         return f"{RULE_TEXT[baseline]} (rule: {why})"
-    # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 256; ..."
+    # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 256; ...", then the rule
     winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
     parts: list[str] = []
     lo = 0
     for i, (t, who) in enumerate(zip(measured, winners)):
-        last = i == len(measured) - 1
-        if last or winners[i + 1] != who:
-            name = "ours" if who == "triton" else baseline
-            if last:
-                span = "at every T" if lo == 0 else f"T > {lo}"
-            else:
-                span = f"T <= {t}" if lo == 0 else f"{lo} < T <= {t}"
-            parts.append(f"{name} {span}")
+        if i == len(measured) - 1 or winners[i + 1] != who:
+            parts.append(
+                f"{'ours' if who == 'triton' else baseline} " + (f"T <= {t}" if lo == 0 else f"{lo} < T <= {t}")
+            )
             lo = t
-    return "; ".join(parts) + f" (measured on {device_name}: {', '.join(map(str, measured))} tokens)"
+    if baseline == "vllm" and lo < VLLM_RULE_MAX_T:
+        parts.append(f"ours {lo} < T <= {VLLM_RULE_MAX_T}, vllm above (rule)")
+    else:
+        parts.append(f"{'vllm' if _rule(lo + 1, baseline) == 'vllm' else 'ours'} T > {lo} (rule)")
+    old = stale(E, H, I, k, wfmt, device_name)
+    note = f"; not counted, timed with another config than today's: {', '.join(map(str, old))}" if old else ""
+    return "; ".join(parts) + f" (measured on {device_name}: {', '.join(map(str, measured))} tokens{note})"
