@@ -53,7 +53,8 @@ BASELINES: dict[str, str] = {
 # so no kernel reading the same weights is much faster; below 16 the rule keeps ours, whose decode forms (no routing
 # launch, split K, the fused top-k sum) vLLM's kernel lacks, though the two have not been timed against each other
 # there; at T = 256 ours was 1.01x / 1.45x slower than vLLM's on Qwen3-30B-A3B / Mixtral-8x7B, at T = 1024 1.1-2.0x
-# (issue 14, H200, 2026-11-30).
+# (issue 14, H200, 2026-11-30). The persistent prefill path (moe_prefill.py, tuned at T = 1024 and 4096 on 2026-12-05)
+# timed 1.03-1.18x faster than those vLLM times, but in another run: the rule stays until one run times both.
 VLLM_RULE_MAX_T = 128
 
 _WFMT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
