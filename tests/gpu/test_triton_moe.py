@@ -424,9 +424,11 @@ def test_registry_and_op(tmoe):
 # ------------------------------------------------------------------ the persistent prefill path (moe_prefill.py)
 
 
-def _persistent_cfg(tmoe, tile=0, fp8=False):
-    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES, or the FP8 ones) as a config."""
-    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) = (PERSISTENT_TILES_FP8 if fp8 else PERSISTENT_TILES)[tile]
+def _persistent_cfg(tmoe, tile=0, fp8=False, w8a16=False):
+    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES, the FP8 ones, or the W8A16 ones) as a
+    config."""
+    tiles = PERSISTENT_TILES_W8A16 if w8a16 else PERSISTENT_TILES_FP8 if fp8 else PERSISTENT_TILES
+    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) = tiles[tile]
     G = tmoe.GemmConfig
     return tmoe.MoEConfig(
         mode="persistent",
@@ -437,9 +439,9 @@ def _persistent_cfg(tmoe, tile=0, fp8=False):
 
 
 try:
-    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES, PERSISTENT_TILES_FP8
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES, PERSISTENT_TILES_FP8, PERSISTENT_TILES_W8A16
 except ImportError:  # no Triton here: the module is skipped anyway
-    PERSISTENT_TILES = PERSISTENT_TILES_FP8 = ()
+    PERSISTENT_TILES = PERSISTENT_TILES_FP8 = PERSISTENT_TILES_W8A16 = ()
 PERSISTENT_CASES = [(tile, (300, 16, 512, 384, 4)) for tile in range(len(PERSISTENT_TILES))] + [
     (tile, shape) for tile in (0, 4) for shape in ((1000, 64, 1024, 256, 8), (37, 9, 328, 200, 2))
 ]
@@ -473,6 +475,17 @@ def test_persistent_path_fp8(tmoe, tile, wfmt):
     x, tw, ids, kw = _inputs(300, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt)
     cfg = _persistent_cfg(tmoe, tile, fp8=True)
     _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8_a8"])
+
+
+@pytest.mark.parametrize("tile", range(len(PERSISTENT_TILES_W8A16)))
+@pytest.mark.parametrize("wfmt", ["fp8_block", "fp8_expert", "fp8_tensor"])
+def test_persistent_path_w8a16(tmoe, tile, wfmt):
+    """FP8 weights with the activations kept in bf16 (a_fp8=False): each weight tile dequantised in registers (its
+    block scales applied, rounded to bf16) and multiplied on the bf16 tensor cores; within FP8 weights' tolerance of
+    the reference, which dequantises the same weights."""
+    x, tw, ids, kw = _inputs(300, 16, 512, 384, 4, torch.bfloat16, wfmt=wfmt)
+    cfg = _persistent_cfg(tmoe, tile, w8a16=True)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8"])
 
 
 def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):

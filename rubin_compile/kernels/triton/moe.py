@@ -97,7 +97,8 @@ class MoEConfig:
     fc2: GemmConfig = field(default_factory=GemmConfig)
     cap: int = 0  # rows per group in "prefill" mode (0 = one group per expert)
     fused_sum: bool = True  # last-arriving FC2 program sums the k slots (else a separate sum kernel)
-    # FP8 weights only: quantise activations in-kernel and use FP8 tensor cores (the persistent mode always does)
+    # FP8 weights only: quantise activations in-kernel and use FP8 tensor cores (in the persistent mode a_fp8=False
+    # runs W8A16: the weights dequantised in registers, the activations' tensor cores)
     a_fp8: bool = False
     chain: bool = False  # PDL between our own kernels even when the call has pdl=False (sm_90+; always safe)
     early_launch: bool = False  # FC1 lets FC2's programs start right after its gdc_wait (FC2 then prefetches)

@@ -4,8 +4,8 @@ persistent grouped GEMMs on TMA tensor descriptors and wgmma, then the top-k sum
 
 Contract: ``run(args, launch, tiles, num_sms)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 activations with
 weights in their dtype (fp32 under Triton's interpreter, for the CPU tests) or in e4m3 with 128 x 128 block or
-per-expert / per-tensor scales (then with e4m3 activations, below), SiLU or GELU-tanh, with or without biases, within
-the tolerances of tests/gpu/test_triton_moe.py (bf16: 1e-2; FP8 activations: 6e-2); no host synchronisation (capturable in a CUDA graph: every buffer is
+per-expert / per-tensor scales (with e4m3 activations or not, below), SiLU or GELU-tanh, with or without biases,
+within the tolerances of tests/gpu/test_triton_moe.py (bf16: 1e-2; FP8 activations: 6e-2); no host synchronisation (capturable in a CUDA graph: every buffer is
 sized by T, E and the tile, never by the routing); deterministic, and bitwise the same with PDL on and off and
 whatever order the GPU runs the programs in.
 
@@ -30,9 +30,13 @@ around them costs more than it must:
    output, and scattered to its slot's row of ``[T k, H]``.
 4. ``_sum_kernel``: each token's k slot rows, times their routing weights, summed in float32 in slot order.
 
-FP8 weights run W8A8: the hidden states in e4m3 once per call (``fp8.quantise_rows``: one scale per token and FC1 K
-tile), each K step's e4m3 product scaled by its rows' and columns' scales (a per-expert scale once, after the loop),
-and FC1's epilogue writing the intermediate in e4m3 with one scale per (row, FC1 N tile), which is FC2's K tile.
+FP8 weights run W8A8 (``MoEConfig.a_fp8``): the hidden states in e4m3 once per call (``fp8.quantise_rows``: one
+scale per token and FC1 K tile), each K step's e4m3 product scaled by its rows' and columns' scales (a per-expert
+scale once, after the loop), and FC1's epilogue writing the intermediate in e4m3 with one scale per (row, FC1 N
+tile), which is FC2's K tile. Each K step then waits for its MMAs before it scales them. Or W8A16 (``a_fp8=False``):
+the activations stay in their dtype, each weight tile is dequantised in registers (its block scales applied, then
+rounded to the activations' dtype) and is the MMA's register operand, accumulating weights x rows^T, so the K loop
+keeps its MMAs in flight like the bf16 one.
 
 Tiles that reach past an expert's weight rows (``I`` or ``H`` not a multiple of ``BN``) read the next expert's rows
 or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits (``problem``):
@@ -148,6 +152,19 @@ def _step(a, w, acc, sa, sw, A_FP8: tl.constexpr, W_SCALE: tl.constexpr, DOT_PRE
 
 
 @triton.jit
+def _step_w8a16(a, w, acc, sw, W_SCALE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc^T + w . a^T over one K tile for e4m3 weights and activations in their own dtype (``acc`` [BN, BM]): the
+    weight tile [BN, BK] dequantised in registers (times the columns' block scales ``sw`` [BN] with ``W_SCALE == 2``;
+    a per-expert scale is applied after the loop) and fed to the MMA as its register operand, so the K loop keeps
+    its MMAs in flight (the W8A8 step waits for each product before scaling it; benchmarks/sm90_wgmma_waits.py)."""
+    if W_SCALE == 2:
+        wd = (w.to(tl.float32) * sw[:, None]).to(a.dtype)
+    else:
+        wd = w.to(a.dtype)
+    return tl.dot(wd, a.T, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _col_scales(ws_ptr, e, rows, row_ok, k0, stride_se, stride_sn, stride_sk, SBN, SBK):
     """The 128 x 128 block scales of weight rows ``rows`` of expert ``e`` at K offset ``k0`` (float32 [len(rows)])."""
     return tl.load(ws_ptr + e * stride_se + (rows // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=row_ok, other=0.0)
@@ -216,8 +233,12 @@ def _fc1_kernel(
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
         cols = n * BN + tl.arange(0, BN)
         gate_row = e * 2 * I + n * BN
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        if W_SCALE != 0 and not A_FP8:  # W8A16: accumulated transposed, [BN, BM]
+            acc_g = tl.zeros([BN, BM], tl.float32)
+            acc_u = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc_g = tl.zeros([BM, BN], tl.float32)
+            acc_u = tl.zeros([BM, BN], tl.float32)
         sa = tl.zeros([BM], tl.float32)
         sg = tl.zeros([BN], tl.float32)
         su = tl.zeros([BN], tl.float32)
@@ -230,9 +251,16 @@ def _fc1_kernel(
             if W_SCALE == 2:
                 sg = _col_scales(ws_ptr, e, cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
                 su = _col_scales(ws_ptr, e, I + cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
-            acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
+            if W_SCALE != 0 and not A_FP8:
+                acc_g = _step_w8a16(a, wg, acc_g, sg, W_SCALE, DOT_PREC)
+                acc_u = _step_w8a16(a, wu, acc_u, su, W_SCALE, DOT_PREC)
+            else:
+                acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
+                acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
             a_ptrs += BK
+        if W_SCALE != 0 and not A_FP8:
+            acc_g = acc_g.T
+            acc_u = acc_u.T
         if W_SCALE == 1:
             s = tl.load(ws_ptr + e * stride_se).to(tl.float32)
             acc_g *= s
@@ -298,7 +326,10 @@ def _fc2_kernel(
         e = tl.load(tile_expert_ptr + m)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = n * BN + tl.arange(0, BN)
-        acc = tl.zeros([BM, BN], tl.float32)
+        if W_SCALE != 0 and not A_FP8:  # W8A16: accumulated transposed, [BN, BM]
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
         sa = tl.zeros([BM], tl.float32)
         sw = tl.zeros([BN], tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=NUM_STAGES):
@@ -308,7 +339,12 @@ def _fc2_kernel(
                 sa = tl.load(isc_ptr + rows * stride_ist + k0 // BK)
             if W_SCALE == 2:
                 sw = _col_scales(ws_ptr, e, cols, cols < H, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
+            if W_SCALE != 0 and not A_FP8:
+                acc = _step_w8a16(a, w, acc, sw, W_SCALE, DOT_PREC)
+            else:
+                acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
+        if W_SCALE != 0 and not A_FP8:
+            acc = acc.T
         if W_SCALE == 1:
             acc *= tl.load(ws_ptr + e * stride_se).to(tl.float32)
         if HAS_BIAS:
@@ -348,13 +384,19 @@ class Tiles:
     BM: int
     fc1: tuple[int, int, int, int]  # BN, BK, num_warps, num_stages
     fc2: tuple[int, int, int, int]
+    a_fp8: bool = True  # e4m3 weights: W8A8 (the activations quantised); False: W8A16 (the weights dequantised)
 
     @staticmethod
     def of(config) -> "Tiles":
         """From a ``moe.MoEConfig`` of mode "persistent" (its ``problem`` has checked the tiles; moe.py imports this
         module, not the reverse)."""
         f1, f2 = config.fc1, config.fc2
-        return Tiles(f1.BM, (f1.BN, f1.BK, f1.num_warps, f1.num_stages), (f2.BN, f2.BK, f2.num_warps, f2.num_stages))
+        return Tiles(
+            f1.BM,
+            (f1.BN, f1.BK, f1.num_warps, f1.num_stages),
+            (f2.BN, f2.BK, f2.num_warps, f2.num_stages),
+            config.a_fp8,
+        )
 
 
 def problem(args: MoEArgs, tiles: Optional[Tiles] = None) -> Optional[str]:
@@ -382,7 +424,7 @@ def problem(args: MoEArgs, tiles: Optional[Tiles] = None) -> Optional[str]:
         return "hidden states whose rows are not contiguous"
     if fp8 and tiles is not None:
         (bn1, bk1, _, _), (_, bk2, _, _) = tiles.fc1, tiles.fc2
-        if bk2 != bn1:
+        if tiles.a_fp8 and bk2 != bn1:
             return f"FP8: FC2's K tile ({bk2}) must be FC1's N tile ({bn1}), the intermediate's scale groups"
         sbk = int(args.block_shape[1]) if args.block_shape is not None else 0
         if sbk and (sbk % bk1 or sbk % bk2):
@@ -435,7 +477,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     bn1, bk1, nw1, ns1 = tiles.fc1
     bn2, bk2, nw2, ns2 = tiles.fc2
     fp8 = args.w13.dtype == torch.float8_e4m3fn
-    if fp8:  # the call's first kernel: activations to e4m3, one scale per (token, FC1 K tile)
+    a8 = fp8 and tiles.a_fp8  # W8A8; e4m3 weights without it run W8A16
+    if a8:  # the call's first kernel: activations to e4m3, one scale per (token, FC1 K tile)
         xa, xs = quantise_rows(x, bk1, gdc, pdl)
         pdl = chain
     else:
@@ -466,8 +509,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         num_warps=4,
         **chain,
     )
-    inter = torch.empty((p_max, I), dtype=torch.float8_e4m3fn if fp8 else dtype, device=dev)
-    isc = torch.empty((p_max, cdiv(I, bn1)), dtype=torch.float32, device=dev) if fp8 else x
+    inter = torch.empty((p_max, I), dtype=torch.float8_e4m3fn if a8 else dtype, device=dev)
+    isc = torch.empty((p_max, cdiv(I, bn1)), dtype=torch.float32, device=dev) if a8 else x
     y = torch.empty((S, H), dtype=dtype, device=dev)
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
     b13, b2 = args.w13_bias, args.w2_bias
@@ -503,7 +546,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         isc.stride(0),
         ACT=_ACT[args.activation],
         HAS_BIAS=b13 is not None,
-        A_FP8=fp8,
+        A_FP8=a8,
         W_SCALE=w_scale,
         BM=BM,
         BN=bn1,
@@ -537,7 +580,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         sbk,
         b2.stride(0) if b2 is not None else 0,
         HAS_BIAS=b2 is not None,
-        A_FP8=fp8,
+        A_FP8=a8,
         W_SCALE=w_scale,
         BM=BM,
         BN=bn2,

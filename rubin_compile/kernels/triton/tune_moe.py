@@ -302,20 +302,29 @@ PERSISTENT_TILES_FP8 = (
     (64, (128, 128, 8, 4), (128, 128, 8, 4)),
     (64, (64, 128, 4, 4), (128, 64, 4, 4)),
 )
+# FP8 weights dequantised in registers (W8A16, a_fp8=False): the bf16 tiles but the two whose FC1 (a 64 x 128 tile at
+# 8 warps with 128 rows, a 128 x 64 one at 4 warps) needs stack space for its two dequantised weight tiles with Triton
+# 3.9 (none spills with 3.6)
+PERSISTENT_TILES_W8A16 = tuple(t for i, t in enumerate(PERSISTENT_TILES) if i not in (3, 4))
 PERSISTENT_MIN_T = 128  # below this many tokens the tuner does not try the persistent path (decode sizes)
 
 
 def persistent_candidates(moe, T: int, wfmt: str) -> list:
-    """The persistent path's configs at prefill-sized T (bf16, or FP8 weights with e4m3 activations)."""
+    """The persistent path's configs at prefill-sized T: bf16; FP8 weights with e4m3 activations (W8A8) and with the
+    weights dequantised in registers (W8A16: no K step waits for its MMAs)."""
     if T < PERSISTENT_MIN_T:
         return []
     G = moe.GemmConfig
+    if wfmt == "bf16":
+        tiles = [(t, False) for t in PERSISTENT_TILES]
+    else:  # W8A8, then W8A16 (the weights dequantised)
+        tiles = [(t, True) for t in PERSISTENT_TILES_FP8] + [(t, False) for t in PERSISTENT_TILES_W8A16]
     out = []
-    for bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2) in PERSISTENT_TILES if wfmt == "bf16" else PERSISTENT_TILES_FP8:
+    for (bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2)), a8 in tiles:
         out.append(
             moe.MoEConfig(
                 mode="persistent",
-                a_fp8=wfmt != "bf16",
+                a_fp8=a8,
                 fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1),
                 fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2),
             )

@@ -453,6 +453,10 @@ INTERP_CASES = [
     (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_block", "a_fp8": True}),
     (40, 6, 48, 48, 2, "persistent", {"wfmt": "fp8_block", "a_fp8": True, "act": "gelu_tanh", "bias": True}),
     (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_tensor", "a_fp8": True, "bias": True}),
+    # ... and W8A16 (a_fp8=False): the e4m3 weight tiles dequantised in registers, accumulated transposed
+    (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_block"}),
+    (40, 6, 48, 48, 2, "persistent", {"wfmt": "fp8_block", "act": "gelu_tanh", "bias": True, "route": "one_expert"}),
+    (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_tensor", "bias": True}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 

@@ -90,6 +90,49 @@ def test_fc2_runs_on_tma_and_wgmma_without_spills(prefill, fp8, tile):
     assert use["LOCAL"] == 0 and use["STACK"] == 0, use
 
 
+def _w8a16_tiles():
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES_W8A16
+
+    return PERSISTENT_TILES_W8A16
+
+
+W8A16_TILES = range(len(_w8a16_tiles()))
+WAITS = r"wgmma\.wait_group\.sync\.aligned\s+(\d+)"
+
+
+@pytest.mark.parametrize("tile", W8A16_TILES, ids=[f"w8a16-{i}" for i in W8A16_TILES])
+def test_w8a16_keeps_its_mmas_in_flight_without_spills(prefill, tile):
+    """FP8 block weights with bf16 activations (a_fp8=False): e4m3 weight tiles through TMA, dequantised in registers
+    and fed to bf16 wgmma as the register operand (FC1's two, FC2's one); the K loops wait for all MMAs only after
+    the loop (every wait inside leaves MMAs in flight: what the W8A8 step cannot do), with no spill."""
+    bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2) = _w8a16_tiles()[tile]
+    common = dict(HAS_BIAS=True, A_FP8=False, W_SCALE=2, BM=bm, GROUP=8, DOT_PREC="tf32", GDC=True)
+    for fn, consts, ptrs, warps, stages in (
+        (
+            prefill._fc1_kernel,
+            dict(common, ACT=0, BN=bn, BK=bk, NUM_STAGES=s1),
+            dict(x_ptr=BF, w_ptr=F8, inter_ptr=BF),
+            w1,
+            s1,
+        ),
+        (
+            prefill._fc2_kernel,
+            dict(common, BN=bn2, BK=bk2, NUM_STAGES=s2),
+            dict(inter_ptr=BF, w_ptr=F8, y_ptr=BF),
+            w2,
+            s2,
+        ),
+    ):
+        ptx, use = _compile(fn, consts, ptrs, warps, stages)
+        # bf16 MMAs whose A operand is registers (a brace-enclosed register list before the B descriptor)
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx), fn
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "weights not loaded through TMA"
+        waits = [int(n) for n in re.findall(WAITS, ptx)]
+        assert waits.count(0) == 1 and len(waits) > 1, (fn, waits)  # one full wait: after the loop
+        assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
+
+
 def test_alignment_and_sum_kernels_compile(prefill):
     """The alignment counts and claims positions with integer atomics (no float atomics anywhere: deterministic)."""
     count = compile_like_a_launch(
@@ -154,9 +197,13 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
             smem = g.num_stages * (g.BM * g.BK + (2 if which == "fc1" else 1) * g.BN * g.BK) * 2
             assert smem <= tmoe.SMEM_LIMIT, (which, g, smem)
     fp8 = tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
-    assert len(fp8) == len(tune_moe.PERSISTENT_TILES_FP8)
-    for c in fp8:  # FC2's K tile is FC1's N tile (the intermediate's scale groups); both divide the scale blocks
-        assert c.problem() is None and c.a_fp8 and c.fc2.BK == c.fc1.BN and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
+    w8a8 = [c for c in fp8 if c.a_fp8]
+    assert len(w8a8) == len(tune_moe.PERSISTENT_TILES_FP8)
+    assert len(fp8) == len(w8a8) + len(tune_moe.PERSISTENT_TILES_W8A16)
+    for c in w8a8:  # FC2's K tile is FC1's N tile (the intermediate's scale groups); both divide the scale blocks
+        assert c.problem() is None and c.fc2.BK == c.fc1.BN and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
+    for c in fp8[len(w8a8) :]:  # W8A16: a K step within one scale block
+        assert c.problem() is None and not c.a_fp8 and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
 
 
 def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
