@@ -4,7 +4,8 @@ For each kernel this prints the ``wgmma.wait_group N`` instructions. ``N > 0`` i
 step's MMAs are issued while earlier ones run. A loop whose only waits are ``0`` waits for every MMA before going on.
 It compiles:
 
-* the persistent MoE path's FC1 / FC2 (kernels/triton/moe_prefill.py) at tuner tiles, bf16 and FP8 block;
+* the persistent MoE path's FC1 / FC2 (kernels/triton/moe_prefill.py) at tuner tiles: bf16, FP8 block W8A8, and
+  FP8 block W8A16 (``a_fp8=False``, built after this probe's first run on what it showed);
 * a W8A16 probe: FP8 weights dequantised with their block scale in registers and fed to a bf16 wgmma as the A
   operand (weights x activations^T, the swapped orientation), against the same loop on bf16 weights.
 
@@ -66,23 +67,29 @@ def main() -> None:
 
     print(f"Triton {triton.__version__}, sm_90")
     prefill = load_plain("moe_prefill", "rubin_moe_prefill_aot")
-    for fp8, tile in [(False, 1), (False, 5), (True, 2), (True, 3)]:
-        bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2) = t._tuner_tiles(fp8)[tile]
-        common = dict(HAS_BIAS=False, A_FP8=fp8, W_SCALE=2 if fp8 else 0, BM=bm, GROUP=8, DOT_PREC="tf32", GDC=True)
+    from rubin_compile.kernels.triton.tune_moe import PERSISTENT_TILES_W8A16
+
+    for kind, tile in [("bf16", 1), ("bf16", 5), ("fp8 block", 2), ("fp8 block", 3), ("w8a16", 0), ("w8a16", 3)]:
+        fp8 = kind == "fp8 block"
+        tiles = PERSISTENT_TILES_W8A16 if kind == "w8a16" else t._tuner_tiles(fp8)
+        bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2) = tiles[tile]
+        scale = 0 if kind == "bf16" else 2
+        common = dict(HAS_BIAS=False, A_FP8=fp8, W_SCALE=scale, BM=bm, GROUP=8, DOT_PREC="tf32", GDC=True)
         dt = t.F8 if fp8 else t.BF
+        wt = t.BF if kind == "bf16" else t.F8
         ptx, use = t._compile(
             prefill._fc1_kernel,
             dict(common, ACT=0, BN=bn, BK=bk, NUM_STAGES=s1),
-            dict(x_ptr=dt, w_ptr=dt, inter_ptr=dt),
+            dict(x_ptr=dt, w_ptr=wt, inter_ptr=dt),
             w1,
             s1,
         )
-        fmt = "fp8 block" if fp8 else "bf16"
+        fmt = kind
         print(f"FC1 {fmt:9s} {bm}x{bn}x{bk} w{w1} s{s1}: {waits(ptx)}; {use.get('REG')} registers")
         ptx, use = t._compile(
             prefill._fc2_kernel,
             dict(common, BN=bn2, BK=bk2, NUM_STAGES=s2),
-            dict(inter_ptr=dt, w_ptr=dt, y_ptr=t.BF),
+            dict(inter_ptr=dt, w_ptr=wt, y_ptr=t.BF),
             w2,
             s2,
         )
