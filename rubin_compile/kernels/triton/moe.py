@@ -22,10 +22,8 @@ the GPU, a heuristic for shapes it does not cover; nothing is tuned at import).
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -38,6 +36,11 @@ from rubin_compile.kernels.triton.activations import gelu_tanh as _gelu_tanh
 from rubin_compile.kernels.triton.activations import silu as _silu
 from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
+
+# The tuned table (moe_configs/<GPU>.json) is read by moe_choice, which weighs our times against baselines without
+# importing Triton; load_config_table: {} where a GPU has none, read once per process, never tunes.
+from rubin_compile.kernels.triton.moe_choice import CONFIG_DIR  # noqa: F401 (moe.CONFIG_DIR: the tables' folder)
+from rubin_compile.kernels.triton.moe_choice import load_configs as load_config_table
 from rubin_compile.kernels.triton.moe_choice import nearest_tuned_T, table_file, table_key, weight_format
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
@@ -49,7 +52,6 @@ try:  # Triton >= 3.4 ships the PDL intrinsics; older versions run without PDL.
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gdc_wait = gdc_launch_dependents = None
 
-CONFIG_DIR = Path(__file__).with_name("moe_configs")
 SLOT_MAX = 64  # decode "slot" mode handles up to this many (token, expert) slots with no routing launch
 ROUTE_KERNEL_MAX = 4096  # the single-program routing kernel sorts up to this many slots in registers
 GEMV_MAX_BM = 4  # rows per chunk the reduction (GEMV) form takes (GemmConfig.gemv); more run on the tensor cores
@@ -157,17 +159,6 @@ def shape_key(E: int, H: int, I: int, k: int, weight_dtype: torch.dtype, block_s
 def device_file_name(device_name: str) -> str:
     """File name of a GPU's tuned-config table, e.g. 'NVIDIA H200' -> 'NVIDIA_H200.json'."""
     return table_file(device_name)
-
-
-@functools.lru_cache(maxsize=None)
-def load_config_table(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
-    """The tuned table for a GPU name ({} if there is none). Read once per process; never tunes."""
-    path = Path(directory) if directory else CONFIG_DIR
-    path = path / device_file_name(device_name)
-    if not path.is_file():
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 def expected_distinct_experts(T: int, E: int, k: int) -> float:

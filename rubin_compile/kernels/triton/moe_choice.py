@@ -176,28 +176,28 @@ def choose(
     return Choice(_rule(T, baseline), baseline, RULES[baseline])
 
 
-def _measured(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, dict, list[int]]:
-    """(the shape's key, its rows in the GPU's table, the sorted T at which ours and ``baseline`` were both timed,
-    ours with the config it runs today)."""
+def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set[str]]:
+    """(the shape's key, its rows in the GPU's table, the sizes (keys) of the rows timed with the config ours runs
+    today)."""
     key = table_key(E, H, I, k, wfmt)
     rows = load_table(device_name, directory).get("entries", {}).get(key, {})
     configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
-    measured = sorted(
-        int(t)
-        for t, r in rows.items()
-        if r.get("triton") is not None
-        and r.get(baseline) is not None
-        and r.get("config") == current_config(int(t), key, configs)
-    )
-    return key, rows, measured
+    current = {t for t, r in rows.items() if r.get("config") == current_config(int(t), key, configs)}
+    return key, rows, current
+
+
+def _measured(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, dict, list[int]]:
+    """(the shape's key, its rows in the GPU's table, the sorted T at which ours and ``baseline`` were both timed,
+    ours with the config it runs today)."""
+    key, rows, current = _rows(E, H, I, k, wfmt, device_name, directory)
+    both = (t for t in current if rows[t].get("triton") is not None and rows[t].get(baseline) is not None)
+    return key, rows, sorted(int(t) for t in both)
 
 
 def stale(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, directory: Optional[str] = None) -> list[int]:
     """The sizes of a shape's measured rows whose config is not what ours runs today (left out of the choice)."""
-    key = table_key(E, H, I, k, wfmt)
-    rows = load_table(device_name, directory).get("entries", {}).get(key, {})
-    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
-    return sorted(int(t) for t, r in rows.items() if r.get("config") != current_config(int(t), key, configs))
+    _, rows, current = _rows(E, H, I, k, wfmt, device_name, directory)
+    return sorted(int(t) for t in rows if t not in current)
 
 
 def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline: str) -> str:
