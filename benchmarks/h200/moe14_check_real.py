@@ -15,41 +15,24 @@ import torch
 
 def child(shape: str, wfmt: str, T: int) -> None:
     from rubin_compile.kernels.triton import moe
-    from rubin_compile.kernels.triton.tune_moe import SHAPES, make_routing, make_weights, persistent_candidates
-    from rubin_compile.ops.moe import moe_reference
+    from rubin_compile.kernels.triton.tune_moe import (
+        SHAPES,
+        make_routing,
+        make_weights,
+        persistent_candidates,
+        reference,
+        rel_error,
+    )
 
     sh = SHAPES[shape]
-    E, H, I, k = sh["E"], sh["H"], sh["I"], sh["k"]
-    w = make_weights(E, H, I, wfmt, seed=3)
-    x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
-    tw, ids = make_routing(T, E, k)
-    up = (lambda t: t.float()) if wfmt == "bf16" else (lambda t: t)
-    ref = moe_reference(
-        x.float(),
-        up(w["w13"]),
-        up(w["w2"]),
-        tw,
-        ids,
-        w13_scale=w.get("w13_scale"),
-        w2_scale=w.get("w2_scale"),
-        block_shape=w.get("block_shape"),
-    )
+    w = make_weights(sh["E"], sh["H"], sh["I"], wfmt, seed=3)
+    x = torch.randn((T, sh["H"]), device="cuda", dtype=torch.bfloat16)
+    tw, ids = make_routing(T, sh["E"], sh["k"])
+    ref = reference(x, w, tw, ids, wfmt)
     for cfg in persistent_candidates(moe, T, wfmt):
         tag = json.dumps(cfg.to_json()["fc1"]) + " / " + json.dumps(cfg.to_json()["fc2"])
-        print(f"{shape} {wfmt} T={T} running {tag}", flush=True)
-        got = moe.fused_moe(
-            x,
-            w["w13"],
-            w["w2"],
-            tw,
-            ids,
-            config=cfg,
-            w13_scale=w.get("w13_scale"),
-            w2_scale=w.get("w2_scale"),
-            block_shape=w.get("block_shape"),
-        )
-        torch.cuda.synchronize()
-        err = ((got.float() - ref).norm() / ref.norm()).item()
+        print(f"{shape} {wfmt} T={T} running {tag}{' a_fp8' if cfg.a_fp8 else ''}", flush=True)
+        err = rel_error(moe, cfg, x, w, tw, ids, ref)
         print(f"{shape} {wfmt} T={T} rel err {err:.2e} {'OK' if err < 6e-2 else 'WRONG'}", flush=True)
 
 

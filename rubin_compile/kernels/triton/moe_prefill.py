@@ -212,6 +212,7 @@ def _fc1_kernel(
     FP8 (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK]; the intermediate is written in e4m3 with one
     scale (amax / 448 over the tile's real columns) per (row, N tile) into ``isc`` [P_MAX, I / BN]: FC2's A tile,
     FC2's K tile being this BN."""
+    W8A16: tl.constexpr = W_SCALE != 0 and not A_FP8  # e4m3 weights, activations in their dtype: accumulated transposed
     if GDC:
         gdc_wait()  # hidden states (and their scales), tile table and sorted slots are earlier kernels' writes
         gdc_launch_dependents()
@@ -233,7 +234,7 @@ def _fc1_kernel(
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
         cols = n * BN + tl.arange(0, BN)
         gate_row = e * 2 * I + n * BN
-        if W_SCALE != 0 and not A_FP8:  # W8A16: accumulated transposed, [BN, BM]
+        if W8A16:  # [BN, BM]
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
         else:
@@ -251,14 +252,14 @@ def _fc1_kernel(
             if W_SCALE == 2:
                 sg = _col_scales(ws_ptr, e, cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
                 su = _col_scales(ws_ptr, e, I + cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            if W_SCALE != 0 and not A_FP8:
+            if W8A16:
                 acc_g = _step_w8a16(a, wg, acc_g, sg, W_SCALE, DOT_PREC)
                 acc_u = _step_w8a16(a, wu, acc_u, su, W_SCALE, DOT_PREC)
             else:
                 acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
                 acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
             a_ptrs += BK
-        if W_SCALE != 0 and not A_FP8:
+        if W8A16:
             acc_g = acc_g.T
             acc_u = acc_u.T
         if W_SCALE == 1:
@@ -313,6 +314,7 @@ def _fc2_kernel(
 ):
     """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
     (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
+    W8A16: tl.constexpr = W_SCALE != 0 and not A_FP8  # as in _fc1_kernel
     if GDC:
         gdc_wait()  # the intermediate (and its scales) are FC1's
         gdc_launch_dependents()
@@ -326,7 +328,7 @@ def _fc2_kernel(
         e = tl.load(tile_expert_ptr + m)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = n * BN + tl.arange(0, BN)
-        if W_SCALE != 0 and not A_FP8:  # W8A16: accumulated transposed, [BN, BM]
+        if W8A16:  # [BN, BM]
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             acc = tl.zeros([BM, BN], tl.float32)
@@ -339,11 +341,11 @@ def _fc2_kernel(
                 sa = tl.load(isc_ptr + rows * stride_ist + k0 // BK)
             if W_SCALE == 2:
                 sw = _col_scales(ws_ptr, e, cols, cols < H, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            if W_SCALE != 0 and not A_FP8:
+            if W8A16:
                 acc = _step_w8a16(a, w, acc, sw, W_SCALE, DOT_PREC)
             else:
                 acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
-        if W_SCALE != 0 and not A_FP8:
+        if W8A16:
             acc = acc.T
         if W_SCALE == 1:
             acc *= tl.load(ws_ptr + e * stride_se).to(tl.float32)

@@ -105,6 +105,22 @@ def expert_bytes(H: int, I: int, wfmt: str) -> int:
     return 3 * H * I + 4 * (-(-2 * I // bn) * -(-H // bk) + -(-H // bn) * -(-I // bk))
 
 
+def _scales(w: dict) -> dict:
+    return dict(w13_scale=w.get("w13_scale"), w2_scale=w.get("w2_scale"), block_shape=w.get("block_shape"))
+
+
+def reference(x: torch.Tensor, w: dict, topk_weights, topk_ids, wfmt: str) -> torch.Tensor:
+    """``moe_reference`` of one call in float32 (FP8 weights: the reference dequantises them)."""
+    up = (lambda t: t.float()) if wfmt == "bf16" else (lambda t: t)
+    return moe_reference(x.float(), up(w["w13"]), up(w["w2"]), topk_weights, topk_ids, **_scales(w))
+
+
+def rel_error(moe, config, x: torch.Tensor, w: dict, topk_weights, topk_ids, ref: torch.Tensor) -> float:
+    """Relative error (Frobenius) of ``moe.fused_moe`` with ``config`` on one call against ``ref`` (``reference``)."""
+    got = moe.fused_moe(x, w["w13"], w["w2"], topk_weights, topk_ids, config=config, **_scales(w))
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
@@ -613,30 +629,7 @@ def tune(
                 results.sort(key=lambda r: r[0])
                 best_t, best = results[0]
                 # the winner must be right: compare with the reference (float32 upcast) on one call
-                w0 = weights[0]
-                got = moe.fused_moe(
-                    xs[0],
-                    w0["w13"],
-                    w0["w2"],
-                    routes[0][0],
-                    routes[0][1],
-                    config=best,
-                    w13_scale=w0.get("w13_scale"),
-                    w2_scale=w0.get("w2_scale"),
-                    block_shape=w0.get("block_shape"),
-                )
-                up = (lambda w: w.float()) if wf == "bf16" else (lambda w: w)  # FP8: the reference dequantises
-                ref = moe_reference(
-                    xs[0].float(),
-                    up(w0["w13"]),
-                    up(w0["w2"]),
-                    routes[0][0],
-                    routes[0][1],
-                    w13_scale=w0.get("w13_scale"),
-                    w2_scale=w0.get("w2_scale"),
-                    block_shape=w0.get("block_shape"),
-                )
-                err = ((got.float() - ref).norm() / ref.norm()).item()
+                err = rel_error(moe, best, xs[0], weights[0], *routes[0], reference(xs[0], weights[0], *routes[0], wf))
                 entry[str(T)] = dict(
                     best.to_json(),
                     us=round(best_t, 2),
