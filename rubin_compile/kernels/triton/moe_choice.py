@@ -18,9 +18,10 @@ choice).
    least the call's decides, ours where it measured faster. An entry counts only while ours would still run the
    config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
    then our time there is not ours any more). The plan and ``Choice.describe`` carry the times.
-2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at every T (it measured faster at every benchmark
-   shape and T but Mixtral's 256 and 4096, which the table holds); against vLLM's fused MoE, ours up to
-   ``VLLM_RULE_MAX_T`` tokens and vLLM's own above (ours measured slower or tied at every prefill size measured).
+2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at
+   every T (it measured faster at every benchmark shape and T but Mixtral's 256, which the table holds, and 4096,
+   before the persistent path was tuned there); against vLLM's fused MoE, ours up to ``VLLM_RULE_MAX_T`` tokens and
+   vLLM's own above (ours measured slower or tied at every prefill size measured before the persistent path).
 
 The baseline a node has is what its graph runs without rubin (``KernelSpec.baseline``): ``"aten"`` for rubin.moe
 (matched from graph code: transformers' experts, expert loops), ``"vllm"`` for vLLM's MoE layer op. This module
@@ -150,7 +151,8 @@ class Choice:
 
 
 RULE_TEXT = {"aten": "ours at every T", "vllm": f"ours up to T = {VLLM_RULE_MAX_T}, vllm above"}
-RULES = {b: f"no measured entry; rule: {text}" for b, text in RULE_TEXT.items()}  # a Choice's source off the table
+# a Choice's source off the table: no row of this GPU's table, timed with today's config, at or above the call's T
+RULES = {b: f"no measured entry at or above this T; rule: {text}" for b, text in RULE_TEXT.items()}
 
 
 def _rule(T: int, baseline: str) -> str:
