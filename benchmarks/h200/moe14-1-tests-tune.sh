@@ -8,7 +8,7 @@
 # Before: bash benchmarks/h200/vllm-src.sh on the CPU machine; carry [".whl", ".vllm-src"].
 #   bash benchmarks/h200/moe14-1-tests-tune.sh
 . "$(dirname "$0")/common.sh"
-TABLE=$(python3 -c "import torch; from rubin_compile.kernels.triton import moe_choice; print(moe_choice.table_file(torch.cuda.get_device_name()))")
+TABLE=$(moe_table_file)
 echo "this GPU's tables: $TABLE"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 { time timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 tests/gpu/test_triton_moe.py -k persistent ; } \
@@ -25,5 +25,4 @@ mkdir -p "$OUT/moe_configs"
   --formats bf16,fp8_block --tokens 1024,4096 --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
   --log "$OUT/tune-prefill-detail.log" ; } > "$OUT/tune-prefill.log" 2>&1
 echo "tune exit $?"; grep -v "compile failed" "$OUT/tune-prefill.log" | grep -E "T=|WRONG|Error|compiled|^real" | cut -c1-220
-# at most 8 files come back from $OUT: everything in one archive
-(cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
+archive_out results.tgz

@@ -7,7 +7,7 @@
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 cat .vllm-src/VERSION
-TABLE=$(python3 -c "import torch; from rubin_compile.kernels.triton import moe_choice; print(moe_choice.table_file(torch.cuda.get_device_name()))")
+TABLE=$(moe_table_file)
 [ -f "rubin_compile/kernels/triton/moe_baselines/$TABLE" ] && cp "rubin_compile/kernels/triton/moe_baselines/$TABLE" "$OUT/"
 { time timeout 180 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b \
   --tokens 1,64,256,1024,4096 --formats bf16 --baselines grouped_mm,vllm --reps 10 --vllm-src .vllm-src \
@@ -15,12 +15,11 @@ TABLE=$(python3 -c "import torch; from rubin_compile.kernels.triton import moe_c
 echo "benchmark exit $?"; grep -E "T=|merged|Error|Traceback|^real" "$OUT/moe-prefill.log" | cut -c1-220
 [ -f "$OUT/moe-prefill-h200-prefill.md" ] && cat "$OUT/moe-prefill-h200-prefill.md"
 cp "$OUT/$TABLE" rubin_compile/kernels/triton/moe_baselines/
-# at most 8 files come back from $OUT, also from a call cut short: the benchmark's outputs in one archive now
-(cd "$OUT" && tar czf /tmp/bench.tgz moe-* && rm -f moe-* && mv /tmp/bench.tgz .)
+# the benchmark's outputs archived now, so that a call cut short still returns them
+archive_out bench.tgz 'moe-*'
 { time timeout 90 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_moe_choice_gpu.py ; } > "$OUT/pytest-choice.log" 2>&1
 echo "pytest choice exit $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|^real" "$OUT/pytest-choice.log" | cut -c1-300 | tail -12
 { time timeout 260 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 tests/gpu --ignore tests/gpu/test_moe_choice_gpu.py ; } \
   > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest gpu exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|^real" "$OUT/pytest-gpu.log" | cut -c1-300 | tail -30
-# at most 8 files come back from $OUT: everything in one archive
-(cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
+archive_out results.tgz
