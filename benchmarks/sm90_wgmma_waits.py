@@ -14,7 +14,13 @@ What it showed with Triton 3.6 (the H200's), 2026-12-05:
 * FP8 block FC1 / FC2 wait ``0`` only: each e4m3 product is scaled (the rows' activation scales, the columns' block
   scales) before it is added, so every K step waits for its MMAs. With twice the registers (250 against 110 at
   64-row FC1 tiles) this is why FP8 block ran at 0.5-0.9x of bf16 at prefill sizes on the H200;
-* the W8A16 probe keeps its MMAs in flight (waits ``3`` / ``7``, A from registers).
+* the W8A16 probe keeps its MMAs in flight (waits ``3`` / ``7``, A from registers);
+* a W8A8 probe that scales step k's product in step k + 1, after issuing step k + 1's MMAs (so that the scaling
+  could overlap them), still waits ``0`` only, with Triton 3.6 and 3.9: Triton's pipeliner
+  (lib/Dialect/TritonGPU/Transforms/Pipeliner/WGMMAPipeline.cpp) leaves a wgmma asynchronous only if its result
+  feeds nothing but later wgmmas as their accumulator until the next full wait, and a product that is scaled before
+  it is added does not. The overlap that remains on sm_90 is between programs: two resident per SM
+  (``GemmConfig.occupancy``), one's MMAs running while the other scales.
 
     PYTHONPATH=. python benchmarks/sm90_wgmma_waits.py       # with the Triton to read (e.g. 3.6 for the H200)
 """
@@ -54,6 +60,47 @@ def w8a16_swapped(
             acc = tl.dot((w.to(tl.float32) * s).to(tl.bfloat16), x.T, acc)
     offs_n = pid * BN + tl.arange(0, BN)
     tl.store(o_ptr + tl.arange(0, BM)[None, :] * N + offs_n[:, None], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def w8a8_block(
+    a_ptr,
+    w_ptr,
+    sa_ptr,
+    sw_ptr,
+    o_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    LAG: tl.constexpr,
+):
+    """out [BM, BN] = sum over K steps of (a . w^T) * row scales * the step's block scale, both operands e4m3 through
+    TMA. ``LAG``: the product of step k is scaled and added in step k + 1, after step k + 1's MMAs are issued (a
+    software-pipelined promotion, so the scaling could overlap the tensor cores' next product)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    acc = tl.zeros([BM, BN], tl.float32)
+    prev = tl.zeros([BM, BN], tl.float32)
+    s_prev = tl.zeros([BM], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        a = a_desc.load([0, k0])
+        w = w_desc.load([pid * BN, k0])
+        s = tl.load(sa_ptr + rows * (K // BK) + k0 // BK) * tl.load(sw_ptr + pid * (K // 128) + k0 // 128)
+        if LAG:
+            d = tl.dot(a, w.T)
+            acc = acc + prev * s_prev[:, None]
+            prev = d
+            s_prev = s
+        else:
+            acc = acc + tl.dot(a, w.T) * s[:, None]
+    acc = acc + prev * s_prev[:, None]
+    tl.store(o_ptr + rows[:, None] * N + pid * BN + tl.arange(0, BN)[None, :], acc.to(tl.bfloat16))
 
 
 def waits(ptx: str) -> str:
@@ -102,6 +149,15 @@ def main() -> None:
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4})
             name = "W8A16 probe, FP8 weights" if wt != "*bf16" else "W8A16 probe, bf16 weights"
             print(f"{name:26s} {bn}x{bm}x{bk}: {waits(ptx.asm['ptx'])}")
+    for lag in (0, 1):
+        for bm, bn, warps in ((64, 128, 4), (128, 128, 8)):
+            sig = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", sa_ptr="*fp32", sw_ptr="*fp32", o_ptr="*bf16")
+            sig.update(M="i32", N="i32", K="i32", BM="constexpr", BN="constexpr", BK="constexpr", STAGES="constexpr")
+            sig["LAG"] = "constexpr"
+            src = ASTSource(w8a8_block, sig, constexprs=dict(BM=bm, BN=bn, BK=128, STAGES=4, LAG=lag))
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4})
+            name = "W8A8 probe, lagged scaling" if lag else "W8A8 probe"
+            print(f"{name:26s} {bm}x{bn}x128: {waits(k.asm['ptx'])}")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,15 @@ class GemmConfig:
     # loop (see _gemv_step); BM <= GEMV_MAX_BM rows per chunk, plain (not swapped) tiles, bf16 / fp16 / fp32
     # activations (FP8 weights are converted in registers: not with a_fp8)
     gemv: bool = False
+    # the persistent path only: programs per SM in the grid. 2 lets a second program's MMAs run while one waits in
+    # its epilogue, its pipeline's first loads, or (FP8 W8A8) the scaling of each K step's products; it pays only
+    # where two fit on an SM (registers, shared memory: the tuner's PERSISTENT_TILES_OCC2 are checked to)
+    occupancy: int = 1
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
+        if self.occupancy not in (1, 2, 3, 4):
+            return f"occupancy={self.occupancy}: programs per SM of a persistent grid, 1 to 4"
         if self.gemv and self.swap:
             return "gemv=True and swap=True exclude each other (the GEMV form has no MMA to swap); set one"
         if self.gemv and self.BM > GEMV_MAX_BM:
@@ -125,6 +131,8 @@ class MoEConfig:
             return "fc2.gemv=True after a K-split FC1 (fc1.split_k > 1) is not implemented; set fc1.split_k=1"
         if self.mode == "persistent":
             return self._persistent_problem()
+        if self.fc1.occupancy != 1 or self.fc2.occupancy != 1:
+            return f"occupancy sizes the persistent path's grids; mode={self.mode!r} takes occupancy=1"
         return None
 
     def _persistent_problem(self) -> Optional[str]:

@@ -19,7 +19,8 @@ around them costs more than it must:
    (a position claimed with an integer atomic: within a run the order varies from call to call, but every row of a
    tile is computed alone, so no value depends on it), the expert of every M tile and the number of tiles. No sort,
    no host synchronisation, fixed-size buffers (``P_MAX = T k + E (BM - 1)`` rows, ``cdiv(P_MAX, BM)`` tiles).
-2. ``_fc1_kernel``: a persistent grid (one program per SM) walks the (M tile, N tile) work items in groups of
+2. ``_fc1_kernel``: a persistent grid (one program per SM, or ``GemmConfig.occupancy``: two hide one's epilogue
+   and, W8A8, its scaling behind the other's MMAs) walks the (M tile, N tile) work items in groups of
    ``GROUP_M`` M tiles (so the tiles of one expert's weight columns run together and share them in L2); each item
    gathers its rows' tokens (``cp.async`` through pointers: TMA cannot gather rows on sm_90), loads the expert's
    gate and up weight tiles through a TMA descriptor over ``w13`` seen as ``[E * 2I, H]``, multiplies on wgmma into
@@ -387,6 +388,7 @@ class Tiles:
     fc1: tuple[int, int, int, int]  # BN, BK, num_warps, num_stages
     fc2: tuple[int, int, int, int]
     a_fp8: bool = True  # e4m3 weights: W8A8 (the activations quantised); False: W8A16 (the weights dequantised)
+    occupancy: tuple[int, int] = (1, 1)  # FC1's and FC2's programs per SM (GemmConfig.occupancy)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -398,6 +400,7 @@ class Tiles:
             (f1.BN, f1.BK, f1.num_warps, f1.num_stages),
             (f2.BN, f2.BK, f2.num_warps, f2.num_stages),
             config.a_fp8,
+            (f1.occupancy, f2.occupancy),
         )
 
 
@@ -453,7 +456,8 @@ def _ensure_allocator() -> None:
 
 def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``rubin.moe`` through the persistent path (module docstring). ``tiles`` from the call's ``MoEConfig``;
-    ``num_sms``: the persistent grids' size; ``out`` ([T, H], contiguous rows) receives the result."""
+    ``num_sms`` times the tiles' occupancy: the persistent grids' size; ``out`` ([T, H], contiguous rows) receives
+    the result."""
     why = problem(args, tiles)
     if why is not None:
         raise NotImplementedError(f"rubin.moe[triton, persistent]: {why}")
@@ -521,7 +525,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     s13, s13e, s13n, s13k = scale_args(args.w13_scale, block) if fp8 else (x, 0, 0, 0)
     s2, s2e, s2n, s2k = scale_args(args.w2_scale, block) if fp8 else (x, 0, 0, 0)
     sbn, sbk = (int(args.block_shape[0]), int(args.block_shape[1])) if block else (1, 1)
-    launcher(_fc1_kernel)[(max(1, min(num_sms, tiles_max * cdiv(I, bn1))),)](
+    occ1, occ2 = tiles.occupancy
+    launcher(_fc1_kernel)[(max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)](
         xa,
         xs,
         args.w13,
@@ -560,7 +565,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         num_warps=nw1,
         **chain,
     )
-    launcher(_fc2_kernel)[(max(1, min(num_sms, tiles_max * cdiv(H, bn2))),)](
+    launcher(_fc2_kernel)[(max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)](
         inter,
         isc,
         args.w2,

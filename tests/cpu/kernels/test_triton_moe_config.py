@@ -3,6 +3,7 @@ under Triton's interpreter (float32, tiny shapes; the interpreter computes bf16 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -457,6 +458,11 @@ INTERP_CASES = [
     (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_block"}),
     (40, 6, 48, 48, 2, "persistent", {"wfmt": "fp8_block", "act": "gelu_tanh", "bias": True, "route": "one_expert"}),
     (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_tensor", "bias": True}),
+    # ... the persistent walk with more work items than programs: a GPU of 2 SMs, one or two programs per SM
+    # (GemmConfig.occupancy), each program walking several (M tile, N tile) items; bitwise the one-program-per-item run
+    (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (2, 1), "bias": True}),
+    (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (1, 2), "wfmt": "fp8_block", "a_fp8": True}),
+    (40, 6, 48, 32, 2, "persistent", {"sms": 3, "occupancy": (2, 2), "wfmt": "fp8_block"}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
@@ -483,6 +489,8 @@ def _interp_case(
     bn1=None,
     gemv=(0, 0),
     dtype="fp32",
+    occupancy=(1, 1),
+    sms=None,
 ):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left, relative error
     vs the emulated FP8-activation or bf16 computation)."""
@@ -524,6 +532,12 @@ def _interp_case(
         fc1=G(BM=gemv[0] or 16, BN=bn1 or tile, BK=tile, swap=swap, split_k=split, gemv=gemv[0] > 0),
         fc2=G(BM=gemv[1] or 16, BN=tile, BK=tile, swap=swap, gemv=gemv[1] > 0),
     )
+    if sms:  # the persistent grids on a GPU of ``sms`` SMs, ``occupancy`` programs per SM
+        cfg = dataclasses.replace(
+            cfg,
+            fc1=dataclasses.replace(cfg.fc1, occupancy=occupancy[0]),
+            fc2=dataclasses.replace(cfg.fc2, occupancy=occupancy[1]),
+        )
     out = torch.full((T, H), float("nan"), dtype=x.dtype)
     placement, domains = "", None
     if split_n:
@@ -531,9 +545,23 @@ def _interp_case(
 
         placement = "split_n:default:2:64"
         domains = locality.sequential(2, x.device, localized_memory=split_n == "copies")
-    tmoe.fused_moe(
-        x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains, **quant
-    )
+    facts = tmoe._device_facts
+    if sms:
+        tmoe._device_facts = lambda device: ("cpu", sms, False)
+    try:
+        tmoe.fused_moe(
+            x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains, **quant
+        )
+    finally:
+        tmoe._device_facts = facts
+    if sms:  # which program computes an item must not change a value: bitwise one program per item
+        items = -(-(T * k + E * 15) // 16) * -(-min(I, H) // tile)  # the smaller GEMM's work items
+        assert sms * max(occupancy) < items, "the case must give a program several items"
+        one_each = dataclasses.replace(
+            cfg, fc1=dataclasses.replace(cfg.fc1, occupancy=1), fc2=dataclasses.replace(cfg.fc2, occupancy=1)
+        )
+        if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=one_each, **quant), out):
+            return float("inf"), False, float("inf")
     if split_n:  # the placement must not change a result: bitwise the whole call's
         whole = tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, **quant)
         if not torch.equal(whole, out):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, resource_usage
+from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, resident_per_sm, resource_usage
 
 BF = "*bf16"
 
@@ -55,7 +55,9 @@ def _compile(fn, consts, ptrs, warps, stages):
     asm: dict = {}
     ints = {n: v for n, v in {**QWEN3, **SCALES}.items() if n in fn.arg_names}
     ptx = compile_like_a_launch(fn, consts, {**PTRS, **ptrs}, ints, num_stages=stages, asm=asm, num_warps=warps)
-    return ptx, resource_usage(asm["cubin"])
+    use = resource_usage(asm["cubin"])
+    use["DYNAMIC_SHARED"] = asm["metadata"].shared
+    return ptx, use
 
 
 @pytest.mark.parametrize("fp8,tile", TILES, ids=TILE_IDS)
@@ -133,6 +135,52 @@ def test_w8a16_keeps_its_mmas_in_flight_without_spills(prefill, tile):
         assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
 
 
+def _occ2_tiles():
+    from rubin_compile.kernels.triton import tune_moe as tm
+
+    return [
+        *(("bf16", t) for t in tm.PERSISTENT_TILES_OCC2),
+        *(("fp8", t) for t in tm.PERSISTENT_TILES_FP8_OCC2),
+        *(("w8a16", t) for t in tm.PERSISTENT_TILES_W8A16_OCC2),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_occ2_tiles())), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_occ2_tiles())])
+def test_occupancy_tiles_fit_that_many_programs_per_sm(prefill, i):
+    """The tuner's tiles at two programs per SM (GemmConfig.occupancy): each GEMM's kernel compiles without spills,
+    on wgmma of its format, and its registers and shared memory let ``occupancy`` programs reside on an sm_90 SM at
+    once (otherwise the extra programs would wait for a slot, and the option would cost instead of hide latency)."""
+    kind, (bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2), (o1, o2)) = _occ2_tiles()[i]
+    fp8 = kind == "fp8"
+    act, wt = (F8 if fp8 else BF), (BF if kind == "bf16" else F8)
+    common = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=0 if kind == "bf16" else 2, BM=bm, GROUP=8, DOT_PREC="tf32")
+    common["GDC"] = True
+    mma = WGMMA[fp8] if kind != "w8a16" else WGMMA[False]
+    for fn, consts, ptrs, warps, stages, occ in (
+        (
+            prefill._fc1_kernel,
+            dict(common, ACT=0, BN=bn, BK=bk, NUM_STAGES=s1),
+            dict(x_ptr=act, w_ptr=wt, inter_ptr=act),
+            w1,
+            s1,
+            o1,
+        ),
+        (
+            prefill._fc2_kernel,
+            dict(common, BN=bn2, BK=bk2, NUM_STAGES=s2),
+            dict(inter_ptr=act, w_ptr=wt, y_ptr=BF),
+            w2,
+            s2,
+            o2,
+        ),
+    ):
+        ptx, use = _compile(fn, consts, ptrs, warps, stages)
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + mma, ptx), fn
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
+        fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), warps)
+        assert fits >= occ, (fn, occ, use)
+
+
 def test_alignment_and_sum_kernels_compile(prefill):
     """The alignment counts and claims positions with integer atomics (no float atomics anywhere: deterministic)."""
     count = compile_like_a_launch(
@@ -181,6 +229,12 @@ def test_persistent_configs_are_checked():
         M(mode="persistent", fc1=G(BM=64, swap=True), fc2=G(BM=64))
     with pytest.raises(ValueError, match="decode-path options"):
         M(mode="persistent", fc1=G(BM=64), fc2=G(BM=64), w2_l2=True)
+    # programs per SM: the persistent grids' only
+    assert M(mode="persistent", fc1=G(BM=64, occupancy=2), fc2=G(BM=64, occupancy=1)).problem() is None
+    with pytest.raises(ValueError, match="occupancy=5: programs per SM of a persistent grid, 1 to 4"):
+        M(mode="persistent", fc1=G(BM=64, occupancy=5), fc2=G(BM=64))
+    with pytest.raises(ValueError, match="mode='grouped' takes occupancy=1"):
+        M(mode="grouped", fc2=G(occupancy=2))
 
 
 def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
@@ -190,7 +244,9 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
     for T in (1, 64):
         assert not [c for c in tune_moe.candidate_configs(tmoe, T, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
     cands = [c for c in tune_moe.candidate_configs(tmoe, 1024, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
-    assert len(cands) == len(tune_moe.PERSISTENT_TILES)
+    assert len(cands) == len(tune_moe.PERSISTENT_TILES) + len(tune_moe.PERSISTENT_TILES_OCC2)
+    occ = [(c.fc1.occupancy, c.fc2.occupancy) for c in cands]
+    assert occ == [(1, 1)] * len(tune_moe.PERSISTENT_TILES) + [t[3] for t in tune_moe.PERSISTENT_TILES_OCC2]
     for c in cands:
         assert c.problem() is None
         for which, g in (("fc1", c.fc1), ("fc2", c.fc2)):
@@ -198,8 +254,10 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
             assert smem <= tmoe.SMEM_LIMIT, (which, g, smem)
     fp8 = tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
     w8a8 = [c for c in fp8 if c.a_fp8]
-    assert len(w8a8) == len(tune_moe.PERSISTENT_TILES_FP8)
-    assert len(fp8) == len(w8a8) + len(tune_moe.PERSISTENT_TILES_W8A16)
+    assert len(w8a8) == len(tune_moe.PERSISTENT_TILES_FP8) + len(tune_moe.PERSISTENT_TILES_FP8_OCC2)
+    w8a16 = len(tune_moe.PERSISTENT_TILES_W8A16) + len(tune_moe.PERSISTENT_TILES_W8A16_OCC2)
+    assert len(fp8) == len(w8a8) + w8a16
+    assert {c.fc1.occupancy for c in w8a8} == {1, 2} and {c.fc2.occupancy for c in fp8} == {1, 2}
     for c in w8a8:  # FC2's K tile is FC1's N tile (the intermediate's scale groups); both divide the scale blocks
         assert c.problem() is None and c.fc2.BK == c.fc1.BN and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
     for c in fp8[len(w8a8) :]:  # W8A16: a K step within one scale block
@@ -217,4 +275,6 @@ def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
     tiles = tune_moe.persistent_candidates(tmoe, 1024, "bf16")
     # the H200 table's entry is itself one of the persistent tiles since it was tuned: each candidate once
     assert cands == list(dict.fromkeys([heuristic, tmoe.MoEConfig.from_json(entry), *tiles]))
-    assert set(tiles) <= set(cands) and len(tiles) == len(tune_moe.PERSISTENT_TILES)
+    assert set(tiles) <= set(cands) and len(tiles) == len(tune_moe.PERSISTENT_TILES) + len(
+        tune_moe.PERSISTENT_TILES_OCC2
+    )

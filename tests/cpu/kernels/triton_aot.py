@@ -54,8 +54,8 @@ def compile_like_a_launch(
 ) -> str:
     """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
     1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones; the
-    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...)
-    and the cubin."""
+    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...),
+    the cubin and the compiled kernel's ``metadata`` (``.shared``: its shared memory in bytes)."""
     params = list(inspect.signature(fn.fn).parameters)
     dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
     sig, attrs, consts = {}, {}, dict(constexprs)
@@ -78,6 +78,7 @@ def compile_like_a_launch(
     )
     if asm is not None:
         asm.update(k.asm)
+        asm["metadata"] = k.metadata  # shared memory bytes (.shared), ...
     return k.asm["ptx"]
 
 
@@ -102,6 +103,18 @@ def loop_bodies(ptx: str) -> list[list[str]]:
         if end is not None:
             out.append(lines[i : end + 1])
     return out
+
+
+SM90_REGS, SM90_SMEM, SM90_WARPS = 65536, 228 * 1024, 64  # per SM of an H100 / H200
+SM90_SMEM_RESERVED = 1024  # shared memory the driver reserves per resident block
+
+
+def resident_per_sm(regs: int, shared: int, num_warps: int) -> int:
+    """How many programs of a kernel fit on one sm_90 SM at once: registers (allocated per warp in units of 256),
+    shared memory (plus the driver's reserve per block) and warps (CUDA's occupancy rules for compute capability
+    9.0)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(SM90_REGS // (per_warp * num_warps), SM90_SMEM // (shared + SM90_SMEM_RESERVED), SM90_WARPS // num_warps)
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14, GPU steps 2 and 3 in one call (the device minutes left did not allow two): with step 1's tuned table
+# Issue 14, GPU step 3 of 3: with step 2's tuned table
 # committed, benchmarks/moe.py (bf16; ours, vLLM's fused_moe, the ATen form) writes the prefill table and merges its
 # times into this GPU's selection table, which is then put in the tree (the commit after this run holds it as
 # measured), and the choice's timed test and the whole GPU suite run on it.
-# carry [".whl", ".vllm-src"].   bash benchmarks/h200/moe14-2-bench-final.sh
+# carry [".whl", ".vllm-src"].   bash benchmarks/h200/moe14-3-bench-final.sh
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 cat .vllm-src/VERSION
