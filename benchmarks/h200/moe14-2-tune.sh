@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 14, GPU step 2 of 3 (one call, < 10 min): tune_moe --modes persistent (every persistent tile against the
 # heuristic and the committed table's entry) at TOKENS (default 1024,4096; a second call with TOKENS=256,512,2048
-# covers the other prefill sizes), bf16 and FP8 block, the three shapes of issue 14, merged into a copy of this GPU's
-# table under $OUT/moe_configs. Commit it over rubin_compile/kernels/triton/moe_configs/ before step 3.
-# carry [".whl", ".vllm-src"].   [TOKENS=...] bash benchmarks/h200/moe14-2-tune.sh
+# covers the other prefill sizes), FORMATS (default bf16,fp8_block), the three shapes of issue 14, merged into a
+# copy of this GPU's table under $OUT/moe_configs. Commit it over rubin_compile/kernels/triton/moe_configs/ before step 3.
+# carry [".whl", ".vllm-src"].   [TOKENS=...] [FORMATS=...] bash benchmarks/h200/moe14-2-tune.sh
 . "$(dirname "$0")/common.sh"
 TABLE=$(moe_table_file)
-echo "this GPU's tables: $TABLE; T = ${TOKENS:=1024,4096}"
+echo "this GPU's tables: $TABLE; T = ${TOKENS:=1024,4096}; formats ${FORMATS:=bf16,fp8_block}"
 mkdir -p "$OUT/moe_configs"
 [ -f "rubin_compile/kernels/triton/moe_configs/$TABLE" ] && cp "rubin_compile/kernels/triton/moe_configs/$TABLE" "$OUT/moe_configs/"
 { time timeout 560 python3 -m rubin_compile.kernels.triton.tune_moe --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b \
-  --formats bf16,fp8_block --tokens "$TOKENS" --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
+  --formats "$FORMATS" --tokens "$TOKENS" --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
   --log "$OUT/tune-prefill-detail.log" ; } > "$OUT/tune-prefill.log" 2>&1
 echo "tune exit $?"; grep -v "compile failed" "$OUT/tune-prefill.log" | grep -E "T=|WRONG|Error|compiled|^real" | cut -c1-220
 archive_out results.tgz

@@ -426,38 +426,26 @@ def test_registry_and_op(tmoe):
 # ------------------------------------------------------------------ the persistent prefill path (moe_prefill.py)
 
 
-def _persistent_cfg(tmoe, tile=0, fp8=False, w8a16=False, occ2=False):
-    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES, the FP8 ones, or the W8A16 ones; ``occ2``:
-    those at two programs per SM) as a config."""
-    if occ2:
-        tiles = OCC2_TILES["w8a16" if w8a16 else "fp8" if fp8 else "bf16"]
-    else:
-        tiles = PERSISTENT_TILES_W8A16 if w8a16 else PERSISTENT_TILES_FP8 if fp8 else PERSISTENT_TILES
-    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2), *occ = tiles[tile]
-    o1, o2 = occ[0] if occ else (1, 1)
-    G = tmoe.GemmConfig
-    return tmoe.MoEConfig(
-        mode="persistent",
-        a_fp8=fp8,
-        fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1),
-        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2),
-    )
+def _persistent_cfg(tmoe, tile=0, fp8=False, w8a16=False, variant=False):
+    """One of the tuner's persistent tiles (tune_moe.PERSISTENT_TILES, the FP8 ones, or the W8A16 ones; ``variant``:
+    those with options of the persistent grids, PERSISTENT_VARIANTS*) as a config."""
+    kind = "w8a16" if w8a16 else "fp8" if fp8 else "bf16"
+    return _tm.persistent_config(tmoe, (VARIANTS if variant else TILES)[kind][tile], a_fp8=fp8)
 
 
 try:
     from rubin_compile.kernels.triton import tune_moe as _tm
 
-    PERSISTENT_TILES, PERSISTENT_TILES_FP8 = _tm.PERSISTENT_TILES, _tm.PERSISTENT_TILES_FP8
-    PERSISTENT_TILES_W8A16 = _tm.PERSISTENT_TILES_W8A16
-    OCC2_TILES = {
-        "bf16": _tm.PERSISTENT_TILES_OCC2,
-        "fp8": _tm.PERSISTENT_TILES_FP8_OCC2,
-        "w8a16": _tm.PERSISTENT_TILES_W8A16_OCC2,
+    TILES = {"bf16": _tm.PERSISTENT_TILES, "fp8": _tm.PERSISTENT_TILES_FP8, "w8a16": _tm.PERSISTENT_TILES_W8A16}
+    VARIANTS = {
+        "bf16": _tm.PERSISTENT_VARIANTS,
+        "fp8": _tm.PERSISTENT_VARIANTS_FP8,
+        "w8a16": _tm.PERSISTENT_VARIANTS_W8A16,
     }
 except ImportError:  # no Triton here: the module is skipped anyway
-    PERSISTENT_TILES = PERSISTENT_TILES_FP8 = PERSISTENT_TILES_W8A16 = ()
-    OCC2_TILES = {}
-OCC2_CASES = [(kind, i) for kind, tiles in OCC2_TILES.items() for i in range(len(tiles))]
+    TILES = VARIANTS = {"bf16": (), "fp8": (), "w8a16": ()}
+PERSISTENT_TILES, PERSISTENT_TILES_FP8, PERSISTENT_TILES_W8A16 = TILES["bf16"], TILES["fp8"], TILES["w8a16"]
+VARIANT_CASES = [(kind, i) for kind, tiles in VARIANTS.items() for i in range(len(tiles))]
 PERSISTENT_CASES = [(tile, (300, 16, 512, 384, 4)) for tile in range(len(PERSISTENT_TILES))] + [
     (tile, shape) for tile in (0, 4) for shape in ((1000, 64, 1024, 256, 8), (37, 9, 328, 200, 2))
 ]
@@ -504,24 +492,24 @@ def test_persistent_path_w8a16(tmoe, tile, wfmt):
     _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8"])
 
 
-@pytest.mark.parametrize("kind,tile", OCC2_CASES, ids=[f"{k}-{i}" for k, i in OCC2_CASES])
-def test_persistent_path_two_programs_per_sm(tmoe, kind, tile):
-    """The tuner's tiles at two programs per SM (GemmConfig.occupancy): each program walks many work items; the result
-    matches the reference and is bitwise the same tiles' at one program per SM (which program computes an item
-    changes no value), and 8 calls back to back with PDL are bitwise equal."""
+@pytest.mark.parametrize("kind,tile", VARIANT_CASES, ids=[f"{k}-{i}" for k, i in VARIANT_CASES])
+def test_persistent_path_variants(tmoe, kind, tile):
+    """The tuner's tiles with options of the persistent grids (two programs per SM, a flattened item loop): each
+    program walks many work items; the result matches the reference and is bitwise the same tiles' without the
+    options (neither which program computes an item nor the loop's shape changes a value), and 8 calls back to back
+    with PDL are bitwise equal."""
     T, E, H, I, k = 2048, 64, 1024, 768, 8
     wfmt = "bf16" if kind == "bf16" else "fp8_block"
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt)
-    cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", occ2=True)
-    assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2
+    cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=True)
+    assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2 or cfg.fc1.flatten or cfg.fc2.flatten
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw.get("w13_scale"), kw.get("w2_scale"))
     args += (kw.get("block_shape"),)
     got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
     tol = TOL[torch.bfloat16] if kind == "bf16" else TOL["fp8_a8"] if kind == "fp8" else TOL["fp8"]
     _check(got, _reference(x, tw, ids, kw), tol)
-    one = dataclasses.replace(
-        cfg, fc1=dataclasses.replace(cfg.fc1, occupancy=1), fc2=dataclasses.replace(cfg.fc2, occupancy=1)
-    )
+    plain = dict(occupancy=1, flatten=False)
+    one = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, **plain), fc2=dataclasses.replace(cfg.fc2, **plain))
     assert torch.equal(tmoe.fused_moe(*args, config=one, pdl=False), got)
     outs = [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(8)]
     torch.cuda.synchronize()

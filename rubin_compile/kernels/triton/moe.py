@@ -80,8 +80,12 @@ class GemmConfig:
     gemv: bool = False
     # the persistent path only: programs per SM in the grid. 2 lets a second program's MMAs run while one waits in
     # its epilogue, its pipeline's first loads, or (FP8 W8A8) the scaling of each K step's products; it pays only
-    # where two fit on an SM (registers, shared memory: the tuner's PERSISTENT_TILES_OCC2 are checked to)
+    # where two fit on an SM (registers, shared memory: the tuner's PERSISTENT_VARIANTS are checked to)
     occupancy: int = 1
+    # the persistent path only: one software-pipelined loop over all of a program's (work item, K step) pairs
+    # (Triton's tl.range(flatten=True)), so the next item's first tiles load during this item's last K steps and
+    # epilogue; for short K loops (FC2 of fine-grained experts: I = 256 is 4 steps of 64)
+    flatten: bool = False
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -133,6 +137,8 @@ class MoEConfig:
             return self._persistent_problem()
         if self.fc1.occupancy != 1 or self.fc2.occupancy != 1:
             return f"occupancy sizes the persistent path's grids; mode={self.mode!r} takes occupancy=1"
+        if self.fc1.flatten or self.fc2.flatten:
+            return f"flatten is the persistent path's loop over work items; mode={self.mode!r} takes flatten=False"
         return None
 
     def _persistent_problem(self) -> Optional[str]:

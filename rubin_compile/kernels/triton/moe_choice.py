@@ -43,6 +43,9 @@ TABLE_DIR = Path(__file__).with_name("moe_baselines")
 CONFIG_DIR = Path(__file__).with_name("moe_configs")  # the tuned configs (moe.py reads them through lookup_config)
 # Fields of a tuned-config entry that are its measurement, not the config
 MEASUREMENT_FIELDS = frozenset({"us", "rel_err", "heuristic_us"})
+# GemmConfig fields added after rows were first recorded, at their defaults: an fc1 / fc2 without them is the same
+# tile (the tables hold configs as JSON, read here without Triton; a CPU test checks these against GemmConfig)
+LATER_GEMM_DEFAULTS = {"occupancy": 1, "flatten": False}
 
 # What each baseline is, for plans and messages.
 BASELINES: dict[str, str] = {
@@ -116,6 +119,18 @@ def current_config(T: int, key: str, configs: dict[str, Any]) -> Any:
     return {f: v for f, v in row.items() if f not in MEASUREMENT_FIELDS}
 
 
+def same_config(a: Any, b: Any) -> bool:
+    """Whether two recorded configs (``current_config`` values) are the same, GEMM fields added since one was
+    recorded taken at their defaults."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return a == b
+
+    def filled(c: dict) -> dict:
+        return {**c, **{g: {**LATER_GEMM_DEFAULTS, **c[g]} for g in ("fc1", "fc2") if isinstance(c.get(g), dict)}}
+
+    return filled(a) == filled(b)
+
+
 @functools.lru_cache(maxsize=None)
 def load_configs(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
     """The tuned-config table of a GPU as JSON ({} when there is none), read without Triton."""
@@ -184,7 +199,7 @@ def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set
     key = table_key(E, H, I, k, wfmt)
     rows = load_table(device_name, directory).get("entries", {}).get(key, {})
     configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
-    current = {t for t, r in rows.items() if r.get("config") == current_config(int(t), key, configs)}
+    current = {t for t, r in rows.items() if same_config(r.get("config"), current_config(int(t), key, configs))}
     return key, rows, current
 
 

@@ -20,7 +20,8 @@ around them costs more than it must:
    tile is computed alone, so no value depends on it), the expert of every M tile and the number of tiles. No sort,
    no host synchronisation, fixed-size buffers (``P_MAX = T k + E (BM - 1)`` rows, ``cdiv(P_MAX, BM)`` tiles).
 2. ``_fc1_kernel``: a persistent grid (one program per SM, or ``GemmConfig.occupancy``: two hide one's epilogue
-   and, W8A8, its scaling behind the other's MMAs) walks the (M tile, N tile) work items in groups of
+   and, W8A8, its scaling behind the other's MMAs; ``GemmConfig.flatten``: the items' K steps as one pipelined loop)
+   walks the (M tile, N tile) work items in groups of
    ``GROUP_M`` M tiles (so the tiles of one expert's weight columns run together and share them in L2); each item
    gathers its rows' tokens (``cp.async`` through pointers: TMA cannot gather rows on sm_90), loads the expert's
    gate and up weight tiles through a TMA descriptor over ``w13`` seen as ``[E * 2I, H]``, multiplies on wgmma into
@@ -208,6 +209,7 @@ def _fc1_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
 ):
     """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b) for every row p of every tile.
     FP8 (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK]; the intermediate is written in e4m3 with one
@@ -225,7 +227,7 @@ def _fc1_kernel(
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(I, BN)
     offs_k = tl.arange(0, BK)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         m, n = _tile_of(tile, num_m, num_n, GROUP)
         e = tl.load(tile_expert_ptr + m)
         rows = m * BM + tl.arange(0, BM)
@@ -312,6 +314,7 @@ def _fc2_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
 ):
     """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
     (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
@@ -324,7 +327,7 @@ def _fc2_kernel(
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * H, I], strides=[I, 1], block_shape=[BN, BK])
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(H, BN)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         m, n = _tile_of(tile, num_m, num_n, GROUP)
         e = tl.load(tile_expert_ptr + m)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -389,6 +392,7 @@ class Tiles:
     fc2: tuple[int, int, int, int]
     a_fp8: bool = True  # e4m3 weights: W8A8 (the activations quantised); False: W8A16 (the weights dequantised)
     occupancy: tuple[int, int] = (1, 1)  # FC1's and FC2's programs per SM (GemmConfig.occupancy)
+    flatten: tuple[bool, bool] = (False, False)  # FC1's and FC2's item loops flattened (GemmConfig.flatten)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -401,6 +405,7 @@ class Tiles:
             (f2.BN, f2.BK, f2.num_warps, f2.num_stages),
             config.a_fp8,
             (f1.occupancy, f2.occupancy),
+            (f1.flatten, f2.flatten),
         )
 
 
@@ -562,6 +567,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         NUM_STAGES=ns1,
         DOT_PREC=dot_prec,
         GDC=gdc,
+        FLATTEN=tiles.flatten[0],
         num_warps=nw1,
         **chain,
     )
@@ -596,6 +602,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         NUM_STAGES=ns2,
         DOT_PREC=dot_prec,
         GDC=gdc,
+        FLATTEN=tiles.flatten[1],
         num_warps=nw2,
         **chain,
     )

@@ -322,24 +322,31 @@ PERSISTENT_TILES_FP8 = (
 # 8 warps with 128 rows, a 128 x 64 one at 4 warps) needs stack space for its two dequantised weight tiles with Triton
 # 3.9 (none spills with 3.6)
 PERSISTENT_TILES_W8A16 = tuple(t for i, t in enumerate(PERSISTENT_TILES) if i not in (3, 4))
-# Two programs per SM (GemmConfig.occupancy, the last pair: FC1's, FC2's): while one program waits -- in its epilogue,
-# for its first tiles of a work item, or (W8A8) for each K step's products before it scales them -- the other's MMAs
-# run. Only tiles whose registers and shared memory let that many programs reside on an sm_90 SM (fewer stages than
-# the tiles above, 4-warp FP8 tiles); 128-row FC1 tiles hold too many registers, so they stay at one, and an 8-warp
-# tile must stay within 128 registers (tests/cpu/kernels/test_triton_moe_prefill.py compiles each, with biases, and
-# checks: on Triton 3.6 and 3.9).
-PERSISTENT_TILES_OCC2 = (
-    (64, (64, 64, 4, 4), (128, 64, 4, 4), (2, 2)),
-    (64, (128, 64, 8, 2), (128, 64, 8, 4), (2, 2)),
-    (64, (128, 64, 4, 2), (128, 64, 4, 4), (2, 2)),
+# Variants of the tiles above, with options of the persistent grids (the last element: GemmConfig fields, FC1's and
+# FC2's). Two programs per SM (``occupancy``): while one program waits -- in its epilogue, for its first tiles of a
+# work item, or (W8A8) for each K step's products before it scales them -- the other's MMAs run. Only tiles whose
+# registers and shared memory let that many programs reside on an sm_90 SM (fewer stages than the tiles above,
+# 4-warp FP8 tiles); 128-row FC1 tiles hold too many registers, so they stay at one, and an 8-warp tile must stay
+# within 128 registers. A flattened item loop (``flatten``): FC2's K loop is short where I is (DeepSeek-V3 TP8:
+# 256, four K steps), so the winners of the tuned table get FC2 as one pipelined loop over all its items' K steps.
+# (tests/cpu/kernels/test_triton_moe_prefill.py compiles each, with biases, on Triton 3.6 and 3.9, and checks.)
+_OCC2 = {"occupancy": (2, 2)}
+_FC2_OCC2 = {"occupancy": (1, 2)}
+_FC2_FLAT = {"flatten": (False, True)}
+PERSISTENT_VARIANTS = (
+    (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
+    (64, (128, 64, 8, 2), (128, 64, 8, 4), _OCC2),
+    (64, (128, 64, 4, 2), (128, 64, 4, 4), _OCC2),
+    *((*t, _FC2_FLAT) for t in (PERSISTENT_TILES[0], PERSISTENT_TILES[1], PERSISTENT_TILES[5])),
 )
-PERSISTENT_TILES_FP8_OCC2 = (
-    (64, (64, 128, 4, 4), (128, 64, 4, 4), (2, 2)),
-    (64, (64, 64, 4, 4), (64, 64, 4, 4), (2, 2)),
+PERSISTENT_VARIANTS_FP8 = (
+    (64, (64, 128, 4, 4), (128, 64, 4, 4), _OCC2),
+    (64, (64, 64, 4, 4), (64, 64, 4, 4), _OCC2),
+    *((*t, _FC2_FLAT) for t in (PERSISTENT_TILES_FP8[2], PERSISTENT_TILES_FP8[3])),
 )
-PERSISTENT_TILES_W8A16_OCC2 = (
-    (64, (64, 64, 4, 4), (128, 64, 4, 4), (2, 2)),
-    (128, (128, 64, 8, 3), (128, 64, 8, 3), (1, 2)),
+PERSISTENT_VARIANTS_W8A16 = (
+    (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
+    (128, (128, 64, 8, 3), (128, 64, 8, 3), _FC2_OCC2),
 )
 PERSISTENT_MIN_T = 128  # below this many tokens the tuner does not try the persistent path (decode sizes)
 
@@ -349,24 +356,26 @@ def persistent_candidates(moe, T: int, wfmt: str) -> list:
     weights dequantised in registers (W8A16: no K step waits for its MMAs)."""
     if T < PERSISTENT_MIN_T:
         return []
-    G = moe.GemmConfig
     if wfmt == "bf16":
-        tiles = [(t, False) for t in PERSISTENT_TILES + PERSISTENT_TILES_OCC2]
+        tiles = [(t, False) for t in PERSISTENT_TILES + PERSISTENT_VARIANTS]
     else:  # W8A8, then W8A16 (the weights dequantised)
-        tiles = [(t, True) for t in PERSISTENT_TILES_FP8 + PERSISTENT_TILES_FP8_OCC2]
-        tiles += [(t, False) for t in PERSISTENT_TILES_W8A16 + PERSISTENT_TILES_W8A16_OCC2]
-    out = []
-    for (bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2), *occ), a8 in tiles:
-        o1, o2 = occ[0] if occ else (1, 1)
-        out.append(
-            moe.MoEConfig(
-                mode="persistent",
-                a_fp8=a8,
-                fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1),
-                fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2),
-            )
-        )
-    return out
+        tiles = [(t, True) for t in PERSISTENT_TILES_FP8 + PERSISTENT_VARIANTS_FP8]
+        tiles += [(t, False) for t in PERSISTENT_TILES_W8A16 + PERSISTENT_VARIANTS_W8A16]
+    return [persistent_config(moe, t, a8) for t, a8 in tiles]
+
+
+def persistent_config(moe, tile: tuple, a_fp8: bool = False):
+    """A tile of the lists above as a ``MoEConfig`` of the persistent mode (``a_fp8``: W8A8 for FP8 weights)."""
+    bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2), *opts = tile
+    opts = opts[0] if opts else {}
+    (o1, o2), (f1, f2) = opts.get("occupancy", (1, 1)), opts.get("flatten", (False, False))
+    G = moe.GemmConfig
+    return moe.MoEConfig(
+        mode="persistent",
+        a_fp8=a_fp8,
+        fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1, flatten=f1),
+        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2),
+    )
 
 
 def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None, modes=None) -> list:

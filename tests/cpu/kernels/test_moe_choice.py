@@ -144,6 +144,22 @@ def test_a_row_counts_only_while_ours_runs_the_config_it_was_timed_with(table):
     assert choose(300).kernel == "triton" and choose(2000).source == moe_choice.RULES["aten"]
 
 
+def test_fields_added_to_the_gemm_config_leave_earlier_rows_current():
+    """A row recorded before GemmConfig gained the persistent grids' options (occupancy, flatten) names the same tile
+    as today's entry that spells them out at their defaults; a different value is another config. The defaults the
+    choice fills in are GemmConfig's."""
+    pytest.importorskip("triton")
+    from rubin_compile.kernels.triton.moe import GemmConfig
+
+    assert {f: getattr(GemmConfig(), f) for f in moe_choice.LATER_GEMM_DEFAULTS} == moe_choice.LATER_GEMM_DEFAULTS
+    old = {"mode": "persistent", "a_fp8": False, "fc1": {"BM": 64, "BN": 128}, "fc2": {"BM": 64, "BN": 256}}
+    spelled = {**old, "fc1": {**old["fc1"], "occupancy": 1, "flatten": False}, "fc2": {**old["fc2"], "occupancy": 1}}
+    assert moe_choice.same_config(old, spelled) and moe_choice.same_config(spelled, old)
+    assert not moe_choice.same_config(old, {**spelled, "fc2": {**spelled["fc2"], "occupancy": 2}})
+    assert not moe_choice.same_config(old, {**old, "a_fp8": True})
+    assert moe_choice.same_config("heuristic", "heuristic") and not moe_choice.same_config("heuristic", old)
+
+
 def test_nearest_tuned_size_is_one_rule_for_the_kernel_and_the_choice():
     """current_config finds the entry the way moe.lookup_config does (nearest in log2, ties to the smaller)."""
     got = [moe_choice.nearest_tuned_T(T, [1, 8, 64, 1024]) for T in (1, 2, 3, 8, 100, 256, 257, 100000)]

@@ -463,6 +463,9 @@ INTERP_CASES = [
     (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (2, 1), "bias": True}),
     (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (1, 2), "wfmt": "fp8_block", "a_fp8": True}),
     (40, 6, 48, 32, 2, "persistent", {"sms": 3, "occupancy": (2, 2), "wfmt": "fp8_block"}),
+    # ... and with the item loop flattened (GemmConfig.flatten: one loop over the program's items' K steps)
+    (40, 6, 48, 32, 2, "persistent", {"sms": 2, "flatten": (True, True), "act": "gelu_tanh", "bias": True}),
+    (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (2, 2), "flatten": (False, True), "wfmt": "fp8_block"}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
@@ -490,6 +493,7 @@ def _interp_case(
     gemv=(0, 0),
     dtype="fp32",
     occupancy=(1, 1),
+    flatten=(False, False),
     sms=None,
 ):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left, relative error
@@ -532,11 +536,11 @@ def _interp_case(
         fc1=G(BM=gemv[0] or 16, BN=bn1 or tile, BK=tile, swap=swap, split_k=split, gemv=gemv[0] > 0),
         fc2=G(BM=gemv[1] or 16, BN=tile, BK=tile, swap=swap, gemv=gemv[1] > 0),
     )
-    if sms:  # the persistent grids on a GPU of ``sms`` SMs, ``occupancy`` programs per SM
+    if sms:  # the persistent grids on a GPU of ``sms`` SMs, ``occupancy`` programs per SM, item loops ``flatten``ed
         cfg = dataclasses.replace(
             cfg,
-            fc1=dataclasses.replace(cfg.fc1, occupancy=occupancy[0]),
-            fc2=dataclasses.replace(cfg.fc2, occupancy=occupancy[1]),
+            fc1=dataclasses.replace(cfg.fc1, occupancy=occupancy[0], flatten=flatten[0]),
+            fc2=dataclasses.replace(cfg.fc2, occupancy=occupancy[1], flatten=flatten[1]),
         )
     out = torch.full((T, H), float("nan"), dtype=x.dtype)
     placement, domains = "", None
@@ -554,11 +558,12 @@ def _interp_case(
         )
     finally:
         tmoe._device_facts = facts
-    if sms:  # which program computes an item must not change a value: bitwise one program per item
+    if sms:  # which program computes an item (or the loop's shape) must not change a value: bitwise one per item
         items = -(-(T * k + E * 15) // 16) * -(-min(I, H) // tile)  # the smaller GEMM's work items
         assert sms * max(occupancy) < items, "the case must give a program several items"
+        plain = dict(occupancy=1, flatten=False)
         one_each = dataclasses.replace(
-            cfg, fc1=dataclasses.replace(cfg.fc1, occupancy=1), fc2=dataclasses.replace(cfg.fc2, occupancy=1)
+            cfg, fc1=dataclasses.replace(cfg.fc1, **plain), fc2=dataclasses.replace(cfg.fc2, **plain)
         )
         if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=one_each, **quant), out):
             return float("inf"), False, float("inf")

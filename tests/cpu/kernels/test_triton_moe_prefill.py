@@ -12,7 +12,13 @@ import sys
 
 import pytest
 
-from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, resident_per_sm, resource_usage
+from tests.cpu.kernels.triton_aot import (
+    async_copy_sizes,
+    compile_like_a_launch,
+    loop_bodies,
+    resident_per_sm,
+    resource_usage,
+)
 
 BF = "*bf16"
 
@@ -135,50 +141,49 @@ def test_w8a16_keeps_its_mmas_in_flight_without_spills(prefill, tile):
         assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
 
 
-def _occ2_tiles():
+def _variants():
     from rubin_compile.kernels.triton import tune_moe as tm
 
     return [
-        *(("bf16", t) for t in tm.PERSISTENT_TILES_OCC2),
-        *(("fp8", t) for t in tm.PERSISTENT_TILES_FP8_OCC2),
-        *(("w8a16", t) for t in tm.PERSISTENT_TILES_W8A16_OCC2),
+        *(("bf16", t) for t in tm.PERSISTENT_VARIANTS),
+        *(("fp8", t) for t in tm.PERSISTENT_VARIANTS_FP8),
+        *(("w8a16", t) for t in tm.PERSISTENT_VARIANTS_W8A16),
     ]
 
 
-@pytest.mark.parametrize("i", range(len(_occ2_tiles())), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_occ2_tiles())])
-def test_occupancy_tiles_fit_that_many_programs_per_sm(prefill, i):
-    """The tuner's tiles at two programs per SM (GemmConfig.occupancy): each GEMM's kernel compiles without spills,
-    on wgmma of its format, and its registers and shared memory let ``occupancy`` programs reside on an sm_90 SM at
-    once (otherwise the extra programs would wait for a slot, and the option would cost instead of hide latency)."""
-    kind, (bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2), (o1, o2)) = _occ2_tiles()[i]
-    fp8 = kind == "fp8"
+STORES = {"fc1": r"cp\.async\.bulk\.tensor\.2d\.global\.shared", "fc2": r"\bst\.global\."}
+
+
+@pytest.mark.parametrize("i", range(len(_variants())), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_variants())])
+def test_tile_variants_fit_their_occupancy_and_flatten_their_loops(prefill, i):
+    """The tuner's tiles with options of the persistent grids (tune_moe.PERSISTENT_VARIANTS*): each GEMM's kernel
+    compiles without spills, on wgmma of its format; its registers and shared memory let ``occupancy`` programs
+    reside on an sm_90 SM at once (else the extra programs would wait for a slot, and the option would cost instead
+    of hide latency); and with ``flatten`` its innermost loop holds the item's epilogue store (one pipelined loop over
+    all the program's items' K steps), where without it the innermost loop is the K loop alone."""
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton.tune_moe import persistent_config
+
+    kind, tile = _variants()[i]
+    cfg = persistent_config(tmoe, tile, a_fp8=kind == "fp8")
+    fp8 = cfg.a_fp8
     act, wt = (F8 if fp8 else BF), (BF if kind == "bf16" else F8)
-    common = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=0 if kind == "bf16" else 2, BM=bm, GROUP=8, DOT_PREC="tf32")
-    common["GDC"] = True
-    mma = WGMMA[fp8] if kind != "w8a16" else WGMMA[False]
-    for fn, consts, ptrs, warps, stages, occ in (
-        (
-            prefill._fc1_kernel,
-            dict(common, ACT=0, BN=bn, BK=bk, NUM_STAGES=s1),
-            dict(x_ptr=act, w_ptr=wt, inter_ptr=act),
-            w1,
-            s1,
-            o1,
-        ),
-        (
-            prefill._fc2_kernel,
-            dict(common, BN=bn2, BK=bk2, NUM_STAGES=s2),
-            dict(inter_ptr=act, w_ptr=wt, y_ptr=BF),
-            w2,
-            s2,
-            o2,
-        ),
+    common = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=0 if kind == "bf16" else 2, BM=cfg.fc1.BM, GROUP=8, GDC=True)
+    common["DOT_PREC"] = "tf32"
+    for name, g, fn, ptrs in (
+        ("fc1", cfg.fc1, prefill._fc1_kernel, dict(x_ptr=act, w_ptr=wt, inter_ptr=act)),
+        ("fc2", cfg.fc2, prefill._fc2_kernel, dict(inter_ptr=act, w_ptr=wt, y_ptr=BF)),
     ):
-        ptx, use = _compile(fn, consts, ptrs, warps, stages)
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + mma, ptx), fn
-        assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
-        fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), warps)
-        assert fits >= occ, (fn, occ, use)
+        consts = dict(common, BN=g.BN, BK=g.BK, NUM_STAGES=g.num_stages, FLATTEN=g.flatten)
+        if name == "fc1":
+            consts["ACT"] = 0
+        ptx, use = _compile(fn, consts, ptrs, g.num_warps, g.num_stages)
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + WGMMA[fp8], ptx), name
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (name, use)
+        fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), g.num_warps)
+        assert fits >= g.occupancy, (name, g, use)
+        stores_in_loop = any(re.search(STORES[name], ln) for body in loop_bodies(ptx) for ln in body)
+        assert stores_in_loop == g.flatten, (name, g)
 
 
 def test_alignment_and_sum_kernels_compile(prefill):
@@ -235,6 +240,8 @@ def test_persistent_configs_are_checked():
         M(mode="persistent", fc1=G(BM=64, occupancy=5), fc2=G(BM=64))
     with pytest.raises(ValueError, match="mode='grouped' takes occupancy=1"):
         M(mode="grouped", fc2=G(occupancy=2))
+    with pytest.raises(ValueError, match="mode='slot' takes flatten=False"):
+        M(mode="slot", fc1=G(flatten=True))
 
 
 def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
@@ -244,9 +251,13 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
     for T in (1, 64):
         assert not [c for c in tune_moe.candidate_configs(tmoe, T, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
     cands = [c for c in tune_moe.candidate_configs(tmoe, 1024, 128, 2048, 768, 8, "bf16") if c.mode == "persistent"]
-    assert len(cands) == len(tune_moe.PERSISTENT_TILES) + len(tune_moe.PERSISTENT_TILES_OCC2)
-    occ = [(c.fc1.occupancy, c.fc2.occupancy) for c in cands]
-    assert occ == [(1, 1)] * len(tune_moe.PERSISTENT_TILES) + [t[3] for t in tune_moe.PERSISTENT_TILES_OCC2]
+    assert len(cands) == len(tune_moe.PERSISTENT_TILES) + len(tune_moe.PERSISTENT_VARIANTS)
+    opts = [(c.fc1.occupancy, c.fc2.occupancy, c.fc1.flatten, c.fc2.flatten) for c in cands]
+    variants = [
+        (*t[3].get("occupancy", (1, 1)), *t[3].get("flatten", (False, False))) for t in tune_moe.PERSISTENT_VARIANTS
+    ]
+    assert opts == [(1, 1, False, False)] * len(tune_moe.PERSISTENT_TILES) + variants
+    assert len(set(cands)) == len(cands)  # a variant is never a tile of the plain list again
     for c in cands:
         assert c.problem() is None
         for which, g in (("fc1", c.fc1), ("fc2", c.fc2)):
@@ -254,10 +265,10 @@ def test_tuner_tries_the_persistent_path_at_prefill_sizes_only():
             assert smem <= tmoe.SMEM_LIMIT, (which, g, smem)
     fp8 = tune_moe.persistent_candidates(tmoe, 1024, "fp8_block")
     w8a8 = [c for c in fp8 if c.a_fp8]
-    assert len(w8a8) == len(tune_moe.PERSISTENT_TILES_FP8) + len(tune_moe.PERSISTENT_TILES_FP8_OCC2)
-    w8a16 = len(tune_moe.PERSISTENT_TILES_W8A16) + len(tune_moe.PERSISTENT_TILES_W8A16_OCC2)
-    assert len(fp8) == len(w8a8) + w8a16
-    assert {c.fc1.occupancy for c in w8a8} == {1, 2} and {c.fc2.occupancy for c in fp8} == {1, 2}
+    assert len(w8a8) == len(tune_moe.PERSISTENT_TILES_FP8) + len(tune_moe.PERSISTENT_VARIANTS_FP8)
+    w8a16 = len(tune_moe.PERSISTENT_TILES_W8A16) + len(tune_moe.PERSISTENT_VARIANTS_W8A16)
+    assert len(fp8) == len(w8a8) + w8a16 and len(set(fp8)) == len(fp8)
+    assert {c.fc1.occupancy for c in w8a8} == {1, 2} and {c.fc2.flatten for c in w8a8} == {False, True}
     for c in w8a8:  # FC2's K tile is FC1's N tile (the intermediate's scale groups); both divide the scale blocks
         assert c.problem() is None and c.fc2.BK == c.fc1.BN and 128 % c.fc1.BK == 0 and 128 % c.fc2.BK == 0
     for c in fp8[len(w8a8) :]:  # W8A16: a K step within one scale block
@@ -275,6 +286,5 @@ def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
     tiles = tune_moe.persistent_candidates(tmoe, 1024, "bf16")
     # the H200 table's entry is itself one of the persistent tiles since it was tuned: each candidate once
     assert cands == list(dict.fromkeys([heuristic, tmoe.MoEConfig.from_json(entry), *tiles]))
-    assert set(tiles) <= set(cands) and len(tiles) == len(tune_moe.PERSISTENT_TILES) + len(
-        tune_moe.PERSISTENT_TILES_OCC2
-    )
+    assert set(tiles) <= set(cands)
+    assert len(tiles) == len(tune_moe.PERSISTENT_TILES) + len(tune_moe.PERSISTENT_VARIANTS)

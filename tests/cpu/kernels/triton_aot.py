@@ -31,8 +31,19 @@ def load_plain(name: str, alias: str):
     return mod
 
 
+def _constexpr_defaults(fn) -> dict:
+    """The defaults of ``fn``'s constexpr parameters (a launch that omits one gets its default, not an argument)."""
+    params = inspect.signature(fn.fn).parameters.values()
+    return {
+        p.name: p.default
+        for p in params
+        if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)
+    }
+
+
 def compile_sm90(fn, constexprs: dict, pointers: dict, num_stages: int = 4) -> str:
     """PTX of ``fn`` for sm_90 with every non-pointer, non-constexpr argument an unspecialised i32."""
+    constexprs = {**_constexpr_defaults(fn), **constexprs}
     params = inspect.signature(fn.fn).parameters
     sig = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
     src = compiler.ASTSource(fn, sig, constexprs=constexprs)
@@ -58,7 +69,7 @@ def compile_like_a_launch(
     the cubin and the compiled kernel's ``metadata`` (``.shared``: its shared memory in bytes)."""
     params = list(inspect.signature(fn.fn).parameters)
     dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
-    sig, attrs, consts = {}, {}, dict(constexprs)
+    sig, attrs, consts = {}, {}, {**_constexpr_defaults(fn), **constexprs}
     for i, p in enumerate(params):
         if p in consts:
             sig[p] = "constexpr"
