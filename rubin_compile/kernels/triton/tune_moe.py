@@ -464,6 +464,8 @@ def describe(cfg) -> str:
             + ("/swap" if c.swap else "")
             + (f"/splitk{c.split_k}" if c.split_k > 1 else "")
             + ("/gemv" if c.gemv else "")
+            + (f"/occ{c.occupancy}" if c.occupancy > 1 else "")
+            + ("/flat" if c.flatten else "")
         )
 
     return (
