@@ -3,7 +3,7 @@
 Contract: ``run(args, launch)`` computes ``rubin.attention`` (ops/attention.py) for a few query positions
 (``S * Hq / Hkv <= MAX_ROWS``: decode, speculative verification) over a long key / value sequence, for
 bf16 / fp16 / fp32 queries and keys / values in the query's dtype or FP8 (e4m3 / e5m2, per-tensor
-``k_scale`` / ``v_scale``), with a bool or additive ``attn_mask`` broadcast over any dimension, or
+``k_scale`` / ``v_scale``; with a 16-bit query the products run on fp16 MMAs), with a bool or additive ``attn_mask`` broadcast over any dimension, or
 ``is_causal``. No host synchronisation (capturable in a CUDA graph). Within the tolerances of
 tests/gpu/test_decode_attention.py of the float64 reference.
 
@@ -97,6 +97,7 @@ def _split_kv(
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
+    F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
     GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
     EARLY_TRIGGER: tl.constexpr,  # let the next kernel launch right after the wait (else after the K / V loop)
     PF_TILES: tl.constexpr,  # K / V tiles of the split asked into L2 before the wait (0: none)
@@ -140,6 +141,17 @@ def _split_kv(
     scale = tl.cast(qk_scale, tl.float32)
     if K_SCALED:
         scale = scale * tl.load(KScale).to(tl.float32)
+    if F16_KV:
+        # e4m3 / e5m2 keys and values convert exactly to fp16 in one instruction per pair (to bf16 the conversion
+        # goes through fp16: three per pair, a third of the K / V loop's instructions on sm_90), so the products run
+        # on fp16 MMAs. A bf16 query converts exactly where it is inside fp16's range: a power of two brings it
+        # there (exact), folded into the scores' scale; the probabilities round to fp16's 11 bits (bf16: 8).
+        if q.dtype != tl.float16:
+            qf = q.to(tl.float32)
+            qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+            qs = tl.where(qmax > 32768.0, tl.exp2(tl.ceil(tl.log2(qmax / 32768.0))), 1.0)
+            q = (qf / qs).to(tl.float16)
+            scale = scale * qs
     if MASK_KIND != 0:
         # The span [lo, hi) of this split that some query row attends to, from the mask alone (a byte or two per
         # position, against 2 * D bytes of K and V per KV head): the keys and values outside it -- the unfilled
@@ -466,6 +478,7 @@ def run(
         V_SCALED=v_scale is not None,
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
+        F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
         GDC=pdl,
         EARLY_TRIGGER=cfg.early_trigger,
         PF_TILES=pf_tiles,

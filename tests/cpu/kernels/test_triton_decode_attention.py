@@ -43,6 +43,11 @@ CASES = {
     "fp16": (2, 8, 2, 1, 200, 64, 64, {"dtype": "float16", "splits": 3}),
     "fp8-kv-fp16-query": (2, 8, 2, 1, 200, 64, 64, {"dtype": "float16", "fp8": True, "splits": 3}),
     "fp8-kv-no-scales": (1, 8, 2, 1, 90, 32, 32, {"dtype": "float16", "fp8": True, "scales": False}),
+    # FP8 keys / values with a bf16 query: the products on fp16 MMAs, the query converted to fp16 (exact), also where
+    # it lies beyond fp16's range (x 1e5: a power of two brings it inside, folded into the scale); e5m2 too
+    "fp8-kv-bf16-query": (2, 8, 2, 1, 200, 64, 64, {"dtype": "bfloat16", "fp8": True, "splits": 3}),
+    "fp8-kv-bf16-query-beyond-fp16": (1, 8, 2, 1, 90, 32, 32, {"dtype": "bfloat16", "fp8": True, "q_mul": 1e5}),
+    "fp8-e5m2-kv-bf16-query": (1, 8, 2, 1, 90, 32, 32, {"dtype": "bfloat16", "fp8": "e5m2", "mask": "bool"}),
     # the other Configs config_for picks: 128-position tiles, four programs per SM (LONG); many short splits (SHORT)
     "long-config": (2, 8, 2, 1, 900, 32, 32, {"mask": "bool", "lengths": (70, 861), "config": "LONG"}),
     "short-config": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (290,), "config": "SHORT"}),
@@ -57,23 +62,24 @@ CASES = {
         {"mask": "bool4", "lengths": (700, 333), "splits": 3, "config": {"block_n": 128, "num_stages": 2}},
     ),
 }
-TOLERANCE = {"float32": 2e-6, "float16": 4e-3}
+TOLERANCE = {"float32": 2e-6, "float16": 4e-3, "bfloat16": 8e-3}
 
 
 def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, left_pad=None, causal=False,
-          dtype="float32", fp8=False, scales=True, config=None):  # fmt: skip
+          dtype="float32", fp8=False, scales=True, config=None, q_mul=1.0):  # fmt: skip
     """Run one case: (max |out - ref| / max |ref|, whether every output is finite)."""
     from rubin_compile.kernels.triton import attention
     from rubin_compile.ops.attention import AttentionArgs, reference
 
     g = torch.Generator().manual_seed(B * 1000 + Skv)
     dt = getattr(torch, dtype)
-    q = torch.randn((B, S, Hq, D), generator=g).to(dt).transpose(1, 2)  # the layout models give
+    q = (torch.randn((B, S, Hq, D), generator=g) * q_mul).to(dt).transpose(1, 2)  # the layout models give
     k = torch.randn((B, Hkv, Skv, D), generator=g)
     v = torch.randn((B, Hkv, Skv, Dv), generator=g)
     k_scale = v_scale = None
     if fp8:
-        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        f8 = torch.float8_e5m2 if fp8 == "e5m2" else torch.float8_e4m3fn
+        k, v = k.to(f8), v.to(f8)
         if scales:
             k_scale, v_scale = torch.tensor(0.5), torch.tensor(1.5)
     else:
@@ -103,7 +109,11 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
         # Poisoned with NaN in the kernel's input (reading it anywhere shows in the output), zero in the reference's.
         tail = (pos[None, :] >= lengths[:, None])[:, None, :, None]
         nan = torch.tensor(float("nan")).to(k.dtype)
-        k, v = k.masked_fill(tail, nan), v.masked_fill(tail, nan)
+        if k.element_size() == 1:  # FP8: through the bytes (masked_fill has no e5m2 on the CPU)
+            nan = nan.view(torch.uint8)
+            k, v = (t.view(torch.uint8).masked_fill(tail, nan).view(t.dtype) for t in (k, v))
+        else:
+            k, v = k.masked_fill(tail, nan), v.masked_fill(tail, nan)
         ref_k, ref_v = ref_k.masked_fill(tail, 0.0), ref_v.masked_fill(tail, 0.0)
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
     ref = reference(AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal))
@@ -170,13 +180,13 @@ def _qwen3_ints(Skv: int) -> dict:
     ids=["bf16-bool-mask", "bf16-64-rows", "fp8-additive-mask", "bf16-head-256"],
 )
 def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mask_kind, rows, width):
-    from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch
+    from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, loop_bodies
 
     fp8 = kv != "*bf16"
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
         MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
-        IEEE=False, **_PDL_OFF,
+        IEEE=False, F16_KV=fp8, **_PDL_OFF,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
                 Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
@@ -192,6 +202,15 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     copies, loaded = _copy_masks_from_loads(ttgir["ttgir"])
     assert copies, "the K / V loop has no asynchronous copies"
     assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
+    # FP8 keys / values: fp16 MMAs, each pair of e4m3 values converted by one instruction (to bf16 it took three:
+    # e4m3x2 -> f16x2, then each f16 -> bf16, a third of the loop's instructions)
+    mma_loops = ["\n".join(body) for body in loop_bodies(ptx) if any("mma" in ln for ln in body)]
+    assert len(mma_loops) == 1, "the K / V loop is not the one loop with MMAs"
+    loop = mma_loops[0]
+    assert re.search(r"mma[\w.]*\.f32\." + ("f16.f16" if fp8 else "bf16.bf16"), loop)
+    assert "cvt.bf16.f16" not in loop
+    if fp8:
+        assert re.findall(r"cvt\.rn\.f16x2\.e4m3x2", loop)
 
 
 _PDL_OFF = dict(GDC=False, EARLY_TRIGGER=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
@@ -210,7 +229,8 @@ def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(k
 
     consts = dict(
         GROUP=8, ROWS=16, D=128, DV=128, BD=128, BDV=128, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
-        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False, GDC=True,
+        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False,
+        F16_KV=False, GDC=True,
         EARLY_TRIGGER=early, PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Out="*bf16",
@@ -322,6 +342,9 @@ def test_selection_takes_the_decode_kernel_for_decode_shapes_on_sm90(spec, targe
 
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.cpu.kernels.triton_interp import gpu_rounding
+
+    gpu_rounding()  # the bf16 outputs rounded as the GPU rounds them
     results = {}
     for name, (*dims, options) in CASES.items():
         results[name] = _case(*dims, **options)

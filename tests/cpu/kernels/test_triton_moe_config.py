@@ -690,34 +690,11 @@ def test_kernels_match_reference_in_interpreter(interp_results, i):
         assert err < 1e-5, f"relative error {err:.2e} (float32, ieee dots)"
 
 
-def _gpu_rounding() -> None:
-    """float32 -> e4m3 and -> bf16 in the interpreter as the GPU does it (round to nearest even, as torch does).
-
-    Triton 3.9's interpreter (``interpreter._convert_float``) rounds half up and drops the carry when a
-    mantissa rounds up into the next binade (-31.98 becomes -16, not -32): up to 2x off on a few activations. The
-    same happens to float32 -> bf16 (a bf16 case of the GEMV form was 1e-2 off the emulated roundings before this,
-    0 after). The kernels' FP8 activation paths and bf16 roundings are checked here, so the cast the GPU's
-    cvt.rn(.satfinite) does is what the interpreter must do too. Other conversions are left to Triton."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-    ours = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.uint16)}
-
-    def convert_rne(input, input_dtype, output_dtype, rounding_mode):
-        if output_dtype in ours and input_dtype == tl.float32:
-            to, bits = ours[output_dtype]
-            src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
-            return src.to(to).view(bits).numpy().reshape(input.shape)
-        return convert(input, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert_rne
-
-
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _gpu_rounding()
+    from tests.cpu.kernels.triton_interp import gpu_rounding
+
+    gpu_rounding()
     mod = importlib.import_module(PKG + ".moe")
     print(json.dumps([_interp_case(mod, *c[:6], **c[6]) for c in INTERP_CASES]))
 
