@@ -3,8 +3,8 @@
 Contract: ``run(args, launch)`` computes ``rubin.attention`` (ops/attention.py) for a few query positions
 (``S * Hq / Hkv <= MAX_ROWS``: decode, speculative verification) over a long key / value sequence, for
 bf16 / fp16 / fp32 queries and keys / values in the query's dtype or FP8 (e4m3 / e5m2, per-tensor
-``k_scale`` / ``v_scale``; with a 16-bit query the products run on fp16 MMAs), with a bool or additive ``attn_mask`` broadcast over any dimension, or
-``is_causal``. No host synchronisation (capturable in a CUDA graph). Within the tolerances of
+``k_scale`` / ``v_scale``; with a 16-bit query the products run on fp16 MMAs), with a bool or additive
+``attn_mask`` broadcast over any dimension, or ``is_causal``. No host synchronisation (capturable in a CUDA graph). Within the tolerances of
 tests/gpu/test_decode_attention.py of the float64 reference.
 
 Why this shape: one decode step reads the whole KV cache once and does two FLOPs per byte, so the floor is

@@ -21,12 +21,11 @@ around them costs more than it must:
    no host synchronisation, fixed-size buffers (``P_MAX = T k + E (BM - 1)`` rows, ``cdiv(P_MAX, BM)`` tiles).
 2. ``_fc1_kernel``: a persistent grid (one program per SM, or ``GemmConfig.occupancy``: two hide one's epilogue
    and, W8A8, its scaling behind the other's MMAs; ``GemmConfig.flatten``: the items' K steps as one pipelined loop)
-   walks the (M tile, N tile) work items in groups of
-   ``GROUP_M`` M tiles (so the tiles of one expert's weight columns run together and share them in L2); each item
-   gathers its rows' tokens (``cp.async`` through pointers: TMA cannot gather rows on sm_90), loads the expert's
-   gate and up weight tiles through a TMA descriptor over ``w13`` seen as ``[E * 2I, H]``, multiplies on wgmma into
-   two float32 accumulators, and writes ``act(gate) * up`` through a TMA store into the intermediate
-   ``[P_MAX, I]``, rows in sorted order.
+   walks the (M tile, N tile) work items in groups of ``GROUP_M`` M tiles (so the tiles of one expert's weight
+   columns run together and share them in L2); each item gathers its rows' tokens (``cp.async`` through pointers:
+   TMA cannot gather rows on sm_90), loads the expert's gate and up weight tiles through a TMA descriptor over
+   ``w13`` seen as ``[E * 2I, H]``, multiplies on wgmma into two float32 accumulators, and writes
+   ``act(gate) * up`` through a TMA store into the intermediate ``[P_MAX, I]``, rows in sorted order.
 3. ``_fc2_kernel``: the same walk; both operands through TMA (the intermediate's rows are already in tile order;
    ``w2`` seen as ``[E * H, I]``); each row rounded to the activations' dtype, as the reference rounds its expert
    output, and scattered to its slot's row of ``[T k, H]``.
