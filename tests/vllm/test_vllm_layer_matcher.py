@@ -321,6 +321,21 @@ def test_vllm_cpu_runs_swiglu_limit_unclamped(make_layer, vllm_config):
     assert (out - clamped).abs().max() > 0.1 * out.abs().max()
 
 
+def test_expert_substitution_left_unchanged(make_layer, vllm_config):
+    """vLLM 0.33 replaces some experts of a model whose config asks it (approximate_experts / expert_substitution) by
+    constant outputs: its SubstitutedRoutedExperts stores only the retained experts' weights and remaps the router's
+    ids in its forward. The layer op would hand the logical ids to those compact weights, so such a layer stays with
+    vLLM, with the reason. vLLM 0.32 (installed here) has no substitution: the layer's experts are marked the way
+    0.33's class marks them (its ``expert_substitution`` attribute, what the check reads)."""
+    layer = make_layer(op_form=True)
+    layer.routed_experts.expert_substitution = object()
+    x, logits = fresh_inputs(layer, torch.float32)
+    run, rec = compile_layer(layer, vllm_config, x, logits)
+    assert rec.after[VLLM_MOE] == 1 and rec.after[RUBIN_LAYER] == 0
+    (u,) = rec.match_moe()["unchanged"]
+    assert "expert substitution" in u["reason"], u
+
+
 def test_router_weight_on_input_top2_left_unchanged(make_layer, vllm_config):
     """vLLM applies the router weight on the input for top-1 only (prepare() asserts): a top-2 layer does not run in
     vLLM, and rubin does not make it run something else."""

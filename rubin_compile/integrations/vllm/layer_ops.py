@@ -259,6 +259,11 @@ def layer_unsupported_reason(layer: Any, shared: bool) -> Optional[str]:
         )
     if isinstance(layer.router, ZeroExpertRouter):
         return "zero-expert routing"
+    if getattr(experts, "expert_substitution", None) is not None:
+        # vLLM 0.33's SubstitutedRoutedExperts (a config's approximate_experts / expert_substitution): the router
+        # picks among all logical experts, the weights hold only the retained ones, and the experts' forward remaps
+        # the routes and adds the substituted experts' constant outputs, which run_layer would skip
+        return "expert substitution (some experts replaced by constant outputs; their routes are remapped by vLLM)"
     if getattr(layer.router, "eplb_state", None) is not None:
         return "EPLB (redundant experts)"
     if layer._fse_fuse_gate:
