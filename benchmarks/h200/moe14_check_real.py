@@ -52,7 +52,7 @@ def main() -> None:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for s in ("qwen3-30b-a3b", "deepseek-v3-tp8", "mixtral-8x7b")
+        for s in ("qwen3-30b-a3b", "deepseek-v3-tp8", "mixtral-8x7b", "minimax-m2")
         for wf in ("bf16", "fp8_block")
     ]
     for p in procs:
