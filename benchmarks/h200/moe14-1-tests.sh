@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14, GPU step 1 of 3 (one call, < 10 min): the persistent prefill path (kernels/triton/moe_prefill.py) on the
-# GPU: its tests (every tuner tile -- bf16, FP8 W8A8, W8A16, and those at two programs per SM --, routings, dtypes,
-# epilogues, PDL / graph replay bitwise), then every tuner tile at T = 4096 on the four benchmark shapes against the float32
-# reference (moe14_check_real.py, one process per shape and format, CUDA_LAUNCH_BLOCKING: a fault names its config).
+# GPU: its tests (every tuner tile -- bf16, FP8 W8A8, W8A16, and the variants: two programs per SM, flattened item
+# loops --, routings, dtypes, epilogues, PDL / graph replay bitwise), then every tuner tile at T = 4096 on the four
+# benchmark shapes against the float32 reference (moe14_check_real.py, one process per shape and format,
+# CUDA_LAUNCH_BLOCKING: a fault names its config).
 # Before: bash benchmarks/h200/vllm-src.sh on the CPU machine; carry [".whl", ".vllm-src"].
 #   bash benchmarks/h200/moe14-1-tests.sh
 . "$(dirname "$0")/common.sh"
