@@ -499,8 +499,9 @@ def test_persistent_path_variants(tmoe, kind, tile):
     options (neither which program computes an item nor the loop's shape changes a value), and 8 calls back to back
     with PDL are bitwise equal."""
     T, E, H, I, k = 2048, 64, 1024, 768, 8
-    wfmt = "bf16" if kind == "bf16" else "fp8_block"
+    wfmt = "16" if kind == "bf16" else "fp8_block"  # _inputs' "16": weights in the activations' dtype
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt)
+    assert (kw["w13"].dtype == torch.bfloat16) == (kind == "bf16")
     cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=True)
     assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2 or cfg.fc1.flatten or cfg.fc2.flatten
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw.get("w13_scale"), kw.get("w2_scale"))
