@@ -108,37 +108,43 @@ W8A16_TILES = range(len(_w8a16_tiles()))
 WAITS = r"wgmma\.wait_group\.sync\.aligned\s+(\d+)"
 
 
+def _gemms(prefill, kind: str, cfg):
+    """FC1's and FC2's kernels of a persistent ``cfg`` as the tests compile them, with biases: (name, GemmConfig,
+    kernel, constexprs, pointer types); ``kind`` "bf16", "fp8" (W8A8) or "w8a16" (e4m3 weights, bf16 activations)."""
+    fp8 = kind == "fp8"
+    act, wt = (F8 if fp8 else BF), (BF if kind == "bf16" else F8)
+    common = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=0 if kind == "bf16" else 2, BM=cfg.fc1.BM, GROUP=8, GDC=True)
+    common["DOT_PREC"] = "tf32"
+    out = []
+    for name, g, fn, ptrs in (
+        ("fc1", cfg.fc1, prefill._fc1_kernel, dict(x_ptr=act, w_ptr=wt, inter_ptr=act)),
+        ("fc2", cfg.fc2, prefill._fc2_kernel, dict(inter_ptr=act, w_ptr=wt, y_ptr=BF)),
+    ):
+        consts = dict(common, BN=g.BN, BK=g.BK, NUM_STAGES=g.num_stages, FLATTEN=g.flatten)
+        if name == "fc1":
+            consts["ACT"] = 0
+        out.append((name, g, fn, consts, ptrs))
+    return out
+
+
 @pytest.mark.parametrize("tile", W8A16_TILES, ids=[f"w8a16-{i}" for i in W8A16_TILES])
 def test_w8a16_keeps_its_mmas_in_flight_without_spills(prefill, tile):
     """FP8 block weights with bf16 activations (a_fp8=False): e4m3 weight tiles through TMA, dequantised in registers
     and fed to bf16 wgmma as the register operand (FC1's two, FC2's one); the K loops wait for all MMAs only after
     the loop (every wait inside leaves MMAs in flight: what the W8A8 step cannot do), with no spill."""
-    bm, (bn, bk, w1, s1), (bn2, bk2, w2, s2) = _w8a16_tiles()[tile]
-    common = dict(HAS_BIAS=True, A_FP8=False, W_SCALE=2, BM=bm, GROUP=8, DOT_PREC="tf32", GDC=True)
-    for fn, consts, ptrs, warps, stages in (
-        (
-            prefill._fc1_kernel,
-            dict(common, ACT=0, BN=bn, BK=bk, NUM_STAGES=s1),
-            dict(x_ptr=BF, w_ptr=F8, inter_ptr=BF),
-            w1,
-            s1,
-        ),
-        (
-            prefill._fc2_kernel,
-            dict(common, BN=bn2, BK=bk2, NUM_STAGES=s2),
-            dict(inter_ptr=BF, w_ptr=F8, y_ptr=BF),
-            w2,
-            s2,
-        ),
-    ):
-        ptx, use = _compile(fn, consts, ptrs, warps, stages)
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton.tune_moe import persistent_config
+
+    cfg = persistent_config(tmoe, _w8a16_tiles()[tile], a_fp8=False)
+    for name, g, fn, consts, ptrs in _gemms(prefill, "w8a16", cfg):
+        ptx, use = _compile(fn, consts, ptrs, g.num_warps, g.num_stages)
         # bf16 MMAs whose A operand is registers (a brace-enclosed register list before the B descriptor)
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx), fn
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx), name
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "weights not loaded through TMA"
         waits = [int(n) for n in re.findall(WAITS, ptx)]
-        assert waits.count(0) == 1 and len(waits) > 1, (fn, waits)  # one full wait: after the loop
+        assert waits.count(0) == 1 and len(waits) > 1, (name, waits)  # one full wait: after the loop
         assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
-        assert use["LOCAL"] == 0 and use["STACK"] == 0, (fn, use)
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (name, use)
 
 
 def _variants():
@@ -166,19 +172,9 @@ def test_tile_variants_fit_their_occupancy_and_flatten_their_loops(prefill, i):
 
     kind, tile = _variants()[i]
     cfg = persistent_config(tmoe, tile, a_fp8=kind == "fp8")
-    fp8 = cfg.a_fp8
-    act, wt = (F8 if fp8 else BF), (BF if kind == "bf16" else F8)
-    common = dict(HAS_BIAS=True, A_FP8=fp8, W_SCALE=0 if kind == "bf16" else 2, BM=cfg.fc1.BM, GROUP=8, GDC=True)
-    common["DOT_PREC"] = "tf32"
-    for name, g, fn, ptrs in (
-        ("fc1", cfg.fc1, prefill._fc1_kernel, dict(x_ptr=act, w_ptr=wt, inter_ptr=act)),
-        ("fc2", cfg.fc2, prefill._fc2_kernel, dict(inter_ptr=act, w_ptr=wt, y_ptr=BF)),
-    ):
-        consts = dict(common, BN=g.BN, BK=g.BK, NUM_STAGES=g.num_stages, FLATTEN=g.flatten)
-        if name == "fc1":
-            consts["ACT"] = 0
+    for name, g, fn, consts, ptrs in _gemms(prefill, kind, cfg):
         ptx, use = _compile(fn, consts, ptrs, g.num_warps, g.num_stages)
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + WGMMA[fp8], ptx), name
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\." + WGMMA[cfg.a_fp8], ptx), name
         assert use["LOCAL"] == 0 and use["STACK"] == 0, (name, use)
         fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), g.num_warps)
         assert fits >= g.occupancy, (name, g, use)
