@@ -286,16 +286,28 @@ def test_router_weight_on_input_left_to_vllm_on_a_gpu_target(make_layer, vllm_co
 
 
 @pytest.mark.parametrize(
-    "kwargs, reason",
+    "kwargs, experts_attrs, reason",
     [
         # vLLM's CPU experts call cpu_fused_moe(act="silu") and pass no clamp: the layer runs unclamped in vLLM
-        (dict(swiglu_limit=2.0, weight_std=1.0), "swiglu_limit=2.0 set on a layer whose activation 'silu' vLLM's CPU"),
-        (dict(swiglu_alpha=1.5, activation="gelu"), "swiglu_alpha=1.5 set on a layer whose activation 'gelu'"),
+        (
+            dict(swiglu_limit=2.0, weight_std=1.0),
+            {},
+            "swiglu_limit=2.0 set on a layer whose activation 'silu' vLLM's CPU",
+        ),
+        (dict(swiglu_alpha=1.5, activation="gelu"), {}, "swiglu_alpha=1.5 set on a layer whose activation 'gelu'"),
+        # vLLM 0.33 replaces some experts of a model whose config asks it (approximate_experts / expert_substitution)
+        # by constant outputs: its SubstitutedRoutedExperts stores only the retained experts' weights and remaps the
+        # router's ids in its forward, so the layer op would hand logical ids to compact weights. vLLM 0.32
+        # (installed here) has no substitution: the experts are marked the way 0.33's class marks them (its
+        # ``expert_substitution`` attribute, what the check reads)
+        (dict(), {"expert_substitution": object()}, "expert substitution"),
     ],
-    ids=["silu-swiglu-limit-on-cpu", "gelu-alpha"],
+    ids=["silu-swiglu-limit-on-cpu", "gelu-alpha", "vllm-0.33-expert-substitution"],
 )
-def test_unsupported_layer_left_unchanged(make_layer, vllm_config, kwargs, reason):
+def test_unsupported_layer_left_unchanged(make_layer, vllm_config, kwargs, experts_attrs, reason):
     layer = make_layer(op_form=True, **kwargs)
+    for name, value in experts_attrs.items():
+        setattr(layer.routed_experts, name, value)
     x, logits = fresh_inputs(layer, torch.float32)
     run, rec = compile_layer(layer, vllm_config, x, logits)
     assert rec.after[VLLM_MOE] == 1 and rec.after[RUBIN_LAYER] == 0
@@ -319,21 +331,6 @@ def test_vllm_cpu_runs_swiglu_limit_unclamped(make_layer, vllm_config):
     assert_close(out, moe_reference(x, w13, w2, weights, ids, "silu", weight_layout=layout))
     clamped = moe_reference(x, w13, w2, weights, ids, "silu_clamp:2.0", weight_layout=layout)
     assert (out - clamped).abs().max() > 0.1 * out.abs().max()
-
-
-def test_expert_substitution_left_unchanged(make_layer, vllm_config):
-    """vLLM 0.33 replaces some experts of a model whose config asks it (approximate_experts / expert_substitution) by
-    constant outputs: its SubstitutedRoutedExperts stores only the retained experts' weights and remaps the router's
-    ids in its forward. The layer op would hand the logical ids to those compact weights, so such a layer stays with
-    vLLM, with the reason. vLLM 0.32 (installed here) has no substitution: the layer's experts are marked the way
-    0.33's class marks them (its ``expert_substitution`` attribute, what the check reads)."""
-    layer = make_layer(op_form=True)
-    layer.routed_experts.expert_substitution = object()
-    x, logits = fresh_inputs(layer, torch.float32)
-    run, rec = compile_layer(layer, vllm_config, x, logits)
-    assert rec.after[VLLM_MOE] == 1 and rec.after[RUBIN_LAYER] == 0
-    (u,) = rec.match_moe()["unchanged"]
-    assert "expert substitution" in u["reason"], u
 
 
 def test_router_weight_on_input_top2_left_unchanged(make_layer, vllm_config):
