@@ -16,8 +16,8 @@ threads, over the tile's weight elements) for:
     PYTHONPATH=. python benchmarks/sm90_fp8_weight_loops.py        # with the Triton to read (3.6 for the H200)
 
 What it printed on 2026-12-05 (Triton 3.6; 3.9 alike but the swapped form, 3.3 / 2.7), instructions per weight
-element: gemm.py's GEMV form 6.3 (n16 k512) / 8.2 (n16 k128, block scales); gemm.py's MMA form (BLOCK_M 16, not
-printed here: 4.5 / 4.0 at n64 / n128 k128, 5.0 with block scales); plain bf16 probe 4.4 / 3.9 (64 / 128 x 128);
+element: gemm.py's GEMV form 6.3 (n16 k512) / 8.2 (n16 k128, block scales); gemm.py's MMA form (BLOCK_M 16)
+4.5 / 4.0 at n64 / n128 k128, 5.0 with block scales; plain bf16 probe 4.4 / 3.9 (64 / 128 x 128);
 plain fp16 3.9 / 2.7; swapped fp16 2.9 / 2.2. The count alone does not pick the winner: gemm.py's MMA form counts
 fewer instructions than its GEMV form, and the GEMV form won every FP8 shape at M = 1 on the H200 (the MMA form's
 loop also holds shared-memory round trips, barriers and a 16-row MMA for one row). So the swapped fp16 form is a
@@ -75,11 +75,18 @@ def main() -> None:
     from tests.cpu.kernels import triton_aot as aot
 
     print(f"Triton {triton.__version__}, sm_90, instructions per weight element of one K step")
-    for form in (dict(BLOCK_N=16, BLOCK_K=512), dict(BLOCK_N=16, BLOCK_K=128, B_SCALE=3)):
-        ptx = tg._ptx(aot, MMA=False, GEMV=True, BLOCK_M=1, ESIZE=1, **form)
-        (loop,) = aot.loop_bodies(ptx)
+    gemv, mma = dict(MMA=False, GEMV=True, BLOCK_M=1), dict(MMA=True, GEMV=False, BLOCK_M=16)
+    for name, form in (
+        ("GEMV", dict(gemv, BLOCK_N=16, BLOCK_K=512)),
+        ("GEMV", dict(gemv, BLOCK_N=16, BLOCK_K=128, B_SCALE=3)),  # 128 x 128 block scales
+        ("MMA", dict(mma, BLOCK_N=64, BLOCK_K=128)),
+        ("MMA", dict(mma, BLOCK_N=128, BLOCK_K=128)),
+        ("MMA", dict(mma, BLOCK_N=64, BLOCK_K=128, B_SCALE=3)),
+    ):
+        ptx = tg._ptx(aot, ESIZE=1, **form)
+        loop = max((b for b in aot.loop_bodies(ptx) if name == "GEMV" or any("mma" in ln for ln in b)), key=len)
         scales = ", block scales" if form.get("B_SCALE") else ""
-        print(f"gemm.py GEMV form, n{form['BLOCK_N']} k{form['BLOCK_K']}{scales}: "
+        print(f"gemm.py {name} form, n{form['BLOCK_N']} k{form['BLOCK_K']}{scales}: "
               f"{per_element(loop, 128, form['BLOCK_N'] * form['BLOCK_K']):.2f}")  # fmt: skip
     sig = dict(w_ptr="*fp8e4nv", x_ptr="*bf16", o_ptr="*bf16", N="i32", K="i32")
     sig.update(BN="constexpr", BM="constexpr", BK="constexpr", FORM="constexpr")
