@@ -111,11 +111,11 @@ SDPA_FORMS: dict[Any, str] = {
     aten.scaled_dot_product_attention.default: "aten.scaled_dot_product_attention",
 }
 
-# vLLM's attention ops (vllm/model_executor/layers/attention/attention.py, mla_attention.py; vLLM 0.32).
+# vLLM's attention ops (vllm/model_executor/layers/attention/attention.py, mla_attention.py; vLLM 0.32 and 0.33
+# register these two; the older `vllm::unified_attention` is gone from both).
 VLLM_ATTENTION_OPS = (
     "vllm::unified_attention_with_output",
     "vllm::unified_mla_attention_with_output",
-    "vllm::unified_attention",
 )
 
 
