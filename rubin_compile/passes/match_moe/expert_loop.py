@@ -137,10 +137,23 @@ def _match_body(node: torch.fx.Node, dtype: torch.dtype):
         m = _body_pattern(activation, dtype).match(node)
         if isinstance(m, Match):
             return activation, m, ""
-        failures.append(str(m))
-    if any(f.startswith("multiple_users") for f in failures):
+        failures.append((activation, str(m)))
+    if any(f.startswith("multiple_users") for _, f in failures):
         return None, None, "an intermediate of its body has another user outside the expert"
-    return None, None, "its body is not down(act(gate(x)) * up(x)) with a known activation"
+    where = "; ".join(f"{a}: {_stopped_at(f)}" for a, f in failures)
+    return (
+        None,
+        None,
+        f"its body is not down(act(gate(x)) * up(x)) with a known activation (each form stops at: {where})",
+    )
+
+
+def _stopped_at(failure: str) -> str:
+    """Where a failed pattern match stopped, from the pattern matcher's message ("function_mismatch: node=tanh,
+    pattern=..."): the kind of mismatch and the graph node, without the pattern's text."""
+    kind, _, rest = failure.partition(":")
+    node = rest.split("node=", 1)[1].split(",", 1)[0].strip() if "node=" in rest else ""
+    return f"{kind.strip()} at {node}" if node else kind.strip()[:80]
 
 
 def _sum_tree(terms: list[torch.fx.Node]) -> tuple[Optional[torch.fx.Node], list[torch.fx.Node], str]:
