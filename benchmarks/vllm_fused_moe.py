@@ -78,6 +78,10 @@ def load(vllm_src: Optional[str] = None) -> SimpleNamespace:
     if missing:
         raise RuntimeError(f"{path} has no {sorted(missing)}: not the vLLM 0.32-0.33 layout this baseline reads")
     namespace: dict[str, Any] = {
+        # the functions' __module__: Triton's code generator reads it on every @triton.jit function a kernel calls
+        # (fused_moe_kernel calls write_zeros_to_output); without it the compile failed on the H200 with
+        # "'NoneType' object has no attribute 'startswith'"
+        "__name__": "rubin_vllm_fused_moe",
         "triton": triton,
         "tl": tl,
         "torch": torch,

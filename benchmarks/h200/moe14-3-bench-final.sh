@@ -11,7 +11,7 @@ TABLE=$(moe_table_file)
 [ -f "rubin_compile/kernels/triton/moe_baselines/$TABLE" ] && cp "rubin_compile/kernels/triton/moe_baselines/$TABLE" "$OUT/"
 { time timeout 180 python3 benchmarks/moe.py --shapes qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b \
   --tokens 1,64,256,1024,4096 --formats bf16 --baselines grouped_mm,vllm --reps 10 --vllm-src .vllm-src \
-  --out "$OUT" --tag -prefill --write-baselines "$OUT/$TABLE" ; } > "$OUT/moe-prefill.log" 2>&1
+  --out "$OUT" --tag=-prefill --write-baselines "$OUT/$TABLE" ; } > "$OUT/moe-prefill.log" 2>&1
 echo "benchmark exit $?"; grep -E "T=|merged|Error|Traceback|^real" "$OUT/moe-prefill.log" | cut -c1-220
 [ -f "$OUT/moe-prefill-h200-prefill.md" ] && cat "$OUT/moe-prefill-h200-prefill.md"
 cp "$OUT/$TABLE" rubin_compile/kernels/triton/moe_baselines/

@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton.launch import cdiv, launcher
-from rubin_compile.kernels.triton.moe import _gelu_tanh, _gemv_offs_k, _gemv_rows, _silu, device_file_name
+from rubin_compile.kernels.triton.activations import gelu_tanh, silu
+from rubin_compile.kernels.triton.moe import _gemv_offs_k, _gemv_rows, device_file_name
 from rubin_compile.kernels.triton.pdl import INTERPRET as _INTERPRET
 from rubin_compile.kernels.triton.pdl import PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.gemm import GATED, SCALE_BLOCK, GemmArgs, apply_epilogue, aten, reference
@@ -300,9 +301,9 @@ def _finish(
     if EPILOGUE == 1 or EPILOGUE == 2:
         up = acc_up.to(out_ty).to(tl.float32)
         if EPILOGUE == 1:
-            act = _silu(y)
+            act = silu(y)
         else:
-            act = _gelu_tanh(y)
+            act = gelu_tanh(y)
         y = act.to(out_ty).to(tl.float32) * up  # eager: act(gate) rounded, then the product rounded
     elif EPILOGUE == 3:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :])

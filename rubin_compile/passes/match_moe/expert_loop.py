@@ -140,20 +140,31 @@ def _match_body(node: torch.fx.Node, dtype: torch.dtype):
         failures.append((activation, str(m)))
     if any(f.startswith("multiple_users") for _, f in failures):
         return None, None, "an intermediate of its body has another user outside the expert"
-    where = "; ".join(f"{a}: {_stopped_at(f)}" for a, f in failures)
-    return (
-        None,
-        None,
-        f"its body is not down(act(gate(x)) * up(x)) with a known activation (each form stops at: {where})",
-    )
+    stops = {a: _stopped_at(f, node.graph) for a, f in failures}
+    if len(set(stops.values())) == 1:
+        where = f"every form stops at {next(iter(stops.values()))}"
+    else:
+        where = "; ".join(f"{a}: stops at {s}" for a, s in stops.items())
+    return None, None, f"its body is not down(act(gate(x)) * up(x)) with a known activation ({where})"
 
 
-def _stopped_at(failure: str) -> str:
+def _stopped_at(failure: str, graph: torch.fx.Graph) -> str:
     """Where a failed pattern match stopped, from the pattern matcher's message ("function_mismatch: node=tanh,
-    pattern=..."): the kind of mismatch and the graph node, without the pattern's text."""
+    pattern=..."): the kind of mismatch, the graph node and what it computes from what (its op, its inputs' ops),
+    without the pattern's text."""
     kind, _, rest = failure.partition(":")
-    node = rest.split("node=", 1)[1].split(",", 1)[0].strip() if "node=" in rest else ""
-    return f"{kind.strip()} at {node}" if node else kind.strip()[:80]
+    name = rest.split("node=", 1)[1].split(",", 1)[0].strip() if "node=" in rest else ""
+    if not name:
+        return kind.strip()[:80]
+    found = next((n for n in graph.nodes if n.name == name), None)
+    if found is None or found.op != "call_function":
+        return f"{name} ({kind.strip()})"
+    inputs = ", ".join(f"{a.name}: {_op(a)}" for a in found.all_input_nodes[:3])
+    return f"{name} = {_op(found)}({inputs}) ({kind.strip()})"
+
+
+def _op(n: torch.fx.Node) -> str:
+    return str(n.target) if n.op == "call_function" else n.op
 
 
 def _sum_tree(terms: list[torch.fx.Node]) -> tuple[Optional[torch.fx.Node], list[torch.fx.Node], str]:

@@ -218,3 +218,51 @@ def test_only_the_inline_asm_analysis_warning_is_filtered():
     assert not keep.filter(record(message, asm))
     assert keep.filter(record(message, other))
     assert keep.filter(record("another warning", asm))
+
+
+def _jit_functions():
+    """Every @triton.jit function defined in a module of rubin_compile/kernels/triton."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    from rubin_compile.kernels import triton as kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == module.__name__:
+                yield f"{info.name}.{name}", obj
+
+
+def test_inductor_rebuilds_every_kernel_source_with_its_helpers():
+    """A traced launch is compiled by Inductor from source it rebuilds (codegen/wrapper.py:
+    user_defined_triton_kernel_transitive_closure_source_code: the kernel and every @triton.jit function it calls,
+    spliced under the names they were defined with). A helper imported under another name (``from activations import
+    silu as _silu``) is spliced as ``silu`` and then called as ``_silu``: the H200 run at 9f3f9c9 failed to compile
+    _moe_fc1_kernel with "NameError: _silu is not defined". Every global each rebuilt function loads must be defined
+    in the rebuilt module (torch's own generated header gives it triton and tl)."""
+    import builtins
+    import dis
+    import types
+
+    import triton.language as tl
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    def keep(fn=None, **_):  # triton.jit needs the source file; the rebuilt functions stay plain functions here
+        return fn if fn is not None else keep
+
+    kernels = dict(_jit_functions())
+    assert {"moe._moe_fc1_kernel", "moe_prefill._fc1_kernel", "attention._split_kv"} <= set(kernels)
+    missing = {}
+    for name, kernel in kernels.items():
+        source = "@triton.jit\n" + user_defined_triton_kernel_transitive_closure_source_code(kernel)
+        namespace = {"triton": types.SimpleNamespace(jit=keep, constexpr_function=keep), "tl": tl}
+        exec(compile(source, f"<rebuilt {name}>", "exec"), namespace)
+        for fn in [v for v in namespace.values() if isinstance(v, types.FunctionType) and v is not keep]:
+            loads = {i.argval for i in dis.Bytecode(fn) if i.opname == "LOAD_GLOBAL"}
+            undefined = sorted(n for n in loads if n not in namespace and not hasattr(builtins, n))
+            if undefined:
+                missing[f"{name} -> {fn.__name__}"] = undefined
+    assert not missing, f"names a rebuilt kernel loads but its rebuilt source does not define: {missing}"

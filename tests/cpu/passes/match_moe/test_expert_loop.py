@@ -136,7 +136,7 @@ def test_loop_rewritten_and_numerics(rubin_run, dtype, variant):
         (dict(act="relu"), "activation relu"),
         (
             dict(act="tanh"),
-            "(each form stops at: silu: function_mismatch at tanh; gelu_tanh: function_mismatch at tanh",
+            "(every form stops at tanh = aten.tanh.default(mm_1: aten.mm.default) (function_mismatch))",
         ),
         (dict(leak=True), "another user"),
         (dict(cast_weights=False), "mixed dtypes"),
