@@ -137,10 +137,10 @@ def _match_body(node: torch.fx.Node, dtype: torch.dtype):
         m = _body_pattern(activation, dtype).match(node)
         if isinstance(m, Match):
             return activation, m, ""
-        failures.append((activation, str(m)))
-    if any(f.startswith("multiple_users") for _, f in failures):
+        failures.append((activation, m))
+    if any(f.format_string.startswith("multiple_users") for _, f in failures):
         return None, None, "an intermediate of its body has another user outside the expert"
-    stops = {a: _stopped_at(f, node.graph) for a, f in failures}
+    stops = {a: _stopped_at(f) for a, f in failures}
     if len(set(stops.values())) == 1:
         where = f"every form stops at {next(iter(stops.values()))}"
     else:
@@ -148,19 +148,18 @@ def _match_body(node: torch.fx.Node, dtype: torch.dtype):
     return None, None, f"its body is not down(act(gate(x)) * up(x)) with a known activation ({where})"
 
 
-def _stopped_at(failure: str, graph: torch.fx.Graph) -> str:
-    """Where a failed pattern match stopped, from the pattern matcher's message ("function_mismatch: node=tanh,
-    pattern=..."): the kind of mismatch, the graph node and what it computes from what (its op, its inputs' ops),
-    without the pattern's text."""
-    kind, _, rest = failure.partition(":")
-    name = rest.split("node=", 1)[1].split(",", 1)[0].strip() if "node=" in rest else ""
-    if not name:
-        return kind.strip()[:80]
-    found = next((n for n in graph.nodes if n.name == name), None)
-    if found is None or found.op != "call_function":
-        return f"{name} ({kind.strip()})"
+def _stopped_at(failure) -> str:
+    """Where a failed pattern match stopped: the kind of mismatch (the head of the pattern matcher's message,
+    "function_mismatch: node={}, pattern={}"), the graph node it names and what that computes from what (its op,
+    its inputs' ops). Read from the FailedMatch's arguments: the pattern's text is never formatted."""
+    kind = failure.format_string.split(":", 1)[0].strip()
+    found = next((a for a in failure.args if isinstance(a, torch.fx.Node)), None)
+    if found is None:
+        return kind[:80]
+    if found.op != "call_function":
+        return f"{found.name} ({kind})"
     inputs = ", ".join(f"{a.name}: {_op(a)}" for a in found.all_input_nodes[:3])
-    return f"{name} = {_op(found)}({inputs}) ({kind.strip()})"
+    return f"{found.name} = {_op(found)}({inputs}) ({kind})"
 
 
 def _op(n: torch.fx.Node) -> str:
