@@ -18,4 +18,7 @@ mkdir -p "$OUT/moe_configs"
   --formats "$FORMATS" --tokens "$TOKENS" --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
   --log "$OUT/tune-prefill-detail.log" ; } > "$OUT/tune-prefill.log" 2>&1
 echo "tune exit $?"; grep -v "compile failed" "$OUT/tune-prefill.log" | grep -E "T=|WRONG|Error|compiled|^real" | cut -c1-220
+# a copy the next call on the same warm machine can put in its tree (cp /tmp/rubin-tuned/*.json rubin_compile/kernels/
+# triton/moe_configs/) before the same table is committed here
+mkdir -p /tmp/rubin-tuned && cp "$OUT/moe_configs/$TABLE" /tmp/rubin-tuned/
 archive_out results.tgz
