@@ -36,6 +36,12 @@ def inductor_config_patches(options: RubinOptions, mode: Optional[str], gradient
         # PDL edges and the locality domains' streams are captured inside the graph with everything else.
         # ("external": the caller captures the graph; cudagraph trees stay off.)
         patches["triton.cudagraphs"] = True
+    # Inductor's shape padding (fx_passes/pad_mm.py) runs before our post-grad pass and, on a GPU, rewrites an mm
+    # whose M, K or N is not a multiple of 8 into constant_pad_nd + mm + slice *where a benchmark at compile time says
+    # so*: the graph match_moe / match_gemm see then depended on timing (on the H200 an expert loop of 5 tokens went
+    # unmatched now and then under a loaded GPU). rubin picks GEMM kernels from its own measured tables, so the
+    # padding is off unless the user sets it in options["inductor"].
+    patches["shape_padding"] = False
     patches.update(options.inductor)
     # vLLM's backend route hands us its graphs through torch.compile too: the adapter asks vLLM about a layer only
     # when a graph holds vLLM's ops, so standalone compiles never import it.

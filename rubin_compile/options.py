@@ -52,7 +52,9 @@ class RubinOptions:
         ``None`` runs all of them. The order is always the pipeline's.
     inductor:
         Extra ``torch._inductor.config`` settings for the compile, as ``torch.compile(options=...)`` would
-        take them with ``backend="inductor"`` (backend route only).
+        take them with ``backend="inductor"`` (backend route only). rubin sets ``shape_padding=False``
+        (Inductor's compile-time benchmark of padded GEMMs would make the graph our passes see depend on
+        timing); ``{"shape_padding": True}`` here turns it back on.
     target:
         The GPU to compile for (env ``RUBIN_TARGET``): ``"sm90"``, ``"sm100"``, ``"sm103"``, ``"sm107"``,
         ``"cpu"``, or ``"auto"`` (the current device; the CPU when there is none). Any machine can compile

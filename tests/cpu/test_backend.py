@@ -72,6 +72,11 @@ def test_inductor_settings_and_mode_pass_through():
         RubinOptions.resolve({"inductor": {"max_autotune": True}}, environ={}), "reduce-overhead"
     )
     assert patches["max_autotune"] is True and patches["triton.cudagraphs"] is True
+    # Inductor's benchmark-driven GEMM padding is off (the graph our passes see must not depend on timing), unless
+    # the user turns it back on
+    assert patches["shape_padding"] is False
+    theirs = RubinOptions.resolve({"inductor": {"shape_padding": True}}, environ={})
+    assert inductor_config_patches(theirs, None)["shape_padding"] is True
     assert isinstance(patches["post_grad_custom_post_pass"], PassManager)
     # a user's own post-grad pass keeps running, before ours
     seen = []
