@@ -3,7 +3,7 @@
 # committed, benchmarks/moe.py (bf16; ours, vLLM's fused_moe, the ATen form) writes the prefill table and merges its
 # times into this GPU's selection table, which is then put in the tree (the commit after this run holds it as
 # measured), and the choice's timed test and the whole GPU suite run on it.
-# carry [".whl", ".vllm-src"].   bash benchmarks/h200/moe14-3-bench-final.sh
+# carry [".whl", ".vllm-src"].   [SUITE=0] bash benchmarks/h200/moe14-3-bench-final.sh
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 cat .vllm-src/VERSION
@@ -19,6 +19,7 @@ cp "$OUT/$TABLE" rubin_compile/kernels/triton/moe_baselines/
 archive_out bench.tgz 'moe-*'
 { time timeout 90 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_moe_choice_gpu.py ; } > "$OUT/pytest-choice.log" 2>&1
 echo "pytest choice exit $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|^real" "$OUT/pytest-choice.log" | cut -c1-300 | tail -12
+[ "${SUITE:-1}" = 0 ] && { archive_out results.tgz; exit 0; }  # SUITE=0: the suite runs in a call of its own
 { time timeout 260 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 tests/gpu --ignore tests/gpu/test_moe_choice_gpu.py ; } \
   > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest gpu exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|^real" "$OUT/pytest-gpu.log" | cut -c1-300 | tail -30
