@@ -16,4 +16,4 @@ for side in after before; do
   grep -E "^\| [0-9]" "$OUT/$side/decode-attention-h200.md" | grep -v "ATen form"
 done
 git worktree remove --force /tmp/before > /dev/null 2>&1
-archive_out attn.tgz
+archive_out attn.tgz 'pytest-decode-attention.log before after'
