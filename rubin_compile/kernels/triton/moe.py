@@ -305,7 +305,8 @@ def lookup_config(
     num_sms: int = 132,
     table: Optional[dict[str, Any]] = None,
 ) -> tuple[MoEConfig, str]:
-    """Choose a config: the tuned entry for this GPU and shape at the nearest tuned T, else the heuristic.
+    """Choose a config: the tuned entry for this GPU (or its stand-in: moe_choice.CONFIG_STAND_INS) and shape at the
+    nearest tuned T, else the heuristic.
 
     Returns (config, source) where source says where it came from ("table:<key>@T=<t>" or "heuristic").
     A table entry whose mode cannot serve this T (slot mode needs T*k <= SLOT_MAX) is adjusted to the
@@ -317,7 +318,10 @@ def lookup_config(
     if entry:
         best = nearest_tuned_T(T, sorted(int(t) for t in entry))  # one rule with moe_choice.current_config
         cfg = MoEConfig.from_json(entry[str(best)])
-        return _fit_mode(cfg, T, k), f"table:{shape_key(E, H, I, k, weight_dtype, block_shape)}@T={best}"
+        source = f"table:{shape_key(E, H, I, k, weight_dtype, block_shape)}@T={best}"
+        if device_name and table.get("device", device_name) != device_name:  # a stand-in's (CONFIG_STAND_INS)
+            source += f" of {table['device']}"
+        return _fit_mode(cfg, T, k), source
     return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms), "heuristic"
 
 

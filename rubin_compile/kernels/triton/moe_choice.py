@@ -19,9 +19,10 @@ choice).
    config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
    then our time there is not ours any more). The plan and ``Choice.describe`` carry the times.
 2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at
-   every T (it measured faster at every benchmark shape and T but Mixtral's 256, which the table holds, and 4096,
-   before the persistent path was tuned there); against vLLM's fused MoE, ours up to ``VLLM_RULE_MAX_T`` tokens and
-   vLLM's own above (ours measured slower or tied at every prefill size measured before the persistent path).
+   every T where ours runs a tuned config for the shape (it measured faster at every benchmark shape and T but
+   Mixtral's 256, which the tables hold), and up to ``UNTUNED_RULE_MAX_T`` tokens where it runs the heuristic's (the
+   ATen form above); against vLLM's fused MoE, ours up to ``VLLM_RULE_MAX_T`` tokens and vLLM's own above (ours
+   measured slower or tied at every prefill size measured before the persistent path).
 
 The baseline a node has is what its graph runs without rubin (``KernelSpec.baseline``): ``"aten"`` for rubin.moe
 (matched from graph code: transformers' experts, expert loops), ``"vllm"`` for vLLM's MoE layer op. This module
@@ -60,6 +61,12 @@ BASELINES: dict[str, str] = {
 # (issue 14, H200, 2026-11-30). The persistent prefill path (moe_prefill.py, tuned at T = 1024 and 4096 on 2026-12-05)
 # timed 1.03-1.18x faster than those vLLM times, but in another run: the rule stays until one run times both.
 VLLM_RULE_MAX_T = 128
+# Off the table, against the ATen form, where ours has no tuned config for the shape (a GPU without a table or a
+# stand-in's, a shape the tuner never saw): ours up to this many tokens, the ATen form above. On the H100 with the
+# heuristic's configs (benchmarks/results/moe-h100-2026-12-05/call1-*), ours was 1.09-2.96x faster than the ATen form
+# at T = 1 and 64 on Qwen3-30B-A3B, DeepSeek-V3 TP8 and Mixtral-8x7B, but the ATen form was faster at T = 256, 1024
+# and 4096 on Mixtral (0.72-0.90x) and at 1024 on Qwen3 (0.92x).
+UNTUNED_RULE_MAX_T = 128
 
 _WFMT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -131,10 +138,30 @@ def same_config(a: Any, b: Any) -> bool:
     return filled(a) == filled(b)
 
 
+# GPUs without a tuned-config table of their own that run another GPU's: the same chip (GH100: sm_90, 132 SMs, 50 MB
+# of L2), which differ in their memory only, so the tiles tuned on one fit the other. On the H100 SXM the H200's table
+# ran every bf16 benchmark size 1.03-2.0x faster than the heuristic (T = 1 to 4096; 2.0x at T = 1024 on Qwen3-30B-A3B;
+# benchmarks/results/moe-h100-2026-12-05/). Which kernel wins a call is still measured on the GPU itself
+# (moe_baselines/), never taken from the other.
+CONFIG_STAND_INS: dict[str, str] = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
+
+
+def configs_device(device_name: str, directory: Optional[str] = None) -> str:
+    """The GPU whose tuned-config table ``device_name`` runs: its own where it has one, else its stand-in's
+    (``CONFIG_STAND_INS``) where that has one, else itself (no table: the heuristic)."""
+    folder = Path(directory) if directory else CONFIG_DIR
+    other = CONFIG_STAND_INS.get(device_name)
+    if device_name and not (folder / table_file(device_name)).is_file() and other:
+        if (folder / table_file(other)).is_file():
+            return other
+    return device_name
+
+
 @functools.lru_cache(maxsize=None)
 def load_configs(device_name: str, directory: Optional[str] = None) -> dict[str, Any]:
-    """The tuned-config table of a GPU as JSON ({} when there is none), read without Triton."""
-    path = (Path(directory) if directory else CONFIG_DIR) / table_file(device_name)
+    """The tuned-config table ``device_name`` runs (its own, or its stand-in's: ``configs_device``) as JSON ({} when
+    there is none), read without Triton."""
+    path = (Path(directory) if directory else CONFIG_DIR) / table_file(configs_device(device_name, directory))
     return json.loads(path.read_text()) if device_name and path.is_file() else {}
 
 
@@ -165,13 +192,27 @@ class Choice:
         return text + ")"
 
 
-RULE_TEXT = {"aten": "ours at every T", "vllm": f"ours up to T = {VLLM_RULE_MAX_T}, vllm above"}
-# a Choice's source off the table: no row of this GPU's table, timed with today's config, at or above the call's T
+RULE_TEXT = {
+    "aten": "ours at every T (ours runs a tuned config)",
+    "aten_untuned": f"ours up to T = {UNTUNED_RULE_MAX_T}, aten above (ours runs the heuristic's config)",
+    "vllm": f"ours up to T = {VLLM_RULE_MAX_T}, vllm above",
+}
+# a Choice's source off the table (no row of this GPU's table, timed with today's config, at or above the call's T),
+# by baseline ("aten_untuned": the ATen form where ours has no tuned config for the shape)
 RULES = {b: f"no measured entry at or above this T; rule: {text}" for b, text in RULE_TEXT.items()}
 
 
-def _rule(T: int, baseline: str) -> str:
-    return "vllm" if baseline == "vllm" and T > VLLM_RULE_MAX_T else "triton"
+def _rule(T: int, baseline: str, tuned: bool) -> str:
+    """Who runs a call off the table; ``tuned``: ours has a tuned config for the shape on this GPU."""
+    if baseline == "vllm":
+        return "vllm" if T > VLLM_RULE_MAX_T else "triton"
+    return "aten" if baseline == "aten" and not tuned and T > UNTUNED_RULE_MAX_T else "triton"
+
+
+def _tuned(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, directory: Optional[str] = None) -> bool:
+    """Whether ours runs a tuned config for the shape on the GPU called ``device_name`` (its table or its stand-in's)."""
+    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
+    return bool(configs.get("configs", {}).get(table_key(E, H, I, k, wfmt)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,7 +231,9 @@ def choose(
         row = rows[str(at)]
         ours, other = float(row["triton"]), float(row[baseline])
         return Choice("triton" if ours <= other else baseline, baseline, f"table:{key}@T={at}", ours, other)
-    return Choice(_rule(T, baseline), baseline, RULES[baseline])
+    tuned = _tuned(E, H, I, k, wfmt, device_name, directory)
+    rule = "aten_untuned" if baseline == "aten" and not tuned else baseline
+    return Choice(_rule(T, baseline, tuned), baseline, RULES[rule])
 
 
 def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set[str]]:
@@ -222,9 +265,13 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
     if baseline not in BASELINES:
         return "ours at every T"
     key, _, measured = _measured(E, H, I, k, wfmt, device_name, baseline)
+    tuned = _tuned(E, H, I, k, wfmt, device_name)
+    # the rule's limit for this shape: ours up to it, the baseline above (None: ours at every T)
+    limit = VLLM_RULE_MAX_T if baseline == "vllm" else None if tuned else UNTUNED_RULE_MAX_T
     if not measured:
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
-        return f"{RULE_TEXT[baseline]} (rule: {why})"
+        rule = RULE_TEXT["aten_untuned" if baseline == "aten" and not tuned else baseline]
+        return f"{rule} (rule: {why})"
     # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 256; ...", then the rule
     winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
     parts: list[str] = []
@@ -235,10 +282,10 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
                 f"{'ours' if who == 'triton' else baseline} " + (f"T <= {t}" if lo == 0 else f"{lo} < T <= {t}")
             )
             lo = t
-    if baseline == "vllm" and lo < VLLM_RULE_MAX_T:
-        parts.append(f"ours {lo} < T <= {VLLM_RULE_MAX_T}, vllm above (rule)")
+    if limit is not None and lo < limit:
+        parts.append(f"ours {lo} < T <= {limit}, {baseline} above (rule)")
     else:
-        parts.append(f"{'vllm' if _rule(lo + 1, baseline) == 'vllm' else 'ours'} T > {lo} (rule)")
+        parts.append(f"{'ours' if limit is None else baseline} T > {lo} (rule)")
     old = stale(E, H, I, k, wfmt, device_name)
     note = f"; not counted, timed with another config than today's: {', '.join(map(str, old))}" if old else ""
     return "; ".join(parts) + f" (measured on {device_name}: {', '.join(map(str, measured))} tokens{note})"

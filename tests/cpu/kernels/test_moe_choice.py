@@ -40,16 +40,28 @@ def _clear():
         cached.cache_clear()
 
 
-def test_rule_off_the_table():
+def test_rule_off_the_table(table):
     """Against vLLM's fused MoE ours runs up to VLLM_RULE_MAX_T tokens and vLLM's above; against the ATen form ours
-    runs at every T; without a baseline, ours."""
+    runs at every T where it has a tuned config for the shape, and up to UNTUNED_RULE_MAX_T where it runs the
+    heuristic's (no GPU named, or no tuned entry for the shape), the ATen form above; without a baseline, ours."""
     limit = moe_choice.VLLM_RULE_MAX_T
     for T, want in ((1, "triton"), (limit, "triton"), (limit + 1, "vllm"), (8192, "vllm")):
         c = moe_choice.choose(T, *QWEN, "bf16", "", "vllm")
         assert (c.kernel, c.source) == (want, moe_choice.RULES["vllm"]), T
-    for T in (1, 128, 4096, 65536):
-        assert moe_choice.choose(T, *QWEN, "bf16", "", "aten").kernel == "triton"
+    untuned = moe_choice.UNTUNED_RULE_MAX_T
+    for T in (1, untuned, untuned + 1, 4096, 65536):
+        want = "triton" if T <= untuned else "aten"
+        assert moe_choice.choose(T, *QWEN, "bf16", "", "aten").kernel == want, T
+        assert moe_choice.choose(T, *QWEN, "bf16", "Test GPU", "aten", table).kernel == want, T
         assert moe_choice.choose(T, *QWEN, "bf16", "", "").kernel == "triton"
+    # a tuned entry for the shape (this GPU's table has no measured row for it): ours at every T
+    (Path(table) / "configs").mkdir()
+    tuned = {moe_choice.table_key(*QWEN, "bf16"): {"1024": {"mode": "persistent", "us": 1.0}}}
+    (Path(table) / "configs" / "Test_GPU.json").write_text(json.dumps({"device": "Test GPU", "configs": tuned}))
+    _clear()
+    for T in (1, untuned + 1, 4096, 65536):
+        c = moe_choice.choose(T, *QWEN, "bf16", "Test GPU", "aten", table)
+        assert (c.kernel, c.source) == ("triton", moe_choice.RULES["aten"]), T
 
 
 def test_table_decides_by_the_smallest_measured_size_at_least_T(table):
@@ -64,9 +76,9 @@ def test_table_decides_by_the_smallest_measured_size_at_least_T(table):
         "triton",
         "aten",
         "aten",
-        "triton",  # beyond the largest measured size: the rule (ours against the ATen form), not the last entry
+        "aten",  # beyond the largest measured size: the rule (no tuned config here: the ATen form above T = 128)
     ]
-    assert choose(100000).source == moe_choice.RULES["aten"]
+    assert choose(100000).source == moe_choice.RULES["aten_untuned"]
     c = choose(300)
     assert c.source == f"table:{key}@T=1024" and (c.ours_us, c.baseline_us) == (10.0, 11.0)
     assert c.margin == pytest.approx(1.1)
@@ -83,7 +95,7 @@ def test_table_decides_by_the_smallest_measured_size_at_least_T(table):
 def test_policy_says_which_kernel_runs_which_sizes(table, monkeypatch):
     monkeypatch.setattr(moe_choice, "TABLE_DIR", Path(table))
     assert moe_choice.policy(*MIXTRAL, "bf16", "Test GPU", "aten") == (
-        "aten T <= 256; ours 256 < T <= 1024; aten 1024 < T <= 4096; ours T > 4096 (rule) "
+        "aten T <= 256; ours 256 < T <= 1024; aten 1024 < T <= 4096; aten T > 4096 (rule) "
         "(measured on Test GPU: 256, 1024, 4096 tokens)"
     )
     assert moe_choice.policy(*MIXTRAL, "bf16", "Test GPU", "vllm") == (
@@ -92,6 +104,10 @@ def test_policy_says_which_kernel_runs_which_sizes(table, monkeypatch):
     key = moe_choice.table_key(*QWEN, "bf16")
     assert moe_choice.policy(*QWEN, "bf16", "Test GPU", "vllm") == (
         f"ours up to T = {moe_choice.VLLM_RULE_MAX_T}, vllm above (rule: no measured entry for {key} on Test GPU)"
+    )
+    assert moe_choice.policy(*QWEN, "bf16", "Test GPU", "aten") == (
+        f"ours up to T = {moe_choice.UNTUNED_RULE_MAX_T}, aten above (ours runs the heuristic's config) "
+        f"(rule: no measured entry for {key} on Test GPU)"
     )
 
 
@@ -128,7 +144,7 @@ def test_a_row_counts_only_while_ours_runs_the_config_it_was_timed_with(table):
 
     # A tuned table for the shape now exists: every row (timed with the heuristic) is stale, the rule decides.
     write({"1024": dict(tuned, us=1.0, rel_err=0.0)})
-    assert [choose(T).source for T in (1, 256, 4096)] == [moe_choice.RULES["aten"]] * 3
+    assert [choose(T).source for T in (1, 256, 4096)] == [moe_choice.RULES["aten"]] * 3  # tuned: ours at every T
     assert moe_choice.stale(*MIXTRAL, "bf16", "Test GPU", table) == [256, 1024, 4096]
     # The table's entry as the rows recorded it (measurement fields aside) makes them count again.
     rows = json.loads((Path(table) / "Test_GPU.json").read_text())
@@ -185,6 +201,47 @@ def test_choice_on_the_benchmark_is_never_more_than_5pct_slower():
         checked += 1
     # of 44: Qwen3 and DeepSeek-V3 at T = 1, 2, 4, 8, 1024, 4096, Mixtral and MiniMax-M2 at 1024, 4096 re-tuned
     assert checked == 28, checked
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_a_gpu_without_tuned_configs_runs_its_stand_ins(tmp_path):
+    """The H100 SXM has no tuned-config table: it runs the H200's (the same GH100 chip), and the kernel's source says
+    whose; a table of its own would win, and a GPU with no stand-in gets none. Which kernel wins a call is still read
+    from the H100's own measured table, whose rows were timed with those configs and so all count."""
+    _clear()
+    assert moe_choice.configs_device(H100) == "NVIDIA H200"
+    assert moe_choice.load_configs(H100) == moe_choice.load_configs("NVIDIA H200") != {}
+    assert moe_choice.configs_device("NVIDIA A100-SXM4-80GB") == "NVIDIA A100-SXM4-80GB"
+    assert moe_choice.load_configs("NVIDIA A100-SXM4-80GB") == {}
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / moe_choice.table_file(H100)).write_text(json.dumps({"device": H100, "configs": {}}))
+    (own / moe_choice.table_file("NVIDIA H200")).write_text(json.dumps({"device": "NVIDIA H200", "configs": {}}))
+    assert moe_choice.configs_device(H100, str(own)) == H100
+    assert moe_choice.load_configs(H100, str(own))["device"] == H100
+    assert moe_choice.configs_device(H100, str(tmp_path)) == H100 and moe_choice.load_configs(H100, str(tmp_path)) == {}
+    # every H100 row was timed with the H200's configs (benchmarks/results/moe-h100-2026-12-05/call2-*)
+    for shape in (QWEN, MIXTRAL, (256, 7168, 256, 8)):
+        assert moe_choice.stale(*shape, "bf16", H100) == []
+    # what the H100 measured decides: grouped_mm beat ours on Mixtral at T = 256 there (1214 against 1522 us), ours
+    # won at 1024
+    c = moe_choice.choose(256, *MIXTRAL, "bf16", H100, "aten")
+    assert (c.kernel, c.ours_us, c.baseline_us) == ("aten", 1522.02, 1214.28), c.describe()
+    assert moe_choice.choose(1024, *MIXTRAL, "bf16", H100, "aten").kernel == "triton"
+    _clear()
+
+
+def test_the_kernel_runs_the_stand_ins_entry_and_says_whose():
+    pytest.importorskip("triton")
+    from rubin_compile.kernels.triton import moe as tmoe
+
+    _clear()
+    theirs, source = tmoe.lookup_config(1024, *QWEN, torch.bfloat16, device_name="NVIDIA H200")
+    ours, ours_source = tmoe.lookup_config(1024, *QWEN, torch.bfloat16, device_name=H100)
+    assert ours == theirs and source.startswith("table:") and ours_source == source + " of NVIDIA H200"
+    _clear()
 
 
 def _args(T, E=4, H=64, I=32, k=2, dtype=torch.bfloat16):
