@@ -14,8 +14,8 @@ choice).
 
 1. **The measured table** of this GPU (``moe_baselines/<GPU name>.json``, written by ``benchmarks/moe.py
    --baselines ... --write-baselines``): per shape (E, H, I, k, weight format) and measured T, our time, the
-   tuned config ours ran with (``config``) and each baseline's time; the entry of the smallest measured T at
-   least the call's decides, ours where it measured faster. An entry counts only while ours would still run the
+   tuned config ours ran with (``config``) and each baseline's time; the entry of the measured T nearest the
+   call's in log2 (ties to the smaller) decides, up to the largest measured T, ours where it measured faster. An entry counts only while ours would still run the
    config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
    then our time there is not ours any more). The plan and ``Choice.describe`` carry the times.
 2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at
@@ -226,7 +226,10 @@ def choose(
     if baseline not in BASELINES:
         return Choice("triton", baseline, "no baseline")
     key, rows, measured = _measured(E, H, I, k, wfmt, device_name, baseline, directory)
-    at = next((t for t in measured if t >= T), None)  # the smallest measured T at least T; beyond them the rule
+    # the measured size nearest T in log2 (ties to the smaller: the rule lookup_config finds configs by); beyond the
+    # largest, the rule. (It was the smallest measured T at least T: on the H100, DeepSeek-V3 at T = 8 then went by
+    # the T = 64 row, where vLLM's kernel won by 1.5%, though ours is 1.13x faster at T = 8 and won the T = 1 row.)
+    at = nearest_tuned_T(T, measured) if measured and T <= measured[-1] else None
     if at is not None:
         row = rows[str(at)]
         ours, other = float(row["triton"]), float(row[baseline])
@@ -272,16 +275,18 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
         rule = RULE_TEXT["aten_untuned" if baseline == "aten" and not tuned else baseline]
         return f"{rule} (rule: {why})"
-    # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 256; ...", then the rule
+    # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 512; ...", then the rule. A
+    # measured size serves the calls nearest it in log2: up to isqrt(t * next) (ties to the smaller), the last up to t.
     winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
+    ends = [math.isqrt(t * u) for t, u in zip(measured, measured[1:])] + [measured[-1]]
     parts: list[str] = []
     lo = 0
-    for i, (t, who) in enumerate(zip(measured, winners)):
+    for i, (end, who) in enumerate(zip(ends, winners)):
         if i == len(measured) - 1 or winners[i + 1] != who:
             parts.append(
-                f"{'ours' if who == 'triton' else baseline} " + (f"T <= {t}" if lo == 0 else f"{lo} < T <= {t}")
+                f"{'ours' if who == 'triton' else baseline} " + (f"T <= {end}" if lo == 0 else f"{lo} < T <= {end}")
             )
-            lo = t
+            lo = end
     if limit is not None and lo < limit:
         parts.append(f"ours {lo} < T <= {limit}, {baseline} above (rule)")
     else:
