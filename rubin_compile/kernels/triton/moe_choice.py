@@ -15,8 +15,8 @@ choice).
 1. **The measured table** of this GPU (``moe_baselines/<GPU name>.json``, written by ``benchmarks/moe.py
    --baselines ... --write-baselines``): per shape (E, H, I, k, weight format) and measured T, our time, the
    tuned config ours ran with (``config``) and each baseline's time; the entry of the measured T nearest the
-   call's in log2 (ties to the smaller) decides, up to the largest measured T, ours where it measured faster. An entry counts only while ours would still run the
-   config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
+   call's in log2 (ties to the smaller) decides, up to the largest measured T, ours where it measured faster. An
+   entry counts only while ours would still run the config it was timed with (``current_config``: the tuned table of moe_configs/ may have been re-tuned since, and
    then our time there is not ours any more). The plan and ``Choice.describe`` carry the times.
 2. **Off the table** (no current entry at or above the call's T), **the rule**: against the ATen form, ours at
    every T where ours runs a tuned config for the shape (it measured faster at every benchmark shape and T but
@@ -202,17 +202,19 @@ RULE_TEXT = {
 RULES = {b: f"no measured entry at or above this T; rule: {text}" for b, text in RULE_TEXT.items()}
 
 
-def _rule(T: int, baseline: str, tuned: bool) -> str:
-    """Who runs a call off the table; ``tuned``: ours has a tuned config for the shape on this GPU."""
+def _configs(device_name: str, directory: Optional[str]) -> dict[str, Any]:
+    """The tuned configs ``choose`` reads: moe_configs/'s, or the ``configs`` subfolder of its ``directory``."""
+    return load_configs(device_name, directory and str(Path(directory) / "configs"))
+
+
+def _rule(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, Optional[int]]:
+    """The rule off the table for one shape: its ``RULES`` key, and the T up to which ours runs (None: every T).
+    Against the ATen form it depends on whether ours runs a tuned config for the shape (this GPU's or a stand-in's)."""
     if baseline == "vllm":
-        return "vllm" if T > VLLM_RULE_MAX_T else "triton"
-    return "aten" if baseline == "aten" and not tuned and T > UNTUNED_RULE_MAX_T else "triton"
-
-
-def _tuned(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, directory: Optional[str] = None) -> bool:
-    """Whether ours runs a tuned config for the shape on the GPU called ``device_name`` (its table or its stand-in's)."""
-    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
-    return bool(configs.get("configs", {}).get(table_key(E, H, I, k, wfmt)))
+        return "vllm", VLLM_RULE_MAX_T
+    if _configs(device_name, directory).get("configs", {}).get(table_key(E, H, I, k, wfmt)):
+        return "aten", None
+    return "aten_untuned", UNTUNED_RULE_MAX_T
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,9 +236,8 @@ def choose(
         row = rows[str(at)]
         ours, other = float(row["triton"]), float(row[baseline])
         return Choice("triton" if ours <= other else baseline, baseline, f"table:{key}@T={at}", ours, other)
-    tuned = _tuned(E, H, I, k, wfmt, device_name, directory)
-    rule = "aten_untuned" if baseline == "aten" and not tuned else baseline
-    return Choice(_rule(T, baseline, tuned), baseline, RULES[rule])
+    rule, limit = _rule(E, H, I, k, wfmt, device_name, baseline, directory)
+    return Choice("triton" if limit is None or T <= limit else baseline, baseline, RULES[rule])
 
 
 def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set[str]]:
@@ -244,7 +245,7 @@ def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set
     today)."""
     key = table_key(E, H, I, k, wfmt)
     rows = load_table(device_name, directory).get("entries", {}).get(key, {})
-    configs = load_configs(device_name, directory and str(Path(directory) / "configs"))
+    configs = _configs(device_name, directory)
     current = {t for t, r in rows.items() if same_config(r.get("config"), current_config(int(t), key, configs))}
     return key, rows, current
 
@@ -268,13 +269,10 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
     if baseline not in BASELINES:
         return "ours at every T"
     key, _, measured = _measured(E, H, I, k, wfmt, device_name, baseline)
-    tuned = _tuned(E, H, I, k, wfmt, device_name)
-    # the rule's limit for this shape: ours up to it, the baseline above (None: ours at every T)
-    limit = VLLM_RULE_MAX_T if baseline == "vllm" else None if tuned else UNTUNED_RULE_MAX_T
+    rule, limit = _rule(E, H, I, k, wfmt, device_name, baseline)  # ours up to limit, the baseline above
     if not measured:
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
-        rule = RULE_TEXT["aten_untuned" if baseline == "aten" and not tuned else baseline]
-        return f"{rule} (rule: {why})"
+        return f"{RULE_TEXT[rule]} (rule: {why})"
     # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 512; ...", then the rule. A
     # measured size serves the calls nearest it in log2: up to isqrt(t * next) (ties to the smaller), the last up to t.
     winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
