@@ -137,6 +137,7 @@ def bench_shape(name, sh, tokens, formats, baselines, reps, copy_gbs, log, induc
                 block,
                 torch.cuda.get_device_name(),
                 torch.cuda.get_device_properties(0).multi_processor_count,
+                sm90=tmoe.is_sm90(torch.device("cuda")),
             )
             row = dict(shape=name, E=E, k=k, H=H, I=I, T=T, wfmt=wf, config=cfg.to_json(), config_source=src, us={})
             # the tuned table's entry as written (moe_choice compares it with today's before it counts our time)

@@ -36,7 +36,15 @@ def run(cases: str) -> None:
         x = torch.randn((T, H), device="cuda", dtype=torch.bfloat16)
         tw, ids = make_routing(T, E, k)
         cfg, src = moe.lookup_config(
-            T, E, H, I, k, w["w13"].dtype, BLOCK if wfmt == "fp8_block" else None, torch.cuda.get_device_name()
+            T,
+            E,
+            H,
+            I,
+            k,
+            w["w13"].dtype,
+            BLOCK if wfmt == "fp8_block" else None,
+            torch.cuda.get_device_name(),
+            sm90=moe.is_sm90(torch.device("cuda")),
         )
 
         def call(x=x, w=w, tw=tw, ids=ids):

@@ -192,13 +192,23 @@ def _pow2_at_least(x: float, lo: int, hi: int) -> int:
 
 
 def heuristic_config(
-    T: int, E: int, H: int, I: int, k: int, weight_dtype: torch.dtype, block_shape=None, num_sms: int = 132
+    T: int,
+    E: int,
+    H: int,
+    I: int,
+    k: int,
+    weight_dtype: torch.dtype,
+    block_shape=None,
+    num_sms: int = 132,
+    sm90: bool = False,
 ) -> MoEConfig:
     """A sane configuration for shapes the tuned table does not cover.
 
     Decode: fill the SMs about twice over with (group, N tile) programs, each streaming a weight slice
-    across the whole K in ``BK`` steps, 4-stage pipelined. Prefill: 128-row blocks, wgmma tiles
-    (FC1 128 x 64 x 64 gate and up, FC2 128 x 128 x 64), 8 warps, 3 stages.
+    across the whole K in ``BK`` steps, 4-stage pipelined. Prefill on sm_90 (``sm90``): the persistent TMA +
+    wgmma path with the tiles that won the H200's tuning at prefill sizes (``persistent_heuristic``). Prefill
+    elsewhere: 128-row blocks, wgmma tiles (FC1 128 x 64 x 64 gate and up, FC2 128 x 128 x 64), 8 warps, 3
+    stages.
     """
     S = T * k
     fp8 = weight_dtype in FP8_DTYPES
@@ -208,6 +218,10 @@ def heuristic_config(
     groups = max(1.0, expected_distinct_experts(T, E, k))
     rows = S / groups
     w_elt = 1 if fp8 else 2
+    if sm90:
+        cfg = persistent_heuristic(T, E, k, H, I, weight_dtype, block_shape)
+        if cfg is not None:
+            return cfg
     if rows > 64 and T >= 512:
         mode = "prefill"
         fc1 = GemmConfig(BM=128, BN=64, BK=min(64, bk), num_warps=8, num_stages=3)
@@ -251,6 +265,52 @@ def heuristic_config(
         fused_sum=True,
         a_fp8=False,
     )
+
+
+# From this many tokens, and this many expected rows per routed expert, the heuristic runs the persistent path on
+# sm_90 (benchmarks/moe_heuristic.py measures where it beats the decode-style tiles and the ATen form)
+PERSISTENT_HEURISTIC_MIN_T = 512
+PERSISTENT_HEURISTIC_MIN_ROWS = 32
+
+
+def persistent_heuristic(
+    T: int, E: int, k: int, H: int, I: int, weight_dtype: torch.dtype, block_shape=None
+) -> Optional[MoEConfig]:
+    """The persistent path's config for a prefill-sized call of a shape without tuned configs (None: the call is
+    below the sizes where it is used, or a format it was not tuned in).
+
+    The tiles are the ones that won the H200's tuning at T = 1024 and 4096 on the four benchmark shapes
+    (moe_configs/NVIDIA_H200.json, 1cd6c14), by expected rows per routed expert:
+
+    * bf16 / fp16: 64-row tiles under 64 rows (DeepSeek-V3 TP8 and MiniMax-M2 at T = 1024), 128 from 64 on;
+      FC1 BM x 128 x 64 (gate and up), 8 warps, 4 stages; FC2 BM x 256 x 64, 8 warps, 3 stages, one flattened
+      loop over the program's work items: 6 of the 8 entries exactly (MiniMax-M2 at T = 4096: these tiles without
+      the flattened loop; Mixtral at T = 1024: FC1 128 x 128 x 64 with 3 stages, FC2 128 x 128 x 64);
+    * FP8 weights with 128-wide block scales: under 128 rows e4m3 activations (W8A8) on 64-row tiles, two
+      programs per SM (3 of 3 entries); from 128 rows the weights dequantised in registers (W8A16) on 128-row
+      tiles (2 of 5: Qwen3 and DeepSeek-V3 at T = 4096; Mixtral took FC2 128 x 256 x 64, MiniMax-M2 at T = 4096
+      the W8A8 tiles).
+
+    Where these tiles are used is measured, not assumed: benchmarks/moe_heuristic.py times them against the
+    heuristic's other tiles and the ATen form on the benchmark shapes and on shapes never tuned.
+    """
+    rows = T * k / max(1.0, expected_distinct_experts(T, E, k))
+    if T < PERSISTENT_HEURISTIC_MIN_T or rows < PERSISTENT_HEURISTIC_MIN_ROWS:
+        return None
+    if weight_dtype in FP8_DTYPES:
+        if block_shape is None or int(block_shape[1]) % 128:
+            return None  # per-tensor and other block widths: never tuned on this path
+        if rows < 128:
+            fc1 = GemmConfig(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, occupancy=2)
+            fc2 = GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occupancy=2)
+            return MoEConfig(mode="persistent", fc1=fc1, fc2=fc2, a_fp8=True)
+        fc1 = GemmConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+        fc2 = GemmConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, occupancy=2)
+        return MoEConfig(mode="persistent", fc1=fc1, fc2=fc2, a_fp8=False)
+    bm = 64 if rows < 64 else 128
+    fc1 = GemmConfig(BM=bm, BN=128, BK=64, num_warps=8, num_stages=4)
+    fc2 = GemmConfig(BM=bm, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True)
+    return MoEConfig(mode="persistent", fc1=fc1, fc2=fc2)
 
 
 SMEM_LIMIT = 225 * 1024  # of the H100 / H200's 227 KB per block, with room for Triton's scratch
@@ -304,9 +364,10 @@ def lookup_config(
     device_name: str = "",
     num_sms: int = 132,
     table: Optional[dict[str, Any]] = None,
+    sm90: bool = False,
 ) -> tuple[MoEConfig, str]:
     """Choose a config: the tuned entry for this GPU (or its stand-in: moe_choice.CONFIG_STAND_INS) and shape at the
-    nearest tuned T, else the heuristic.
+    nearest tuned T, else the heuristic (``sm90``: the GPU runs the persistent path, see ``heuristic_config``).
 
     Returns (config, source) where source says where it came from ("table:<key>@T=<t>" or "heuristic").
     A table entry whose mode cannot serve this T (slot mode needs T*k <= SLOT_MAX) is adjusted to the
@@ -322,14 +383,16 @@ def lookup_config(
         if device_name and table.get("device", device_name) != device_name:  # a stand-in's (CONFIG_STAND_INS)
             source += f" of {table['device']}"
         return _fit_mode(cfg, T, k), source
-    return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms), "heuristic"
+    return heuristic_config(T, E, H, I, k, weight_dtype, block_shape, num_sms, sm90), "heuristic"
 
 
 @functools.lru_cache(maxsize=4096)
-def _tuned_config(T: int, E: int, H: int, I: int, k: int, weight_dtype, block_shape, device_name: str, num_sms: int):
+def _tuned_config(
+    T: int, E: int, H: int, I: int, k: int, weight_dtype, block_shape, device_name: str, num_sms: int, sm90: bool
+):
     """``lookup_config``'s config for this GPU's table, found once per call signature (``run`` asks on every call;
     the table itself is read once per process)."""
-    return lookup_config(T, E, H, I, k, weight_dtype, block_shape, device_name, num_sms)[0]
+    return lookup_config(T, E, H, I, k, weight_dtype, block_shape, device_name, num_sms, sm90=sm90)[0]
 
 
 def _fit_mode(cfg: MoEConfig, T: int, k: int) -> MoEConfig:
@@ -1093,6 +1156,19 @@ def _device_info(index: int) -> tuple[str, int, bool]:
     return props.name, props.multi_processor_count, props.major >= 9
 
 
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (H100 / H200 / GH200): where the heuristic may pick the persistent path,
+    tested only there (its TMA descriptors and wgmma tiles; an interpreted run on the CPU takes the other tiles)."""
+    if device.type != "cuda" or _INTERPRET:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _device_facts(device: torch.device) -> tuple[str, int, bool]:
     if device.type == "cuda":
         return _device_info(device.index if device.index is not None else torch.cuda.current_device())
@@ -1746,7 +1822,7 @@ def run(
     name, num_sms, has_pdl = _device_facts(dev)
     if config is None:
         block = tuple(args.block_shape) if args.block_shape is not None else None
-        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms)
+        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, is_sm90(dev))
     placed = launch.placement is not None and launch.placement.applies(T)
     if config.mode == "persistent":
         tiles = moe_prefill.Tiles.of(config)

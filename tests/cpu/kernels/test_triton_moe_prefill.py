@@ -284,3 +284,90 @@ def test_tuner_can_weigh_the_persistent_path_alone_against_the_table():
     assert cands == list(dict.fromkeys([heuristic, tmoe.MoEConfig.from_json(entry), *tiles]))
     assert set(tiles) <= set(cands)
     assert len(tiles) == len(tune_moe.PERSISTENT_TILES) + len(tune_moe.PERSISTENT_VARIANTS)
+
+
+# (E, k, H, I) of the four tuned shapes and of held-out ones (benchmarks/moe_heuristic.py)
+HEURISTIC_SHAPES = [
+    (128, 8, 2048, 768),
+    (256, 8, 7168, 256),
+    (8, 2, 4096, 14336),
+    (256, 8, 3072, 1536),
+    (128, 8, 4096, 1536),
+    (128, 4, 2880, 2880),
+    (16, 1, 5120, 8192),
+    (60, 4, 2048, 1408),
+]
+
+
+@pytest.mark.parametrize("E,k,H,I", HEURISTIC_SHAPES)
+def test_heuristic_runs_tuned_persistent_tiles_at_prefill_sizes_on_sm90_only(E, k, H, I):
+    """On sm_90 the heuristic runs the persistent path from PERSISTENT_HEURISTIC_MIN_T tokens and
+    PERSISTENT_HEURISTIC_MIN_ROWS rows per routed expert on, with tiles the tuner tries (so the sm_90 compiles above
+    and the GPU tests of the tuner's tiles cover them); below, elsewhere (sm90=False) and for FP8 weights without
+    128-wide block scales it is the heuristic it was."""
+    import torch
+
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton import tune_moe
+
+    seen = set()
+    for wfmt, wdt, block in (
+        ("bf16", torch.bfloat16, None),
+        ("fp16", torch.float16, None),
+        ("fp8_block", torch.float8_e4m3fn, [128, 128]),
+        ("fp8_tensor", torch.float8_e4m3fn, None),
+    ):
+        for T in (1, 8, 64, 256, 511, 512, 1024, 2048, 4096, 8192):
+            before = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132)
+            on_sm90 = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132, sm90=True)
+            rows = T * k / tmoe.expected_distinct_experts(T, E, k)
+            prefill = T >= tmoe.PERSISTENT_HEURISTIC_MIN_T and rows >= tmoe.PERSISTENT_HEURISTIC_MIN_ROWS
+            if not prefill or wfmt == "fp8_tensor":
+                assert on_sm90 == before, (wfmt, T)
+                assert tmoe.persistent_heuristic(T, E, k, H, I, wdt, block) is None
+                continue
+            assert on_sm90.mode == "persistent" and on_sm90.problem() is None, (wfmt, T, on_sm90)
+            tried = tune_moe.persistent_candidates(tmoe, T, "bf16" if wfmt == "fp16" else wfmt)
+            assert on_sm90 in tried, (wfmt, T, on_sm90)
+            assert on_sm90.fc1.BM == (64 if rows < (128 if wdt == torch.float8_e4m3fn else 64) else 128)
+            assert on_sm90.a_fp8 == (wfmt == "fp8_block" and rows < 128)
+            seen.add((wfmt, on_sm90.fc1.BM))
+    assert ("bf16", 128) in seen  # every shape reaches 128-row tiles by T = 8192
+
+
+def test_heuristic_persistent_tiles_are_the_h200_tables_winners():
+    """The tiles come from the H200's tuning: where the table has an entry at T >= 1024, the heuristic's
+    persistent config is that entry for 6 of the 8 bf16 and 5 of the 8 FP8 block entries (the docstring of
+    ``persistent_heuristic`` names the others)."""
+    import torch
+
+    from rubin_compile.kernels.triton import moe as tmoe
+
+    configs = tmoe.load_config_table("NVIDIA H200")["configs"]
+    same = {"bf16": 0, "fp8_block": 0}
+    total = {"bf16": 0, "fp8_block": 0}
+    for key, entry in configs.items():
+        fields = dict(f.split("=") for f in key.split(","))
+        E, H, I, k, w = int(fields["E"]), int(fields["H"]), int(fields["I"]), int(fields["k"]), fields["w"]
+        if w not in same:
+            continue
+        wdt, block = (torch.bfloat16, None) if w == "bf16" else (torch.float8_e4m3fn, [128, 128])
+        for t, e in entry.items():
+            if int(t) < 1024:
+                continue
+            total[w] += 1
+            same[w] += tmoe.persistent_heuristic(int(t), E, k, H, I, wdt, block) == tmoe.MoEConfig.from_json(e)
+    assert total == {"bf16": 8, "fp8_block": 8}
+    assert same == {"bf16": 6, "fp8_block": 5}
+
+
+def test_lookup_config_passes_sm90_to_the_heuristic():
+    import torch
+
+    from rubin_compile.kernels.triton import moe as tmoe
+
+    cfg, src = tmoe.lookup_config(4096, 128, 4096, 1536, 8, torch.bfloat16, table={}, sm90=True)
+    assert (src, cfg.mode) == ("heuristic", "persistent")
+    cfg, src = tmoe.lookup_config(4096, 128, 4096, 1536, 8, torch.bfloat16, table={})
+    assert (src, cfg.mode) == ("heuristic", "prefill")
+    assert not tmoe.is_sm90(torch.device("cpu"))

@@ -1,0 +1,222 @@
+"""Where the MoE kernel's heuristic should run the persistent path, and whether it beats the ATen form (run on a GPU).
+
+    PYTHONPATH=. python benchmarks/moe_heuristic.py --out benchmarks/results/DIR
+
+Shapes without tuned configs for the GPU run the heuristic (kernels/triton/moe.py ``heuristic_config``). On sm_90
+it takes the persistent path's tiles (``persistent_heuristic``) from ``PERSISTENT_HEURISTIC_MIN_T`` tokens on;
+below, and on other GPUs, the decode-style tiles. Off the selection table, rubin then picks between ours and the
+ATen form by a rule (kernels/triton/moe_choice.py ``UNTUNED_RULE_MAX_T``). This benchmark gives both decisions
+their numbers, in one run, per shape, T and weight format:
+
+* ``decode_tiles``: ``heuristic_config(..., sm90=False)``, what the heuristic ran before the persistent tiles
+  (and what it runs on other GPUs);
+* ``persistent``: ``persistent_heuristic`` at every T asked (also below the T where the heuristic uses it, so the
+  switch point is measured), with its relative error against the float32 reference on one call;
+* ``tuned``: the tuned table's entry (this GPU's or its stand-in's), where the shape has one: how far the heuristic
+  is from tuning;
+* ``aten``: rubin.moe's ATen form (``torch._grouped_mm``; bf16 only), the other side of the rule.
+
+The shapes: the four benchmark shapes the tables were tuned on, and held-out shapes of real models that were
+never tuned (``HELD_OUT``): the heuristic is what those run. Timing as benchmarks/moe.py: CUDA-graph replays of
+4 calls on 2 weight copies, fresh random routing before each replay, median. Writes
+``moe-heuristic-<gpu>.{md,json}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rubin_compile.kernels.triton import moe as tmoe
+from rubin_compile.kernels.triton.tune_moe import (
+    BLOCK,
+    SHAPES,
+    make_routing,
+    make_weights,
+    reference,
+    rel_error,
+    time_graph,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import CALLS, COPIES, commit, grouped_mm_moe  # noqa: E402  (benchmarks/moe.py)
+
+# MoE layers of released models whose shapes no table was tuned on (Hugging Face configs: hidden_size,
+# moe_intermediate_size, num_experts, num_experts_per_tok)
+HELD_OUT = {
+    "qwen3-235b-a22b": dict(E=128, k=8, H=4096, I=1536),
+    "glm-4.5-air": dict(E=128, k=8, H=4096, I=1408),
+    "llama-4-scout": dict(E=16, k=1, H=5120, I=8192),
+    "qwen1.5-moe-a2.7b": dict(E=60, k=4, H=2048, I=1408),
+    "gpt-oss-120b": dict(E=128, k=4, H=2880, I=2880),  # H, I not multiples of 128 (nor of the FP8 scale blocks)
+}
+ALL_SHAPES = {**SHAPES, **HELD_OUT}
+
+
+def gpu_slug(name: str) -> str:
+    """A file-name word for a GPU: 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3', 'NVIDIA H200' -> 'h200'."""
+    words = name.lower().replace("nvidia", " ").split()
+    return "-".join(words) or "gpu"
+
+
+def bench(name, sh, tokens, wf, reps, log):
+    E, k, H, I = sh["E"], sh["k"], sh["H"], sh["I"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weights = [make_weights(E, H, I, wf, seed=20 + c) for c in range(COPIES)]
+    block = weights[0].get("block_shape")
+    wdt = weights[0]["w13"].dtype
+    dname, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for T in tokens:
+        xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(CALLS)]
+        routes = [list(make_routing(T, E, k, generator=gen)) for _ in range(CALLS)]
+
+        def refresh(i):
+            for r in routes:
+                tw, ids = make_routing(T, E, k, generator=gen)
+                r[0].copy_(tw)
+                r[1].copy_(ids)
+
+        def timed(fn):
+            return statistics.median(time_graph([lambda i=i: fn(i) for i in range(CALLS)], refresh=refresh, reps=reps))
+
+        def ours(config):
+            def fn(i):
+                w = weights[i % COPIES]
+                return tmoe.fused_moe(
+                    xs[i], w["w13"], w["w2"], routes[i][0], routes[i][1], "silu", None, None,
+                    w.get("w13_scale"), w.get("w2_scale"), block, pdl=True, config=config,
+                )  # fmt: skip
+
+            return fn
+
+        picked, source = tmoe.lookup_config(T, E, H, I, k, wdt, block, dname, sms, sm90=tmoe.is_sm90(dev))
+        persistent = tmoe.persistent_heuristic(max(T, tmoe.PERSISTENT_HEURISTIC_MIN_T), E, k, H, I, wdt, block)
+        configs = {"decode_tiles": tmoe.heuristic_config(T, E, H, I, k, wdt, block, sms, sm90=False)}
+        if persistent is not None:
+            configs["persistent"] = persistent
+        if source != "heuristic":
+            configs["tuned"] = picked
+        row = dict(shape=name, E=E, k=k, H=H, I=I, T=T, wfmt=wf, rubin_runs=source, us={}, configs={}, errors={})
+        row["rubin_runs_config"] = picked.to_json()
+        for label, cfg in configs.items():
+            row["configs"][label] = cfg.to_json()
+            try:
+                row["us"][label] = timed(ours(cfg))
+            except Exception as exc:  # recorded, never dropped: a failing config is a finding
+                row["errors"][label] = f"{type(exc).__name__}: {exc}"[:300]
+        if "persistent" in row["us"]:
+            w = weights[0]
+            ref = reference(xs[0], w, routes[0][0], routes[0][1], wf)
+            row["persistent_rel_err"] = rel_error(
+                tmoe, configs["persistent"], xs[0], w, routes[0][0], routes[0][1], ref
+            )
+            del ref
+        if wf == "bf16":
+            try:
+                row["us"]["aten"] = timed(
+                    lambda i: grouped_mm_moe(
+                        xs[i], weights[i % COPIES]["w13"], weights[i % COPIES]["w2"], routes[i][0], routes[i][1]
+                    )
+                )
+            except Exception as exc:
+                row["errors"]["aten"] = f"{type(exc).__name__}: {exc}"[:300]
+        us = row["us"]
+        log(
+            f"{name:18s} {wf:9s} T={T:5d} "
+            + " ".join(f"{lab}={v:8.1f}" for lab, v in us.items())
+            + (f" err={row['persistent_rel_err']:.1e}" if "persistent_rel_err" in row else "")
+            + (f" ERR {row['errors']}" if row["errors"] else "")
+            + f" [{source}]"
+        )
+        rows.append(row)
+    return rows
+
+
+def markdown(result) -> str:
+    out = [
+        f"# The MoE heuristic's tiles on {result['device']} ({result['date']})",
+        "",
+        f"torch {result['torch']}, Triton {result['triton']}, commit {result['commit']}. {result['method']}. "
+        "decode_tiles: the heuristic without the persistent tiles; persistent: its persistent tiles (used from "
+        f"T = {result['persistent_min_t']} on); tuned: the table's entry; aten: torch._grouped_mm. Ratios: that "
+        "time / persistent (> 1: persistent faster).",
+        "",
+        "| shape | w | T | decode_tiles us | persistent us | tuned us | aten us | decode / pers. | aten / pers. "
+        "| tuned / pers. | pers. rel err | rubin runs |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    def r(a, b):
+        return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+    for row in result["rows"]:
+        us = row["us"]
+        p = us.get("persistent")
+        err = row.get("persistent_rel_err")
+        out.append(
+            f"| {row['shape']} | {row['wfmt']} | {row['T']} | {f(us.get('decode_tiles'))} | {f(p)} | "
+            f"{f(us.get('tuned'))} | {f(us.get('aten'))} | {r(us.get('decode_tiles'), p)} | {r(us.get('aten'), p)} | "
+            f"{r(us.get('tuned'), p)} | {'-' if err is None else f'{err:.1e}'} | {row['rubin_runs']} |"
+        )
+    errs = [(row["shape"], row["wfmt"], row["T"], row["errors"]) for row in result["rows"] if row["errors"]]
+    if errs:
+        out += ["", "Errors:", ""] + [f"- {s} {w} T={t}: {e}" for s, w, t, e in errs]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default=",".join(ALL_SHAPES))
+    ap.add_argument("--tokens", default="256,512,1024,2048,4096")
+    ap.add_argument("--formats", default="bf16,fp8_block")
+    ap.add_argument("--fp8-shapes", default=None, help="shapes timed in FP8 (default: all of --shapes)")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in ALL_SHAPES]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; known: {', '.join(ALL_SHAPES)}")
+    if not torch.cuda.is_available():
+        ap.error("this benchmark times CUDA kernels: no CUDA device is visible")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    fp8_shapes = set((args.fp8_shapes or args.shapes).split(","))
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        commit=commit(),
+        persistent_min_t=tmoe.PERSISTENT_HEURISTIC_MIN_T,
+        method=f"CUDA-graph replays of {CALLS} calls on {COPIES} weight copies, fresh random routing before each "
+        f"replay, median of {args.reps}",
+        block=BLOCK,
+        rows=[],
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"moe-heuristic-{gpu_slug(result['device'])}"
+    for wf in args.formats.split(","):
+        for s in args.shapes.split(","):
+            if wf != "bf16" and s not in fp8_shapes:
+                continue
+            result["rows"] += bench(s, ALL_SHAPES[s], tokens, wf, args.reps, lambda m: print(m, flush=True))
+            torch.cuda.empty_cache()
+            stem.with_suffix(".json").write_text(json.dumps(result, indent=1))  # written as it goes
+            stem.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
