@@ -3,9 +3,9 @@
     PYTHONPATH=. python benchmarks/moe_heuristic.py --out benchmarks/results/DIR
 
 Shapes without tuned configs for the GPU run the heuristic (kernels/triton/moe.py ``heuristic_config``). On sm_90
-it takes the persistent path's tiles (``persistent_heuristic``) from ``PERSISTENT_HEURISTIC_MIN_T`` tokens on;
+it takes the persistent path's tiles (``persistent_heuristic``) from ``moe_choice.persistent_from(E, k)`` tokens on;
 below, and on other GPUs, the decode-style tiles. Off the selection table, rubin then picks between ours and the
-ATen form by a rule (kernels/triton/moe_choice.py ``UNTUNED_RULE_MAX_T``). This benchmark gives both decisions
+ATen form by a rule (kernels/triton/moe_choice.py ``_rule``). This benchmark gives both decisions
 their numbers, in one run, per shape, T and weight format:
 
 * ``decode_tiles``: ``heuristic_config(..., sm90=False)``, what the heuristic ran before the persistent tiles
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rubin_compile.kernels.triton import moe as tmoe
+from rubin_compile.kernels.triton import moe_choice
 from rubin_compile.kernels.triton.tune_moe import (
     BLOCK,
     SHAPES,
@@ -98,7 +99,7 @@ def bench(name, sh, tokens, wf, reps, log):
             return fn
 
         picked, source = tmoe.lookup_config(T, E, H, I, k, wdt, block, dname, sms, sm90=tmoe.is_sm90(dev))
-        persistent = tmoe.persistent_heuristic(max(T, tmoe.PERSISTENT_HEURISTIC_MIN_T), E, k, H, I, wdt, block)
+        persistent = tmoe.persistent_heuristic(max(T, moe_choice.PERSISTENT_HEURISTIC_MIN_T), E, k, H, I, wdt, block)
         configs = {"decode_tiles": tmoe.heuristic_config(T, E, H, I, k, wdt, block, sms, sm90=False)}
         if persistent is not None:
             configs["persistent"] = persistent
@@ -197,7 +198,7 @@ def main(argv=None):
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         commit=commit(),
-        persistent_min_t=tmoe.PERSISTENT_HEURISTIC_MIN_T,
+        persistent_min_t=moe_choice.PERSISTENT_HEURISTIC_MIN_T,
         method=f"CUDA-graph replays of {CALLS} calls on {COPIES} weight copies, fresh random routing before each "
         f"replay, median of {args.reps}",
         block=BLOCK,

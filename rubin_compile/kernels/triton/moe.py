@@ -44,6 +44,7 @@ from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_
 from rubin_compile.kernels.triton.moe_choice import CONFIG_DIR  # noqa: F401 (moe.CONFIG_DIR: the tables' folder)
 from rubin_compile.kernels.triton.moe_choice import load_configs as load_config_table
 from rubin_compile.kernels.triton.moe_choice import nearest_tuned_T, table_file, table_key, weight_format
+from rubin_compile.kernels.triton.moe_choice import expected_distinct_experts, heuristic_runs_persistent
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -177,13 +178,6 @@ def device_file_name(device_name: str) -> str:
     return table_file(device_name)
 
 
-def expected_distinct_experts(T: int, E: int, k: int) -> float:
-    """Expected number of distinct experts hit by T tokens routed uniformly to k distinct experts each."""
-    if T <= 0 or k <= 0:
-        return 0.0
-    return min(float(E), E * (1.0 - (1.0 - min(k, E) / E) ** T))
-
-
 def _pow2_at_least(x: float, lo: int, hi: int) -> int:
     v = lo
     while v < x and v < hi:
@@ -267,12 +261,6 @@ def heuristic_config(
     )
 
 
-# From this many tokens, and this many expected rows per routed expert, the heuristic runs the persistent path on
-# sm_90 (benchmarks/moe_heuristic.py measures where it beats the decode-style tiles and the ATen form)
-PERSISTENT_HEURISTIC_MIN_T = 512
-PERSISTENT_HEURISTIC_MIN_ROWS = 32
-
-
 def persistent_heuristic(
     T: int, E: int, k: int, H: int, I: int, weight_dtype: torch.dtype, block_shape=None
 ) -> Optional[MoEConfig]:
@@ -294,9 +282,9 @@ def persistent_heuristic(
     Where these tiles are used is measured, not assumed: benchmarks/moe_heuristic.py times them against the
     heuristic's other tiles and the ATen form on the benchmark shapes and on shapes never tuned.
     """
-    rows = T * k / max(1.0, expected_distinct_experts(T, E, k))
-    if T < PERSISTENT_HEURISTIC_MIN_T or rows < PERSISTENT_HEURISTIC_MIN_ROWS:
+    if not heuristic_runs_persistent(T, E, k):  # moe_choice's rule reads the same switch
         return None
+    rows = T * k / max(1.0, expected_distinct_experts(T, E, k))
     if weight_dtype in FP8_DTYPES:
         if block_shape is None or int(block_shape[1]) % 128:
             return None  # per-tensor and other block widths: never tuned on this path

@@ -301,13 +301,14 @@ HEURISTIC_SHAPES = [
 
 @pytest.mark.parametrize("E,k,H,I", HEURISTIC_SHAPES)
 def test_heuristic_runs_tuned_persistent_tiles_at_prefill_sizes_on_sm90_only(E, k, H, I):
-    """On sm_90 the heuristic runs the persistent path from PERSISTENT_HEURISTIC_MIN_T tokens and
-    PERSISTENT_HEURISTIC_MIN_ROWS rows per routed expert on, with tiles the tuner tries (so the sm_90 compiles above
+    """On sm_90 the heuristic runs the persistent path from moe_choice.PERSISTENT_HEURISTIC_MIN_T tokens and
+    PERSISTENT_HEURISTIC_MIN_ROWS rows per routed expert on (moe_choice.persistent_from: the first such T), with tiles the tuner tries (so the sm_90 compiles above
     and the GPU tests of the tuner's tiles cover them); below, elsewhere (sm90=False) and for FP8 weights without
     128-wide block scales it is the heuristic it was."""
     import torch
 
     from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton import moe_choice as choice
     from rubin_compile.kernels.triton import tune_moe
 
     seen = set()
@@ -321,7 +322,8 @@ def test_heuristic_runs_tuned_persistent_tiles_at_prefill_sizes_on_sm90_only(E, 
             before = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132)
             on_sm90 = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132, sm90=True)
             rows = T * k / tmoe.expected_distinct_experts(T, E, k)
-            prefill = T >= tmoe.PERSISTENT_HEURISTIC_MIN_T and rows >= tmoe.PERSISTENT_HEURISTIC_MIN_ROWS
+            prefill = T >= choice.PERSISTENT_HEURISTIC_MIN_T and rows >= choice.PERSISTENT_HEURISTIC_MIN_ROWS
+            assert prefill == tmoe.heuristic_runs_persistent(T, E, k) == (T >= choice.persistent_from(E, k))
             if not prefill or wfmt == "fp8_tensor":
                 assert on_sm90 == before, (wfmt, T)
                 assert tmoe.persistent_heuristic(T, E, k, H, I, wdt, block) is None
