@@ -3,15 +3,15 @@
     PYTHONPATH=. python benchmarks/moe_heuristic.py --out benchmarks/results/DIR
 
 Shapes without tuned configs for the GPU run the heuristic (kernels/triton/moe.py ``heuristic_config``). On sm_90
-it takes the persistent path's tiles (``persistent_heuristic``) from ``moe_choice.persistent_from(E, k)`` tokens on;
+it takes the persistent path's tiles (``persistent_heuristic``) where ``moe_choice.PERSISTENT_SWITCH`` says;
 below, and on other GPUs, the decode-style tiles. Off the selection table, rubin then picks between ours and the
 ATen form by a rule (kernels/triton/moe_choice.py ``_rule``). This benchmark gives both decisions
 their numbers, in one run, per shape, T and weight format:
 
 * ``decode_tiles``: ``heuristic_config(..., sm90=False)``, what the heuristic ran before the persistent tiles
   (and what it runs on other GPUs);
-* ``persistent``: ``persistent_heuristic`` at every T asked (also below the T where the heuristic uses it, so the
-  switch point is measured), with its relative error against the float32 reference on one call;
+* ``persistent``: ``persistent_heuristic``'s tiles at every T asked (below T = ``PROBE_T``, those of T = ``PROBE_T``,
+  so the switch point is measured), with its relative error against the float32 reference on one call;
 * ``tuned``: the tuned table's entry (this GPU's or its stand-in's), where the shape has one: how far the heuristic
   is from tuning;
 * ``aten``: rubin.moe's ATen form (``torch._grouped_mm``; bf16 only), the other side of the rule.
@@ -58,6 +58,7 @@ HELD_OUT = {
     "gpt-oss-120b": dict(E=128, k=4, H=2880, I=2880),  # H, I not multiples of 128 (nor of the FP8 scale blocks)
 }
 ALL_SHAPES = {**SHAPES, **HELD_OUT}
+PROBE_T = 512  # below this T the persistent tiles timed are those the heuristic picks at it
 
 
 def gpu_slug(name: str) -> str:
@@ -99,7 +100,7 @@ def bench(name, sh, tokens, wf, reps, log):
             return fn
 
         picked, source = tmoe.lookup_config(T, E, H, I, k, wdt, block, dname, sms, sm90=tmoe.is_sm90(dev))
-        persistent = tmoe.persistent_heuristic(max(T, moe_choice.PERSISTENT_HEURISTIC_MIN_T), E, k, H, I, wdt, block)
+        persistent = tmoe.persistent_heuristic(max(T, PROBE_T), E, k, H, I, wdt, block)
         configs = {"decode_tiles": tmoe.heuristic_config(T, E, H, I, k, wdt, block, sms, sm90=False)}
         if persistent is not None:
             configs["persistent"] = persistent
@@ -146,9 +147,10 @@ def markdown(result) -> str:
         f"# The MoE heuristic's tiles on {result['device']} ({result['date']})",
         "",
         f"torch {result['torch']}, Triton {result['triton']}, commit {result['commit']}. {result['method']}. "
-        "decode_tiles: the heuristic without the persistent tiles; persistent: its persistent tiles (used from "
-        f"T = {result['persistent_min_t']} on); tuned: the table's entry; aten: torch._grouped_mm. Ratios: that "
-        "time / persistent (> 1: persistent faster).",
+        "decode_tiles: the heuristic without the persistent tiles; persistent: its persistent tiles (below T = "
+        f"{result['probe_t']}, those of T = {result['probe_t']}); tuned: the table's entry; aten: torch._grouped_mm. "
+        "Ratios: that time / persistent (> 1: persistent faster). rubin runs: the config rubin's kernel takes for the "
+        "call (the table's or the heuristic's).",
         "",
         "| shape | w | T | decode_tiles us | persistent us | tuned us | aten us | decode / pers. | aten / pers. "
         "| tuned / pers. | pers. rel err | rubin runs |",
@@ -198,7 +200,8 @@ def main(argv=None):
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         commit=commit(),
-        persistent_min_t=moe_choice.PERSISTENT_HEURISTIC_MIN_T,
+        probe_t=PROBE_T,
+        persistent_switch=moe_choice.PERSISTENT_SWITCH,
         method=f"CUDA-graph replays of {CALLS} calls on {COPIES} weight copies, fresh random routing before each "
         f"replay, median of {args.reps}",
         block=BLOCK,

@@ -282,10 +282,11 @@ def persistent_heuristic(
     Where these tiles are used is measured, not assumed: benchmarks/moe_heuristic.py times them against the
     heuristic's other tiles and the ATen form on the benchmark shapes and on shapes never tuned.
     """
-    if not heuristic_runs_persistent(T, E, k):  # moe_choice's rule reads the same switch
+    fp8 = weight_dtype in FP8_DTYPES
+    if not heuristic_runs_persistent(T, E, k, fp8):  # moe_choice's rule reads the same switch
         return None
     rows = T * k / max(1.0, expected_distinct_experts(T, E, k))
-    if weight_dtype in FP8_DTYPES:
+    if fp8:
         if block_shape is None or int(block_shape[1]) % 128:
             return None  # per-tensor and other block widths: never tuned on this path
         if rows < 128:

@@ -67,22 +67,26 @@ VLLM_RULE_MAX_T = 128
 # at T = 1 and 64 on Qwen3-30B-A3B, DeepSeek-V3 TP8 and Mixtral-8x7B, but the ATen form was faster at T = 256, 1024
 # and 4096 on Mixtral (0.72-0.90x) and at 1024 on Qwen3 (0.92x).
 UNTUNED_RULE_MAX_T = 128
-# ... except, for bf16 weights on the GPUs that run these tables' configs (the H200, and by CONFIG_STAND_INS the H100),
-# from the T where the heuristic runs the persistent path (``heuristic_runs_persistent``): ours again there. On the
-# H200 (benchmarks/results/moe-h200-2026-12-05-s6/moe-heuristic-h200.md, one run) the heuristic's persistent tiles
-# were 1.05-4.44x faster than the ATen form at T = 512, 1024 and 4096 on the four tuned shapes and on five shapes
-# never tuned (Qwen3-235B-A22B, GLM-4.5-Air, Llama-4-Scout, Qwen1.5-MoE-A2.7B, gpt-oss-120b), and the same tiles as the
-# H200's tuned entries 1.19-3.49x faster on the H100 at T = 1024 and 4096 (moe-h100-2026-12-05, call 5). Between
-# UNTUNED_RULE_MAX_T and that T the heuristic's decode-style tiles run, which lost to the ATen form on Mixtral at
-# T = 256 (1331 against 1083 us): the ATen form stays there.
+# ... except, for bf16 weights on the GPUs that run these tables' configs (the H200, and by CONFIG_STAND_INS the H100):
+# there ours also runs above it wherever the heuristic's config measured faster than the ATen form (``untuned_ours``):
+# where it runs the persistent path (``heuristic_runs_persistent``), and where it runs its decode-style tiles on at
+# most DECODE_TILES_MAX_ROWS expected rows per routed expert. On the H200 (one run, four tuned shapes and five never
+# tuned: Qwen3-235B-A22B, GLM-4.5-Air, Llama-4-Scout, Qwen1.5-MoE-A2.7B, gpt-oss-120b;
+# benchmarks/results/moe-h200-2026-12-05-s6/moe-heuristic-h200.md) the persistent tiles were 1.05-4.44x faster than
+# the ATen form at every T and shape where they ran (T = 256 to 4096), and the decode-style tiles 1.27-1.60x at 8-17
+# rows (T = 256, 512), but 0.97-1.26x at 32-34 rows and 0.78-0.92x at 64 and more (Mixtral at T = 256: 1331 against
+# 1083 us): the ATen form runs the calls where the decode-style tiles would get more rows. The H100 runs the same
+# tiles (its stand-in configs), 1.19-3.49x faster than the ATen form at T = 1024 and 4096 on the tuned shapes
+# (benchmarks/results/moe-h100-2026-12-05, call 5); the decode-style tiles were not timed there.
 PERSISTENT_RULE_CONFIGS = frozenset({"NVIDIA H200"})
 PERSISTENT_RULE_FORMATS = frozenset({"bf16"})
-# From this many tokens, and this many expected rows per routed expert, the MoE kernel's heuristic runs the persistent
-# path on sm_90 (kernels/triton/moe.py ``persistent_heuristic``). On the H200 those tiles were faster than the
-# decode-style ones at T = 512 on all seven shapes where they ran there (1.12-1.87x, bf16 and FP8 block), and at
-# T = 256 in bf16 (1.04-1.79x on six shapes) but not in FP8 (0.85-0.89x on three): moe-heuristic-h200.md.
-PERSISTENT_HEURISTIC_MIN_T = 512
-PERSISTENT_HEURISTIC_MIN_ROWS = 32
+DECODE_TILES_MAX_ROWS = 17  # the measured 8-17.1 (16 of DeepSeek-V3 at T = 512 is 16.000001: few experts unhit)
+# Where the MoE kernel's heuristic runs the persistent path on sm_90 (kernels/triton/moe.py ``persistent_heuristic``):
+# (from T, at least this many expected rows per routed expert), the last pair whose T the call reaches. On the H200
+# (moe-heuristic-h200.md) the persistent tiles were faster than the decode-style ones at T = 512 on all seven shapes
+# where they ran at 32+ rows (1.12-1.87x, bf16 and FP8 block), and at T = 256 at 16-64 rows in bf16 (1.04-1.79x, six
+# shapes) but not with FP8 weights (0.85-0.89x, three shapes).
+PERSISTENT_SWITCH = {"bf16": ((256, 16), (512, 32)), "fp8": ((512, 32),)}
 
 
 def expected_distinct_experts(T: int, E: int, k: int) -> float:
@@ -92,29 +96,42 @@ def expected_distinct_experts(T: int, E: int, k: int) -> float:
     return min(float(E), E * (1.0 - (1.0 - min(k, E) / E) ** T))
 
 
-def heuristic_runs_persistent(T: int, E: int, k: int) -> bool:
-    """Whether a call of ``T`` tokens is prefill-sized for the heuristic: at least PERSISTENT_HEURISTIC_MIN_T tokens
-    and PERSISTENT_HEURISTIC_MIN_ROWS expected rows per routed expert (on sm_90 it then runs the persistent path)."""
-    if T < PERSISTENT_HEURISTIC_MIN_T:
-        return False
-    return T * k / max(1.0, expected_distinct_experts(T, E, k)) >= PERSISTENT_HEURISTIC_MIN_ROWS
+def expected_rows(T: int, E: int, k: int) -> float:
+    """Expected slots per routed expert of a call of T tokens (routing uniform over E experts, k each)."""
+    return T * k / max(1.0, expected_distinct_experts(T, E, k))
 
 
-def persistent_from(E: int, k: int) -> Optional[int]:
-    """The smallest T at which ``heuristic_runs_persistent`` (the rows per routed expert grow with T; None: no
-    routing, k = 0)."""
-    if k <= 0 or E <= 0:
-        return None
-    lo, hi = PERSISTENT_HEURISTIC_MIN_T, PERSISTENT_HEURISTIC_MIN_T
-    while not heuristic_runs_persistent(hi, E, k):
-        lo, hi = hi, hi * 2
-    while lo < hi:  # the first T in (lo, hi] that runs it (lo does not, unless lo == hi)
-        mid = (lo + hi) // 2
-        if heuristic_runs_persistent(mid, E, k):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
+def heuristic_runs_persistent(T: int, E: int, k: int, fp8: bool = False) -> bool:
+    """Whether the heuristic takes a call of ``T`` tokens to the persistent path (on sm_90): ``PERSISTENT_SWITCH``."""
+    switch = [rows for t, rows in PERSISTENT_SWITCH["fp8" if fp8 else "bf16"] if T >= t]
+    return bool(switch) and expected_rows(T, E, k) >= switch[-1]
+
+
+def untuned_ours(T: int, E: int, k: int) -> bool:
+    """Off the table, bf16, a shape without tuned configs, on a GPU of ``PERSISTENT_RULE_CONFIGS``: whether ours (the
+    heuristic's config) runs the call rather than the ATen form."""
+    return (
+        T <= UNTUNED_RULE_MAX_T or heuristic_runs_persistent(T, E, k) or expected_rows(T, E, k) <= DECODE_TILES_MAX_ROWS
+    )
+
+
+def _untuned_ranges(E: int, k: int, lo: int, baseline: str) -> str:
+    """``untuned_ours`` of one shape above ``lo`` tokens as ranges of T ("ours T <= 384; aten 384 < T <= 511; ours
+    T > 511"), up to the T from which the persistent path runs at every size (rows grow with T)."""
+    last = max(t for pairs in PERSISTENT_SWITCH.values() for t, _ in pairs)
+    end = last
+    while not heuristic_runs_persistent(end, E, k):
+        end *= 2
+    parts, start = [], lo
+    who = untuned_ours(lo + 1, E, k)
+    for T in range(lo + 2, end + 1):
+        now = untuned_ours(T, E, k)
+        if now != who:
+            name = "ours" if who else baseline
+            parts.append(f"{name} T <= {T - 1}" if start == 0 else f"{name} {start} < T <= {T - 1}")
+            start, who = T - 1, now
+    parts.append(f"{'ours' if who else baseline} T > {start}" if start else f"{'ours' if who else baseline} every T")
+    return "; ".join(parts)
 
 
 _WFMT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -244,9 +261,9 @@ class Choice:
 RULE_TEXT = {
     "aten": "ours at every T (ours runs a tuned config)",
     "aten_untuned": f"ours up to T = {UNTUNED_RULE_MAX_T}, aten above (ours runs the heuristic's config)",
-    "aten_persistent": f"ours up to T = {UNTUNED_RULE_MAX_T} and where the heuristic runs the persistent path (T >= "
-    f"{PERSISTENT_HEURISTIC_MIN_T}, >= {PERSISTENT_HEURISTIC_MIN_ROWS} rows per routed expert), aten between (ours "
-    "runs the heuristic's config)",
+    "aten_persistent": f"ours up to T = {UNTUNED_RULE_MAX_T}, and above where the heuristic runs the persistent path "
+    f"or its decode tiles on <= {DECODE_TILES_MAX_ROWS} rows per routed expert, aten elsewhere (ours runs the "
+    "heuristic's config)",
     "vllm": f"ours up to T = {VLLM_RULE_MAX_T}, vllm above",
 }
 # a Choice's source off the table (no row of this GPU's table, timed with today's config, at or above the call's T),
@@ -259,23 +276,23 @@ def _configs(device_name: str, directory: Optional[str]) -> dict[str, Any]:
     return load_configs(device_name, directory and str(Path(directory) / "configs"))
 
 
-def _rule(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, Optional[int], Optional[int]]:
-    """The rule off the table for one shape: its ``RULES`` key, the T up to which ours runs (None: every T), and the
-    T from which ours runs again (None: never). Against the ATen form it depends on whether ours runs a tuned config
-    for the shape (this GPU's or a stand-in's), and else on whether the heuristic's persistent tiles were measured on
-    this GPU (``PERSISTENT_RULE_CONFIGS``)."""
+def _rule(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, Optional[int]]:
+    """The rule off the table for one shape: its ``RULES`` key, and the T up to which ours runs (None: every T; for
+    "aten_persistent", ``untuned_ours`` says). Against the ATen form it depends on whether ours runs a tuned config
+    for the shape (this GPU's or a stand-in's), and else on whether the heuristic's configs were measured on this
+    GPU (``PERSISTENT_RULE_CONFIGS``)."""
     if baseline == "vllm":
-        return "vllm", VLLM_RULE_MAX_T, None
+        return "vllm", VLLM_RULE_MAX_T
     if _configs(device_name, directory).get("configs", {}).get(table_key(E, H, I, k, wfmt)):
-        return "aten", None, None
+        return "aten", None
     configs_dir = directory and str(Path(directory) / "configs")
-    if wfmt in PERSISTENT_RULE_FORMATS and configs_device(device_name, configs_dir) in PERSISTENT_RULE_CONFIGS:
-        return "aten_persistent", UNTUNED_RULE_MAX_T, persistent_from(E, k)
-    return "aten_untuned", UNTUNED_RULE_MAX_T, None
-
-
-def _ours_by_rule(T: int, limit: Optional[int], again: Optional[int]) -> bool:
-    return limit is None or T <= limit or (again is not None and T >= again)
+    if (
+        wfmt in PERSISTENT_RULE_FORMATS
+        and k > 0
+        and configs_device(device_name, configs_dir) in PERSISTENT_RULE_CONFIGS
+    ):
+        return "aten_persistent", UNTUNED_RULE_MAX_T
+    return "aten_untuned", UNTUNED_RULE_MAX_T
 
 
 @functools.lru_cache(maxsize=4096)
@@ -297,8 +314,9 @@ def choose(
         row = rows[str(at)]
         ours, other = float(row["triton"]), float(row[baseline])
         return Choice("triton" if ours <= other else baseline, baseline, f"table:{key}@T={at}", ours, other)
-    rule, limit, again = _rule(E, H, I, k, wfmt, device_name, baseline, directory)
-    return Choice("triton" if _ours_by_rule(T, limit, again) else baseline, baseline, RULES[rule])
+    rule, limit = _rule(E, H, I, k, wfmt, device_name, baseline, directory)
+    ours = untuned_ours(T, E, k) if rule == "aten_persistent" else limit is None or T <= limit
+    return Choice("triton" if ours else baseline, baseline, RULES[rule])
 
 
 def _rows(E, H, I, k, wfmt, device_name, directory=None) -> tuple[str, dict, set[str]]:
@@ -330,11 +348,12 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
     if baseline not in BASELINES:
         return "ours at every T"
     key, _, measured = _measured(E, H, I, k, wfmt, device_name, baseline)
-    rule, limit, again = _rule(E, H, I, k, wfmt, device_name, baseline)  # ours up to limit and from again
+    rule, limit = _rule(E, H, I, k, wfmt, device_name, baseline)  # ours up to limit, the baseline above
     if not measured:
         why = f"no measured entry for {key} on {device_name}" if device_name else "planned without the GPU's table"
-        here = f"; for this shape from T = {again}" if again is not None else ""
-        return f"{RULE_TEXT[rule]} (rule: {why}{here})"
+        if rule == "aten_persistent":
+            why += f"; for this shape: {_untuned_ranges(E, k, 0, baseline)}"
+        return f"{RULE_TEXT[rule]} (rule: {why})"
     # Runs of consecutive measured sizes with one winner: "ours T <= 128; aten 128 < T <= 512; ...", then the rule. A
     # measured size serves the calls nearest it in log2: up to isqrt(t * next) (ties to the smaller), the last up to t.
     winners = [choose(t, E, H, I, k, wfmt, device_name, baseline).kernel for t in measured]
@@ -347,11 +366,8 @@ def policy(E: int, H: int, I: int, k: int, wfmt: str, device_name: str, baseline
                 f"{'ours' if who == 'triton' else baseline} " + (f"T <= {end}" if lo == 0 else f"{lo} < T <= {end}")
             )
             lo = end
-    if again is not None and lo >= again - 1:
-        parts.append(f"ours T > {lo} (rule)")
-    elif again is not None:
-        head = f"ours {lo} < T <= {limit}, " if lo < limit else ""
-        parts.append(f"{head}{baseline} {max(lo, limit)} < T < {again}, ours T >= {again} (rule)")
+    if rule == "aten_persistent":
+        parts.append(_untuned_ranges(E, k, lo, baseline) + " (rule)")
     elif limit is not None and lo < limit:
         parts.append(f"ours {lo} < T <= {limit}, {baseline} above (rule)")
     else:

@@ -44,7 +44,7 @@ def test_markdown_gives_every_row_its_ratios_and_errors(bench):
     bad = dict(row, T=4096, us={"decode_tiles": 1800.0}, errors={"persistent": "RuntimeError: boom"})
     bad.pop("persistent_rel_err")
     result = dict(device="NVIDIA H100 80GB HBM3", date="2026-12-05", torch="2.11", triton="3.6", commit="abc")
-    result.update(method="m", persistent_min_t=512, rows=[row, bad])
+    result.update(method="m", probe_t=512, rows=[row, bad])
     md = bench.markdown(result)
     assert (
         "| qwen3-235b-a22b | bf16 | 1024 | 900.0 | 450.0 | - | 600.0 | 2.00x | 1.33x | - | 2.5e-03 | heuristic |" in md

@@ -67,37 +67,41 @@ def test_rule_off_the_table(table):
 QWEN235 = (128, 4096, 1536, 8)  # Qwen3-235B-A22B: no tuned config on any GPU
 
 
-def test_rule_off_the_table_where_the_heuristic_runs_the_persistent_path(table, monkeypatch):
-    """bf16, an untuned shape, on the H200 or a GPU running its configs (the H100): ours up to UNTUNED_RULE_MAX_T,
-    the ATen form above it until the heuristic runs the persistent path, ours from there (persistent_from: T = 512
-    where 512 tokens give >= 32 rows per routed expert, later where they do not); elsewhere, and for FP8 weights,
-    the ATen form above UNTUNED_RULE_MAX_T."""
+def test_rule_off_the_table_where_the_heuristic_measured_faster(table, monkeypatch):
+    """bf16, an untuned shape, on the H200 or a GPU running its configs (the H100): ours up to UNTUNED_RULE_MAX_T, and
+    above it where the heuristic runs the persistent path or its decode tiles on <= DECODE_TILES_MAX_ROWS (17) rows per
+    routed expert (measured faster than the ATen form there); the ATen form where the decode tiles would get more rows.
+    Elsewhere, and for FP8 weights, the ATen form above UNTUNED_RULE_MAX_T."""
     _clear()
     limit = moe_choice.UNTUNED_RULE_MAX_T
-    assert moe_choice.persistent_from(*QWEN235[:1], QWEN235[3]) == 512
-    assert moe_choice.persistent_from(256, 8) == 1024  # DeepSeek-V3's 256 experts: 16 rows at 512, 32 at 1024
-    assert moe_choice.persistent_from(128, 0) is None
+    ds = (256, 7168, 2048, 8)  # DeepSeek-V3's experts unsharded (untuned): 8 rows at 256, 16 at 512, 32 at 1024
+    mixtral_like = (8, 4096, 8192, 2)  # untuned; 32 rows at T = 128, 64 at 256
     for gpu in ("NVIDIA H200", H100):
-        for T, want in ((1, "triton"), (limit, "triton"), (limit + 1, "aten"), (511, "aten"), (512, "triton")):
-            c = moe_choice.choose(T, *QWEN235, "bf16", gpu, "aten")
-            assert (c.kernel, c.source) == (want, moe_choice.RULES["aten_persistent"]), (gpu, T)
-        assert moe_choice.choose(65536, *QWEN235, "bf16", gpu, "aten").kernel == "triton"
-        ds = (256, 7168, 2048, 8)  # DeepSeek-V3's experts unsharded: untuned, persistent from T = 1024
-        assert [moe_choice.choose(T, *ds, "bf16", gpu, "aten").kernel for T in (512, 1023, 1024)] == [
-            "aten",
-            "aten",
-            "triton",
-        ]
-        c = moe_choice.choose(4096, *QWEN235, "fp8_block", gpu, "aten")
-        assert (c.kernel, c.source) == ("aten", moe_choice.RULES["aten_untuned"])
-        assert moe_choice.choose(4096, *QWEN235, "bf16", gpu, "vllm").kernel == "vllm"  # vLLM's rule is its own
+
+        def kernels(shape, sizes, wfmt="bf16", baseline="aten"):
+            return [moe_choice.choose(T, *shape, wfmt, gpu, baseline).kernel for T in sizes]
+
+        c = moe_choice.choose(4096, *QWEN235, "bf16", gpu, "aten")
+        assert (c.kernel, c.source) == ("triton", moe_choice.RULES["aten_persistent"])
+        # Qwen3-235B: 16 rows at T = 256 (the persistent path from there), fewer below (its decode tiles)
+        assert kernels(QWEN235, (1, limit, limit + 1, 255, 256, 511, 512, 65536)) == ["triton"] * 8
+        # DeepSeek-V3: decode tiles on <= 17 rows up to T = 543, then more rows until the persistent path at 1024
+        assert (
+            kernels(ds, (limit + 1, 512, 543, 544, 1023, 1024, 4096)) == ["triton"] * 3 + ["aten"] * 2 + ["triton"] * 2
+        )
+        # few experts, many rows: the ATen form between T = 128 and the persistent path at 256
+        assert kernels(mixtral_like, (limit, limit + 1, 255, 256)) == ["triton", "aten", "aten", "triton"]
+        assert kernels(QWEN235, (limit + 1, 4096), "fp8_block") == ["aten", "aten"]
+        assert kernels(QWEN235, (4096,), baseline="vllm") == ["vllm"]  # vLLM's rule is its own
     c = moe_choice.choose(4096, *QWEN235, "bf16", "NVIDIA A100-SXM4-80GB", "aten")
     assert (c.kernel, c.source) == ("aten", moe_choice.RULES["aten_untuned"])
-    key = moe_choice.table_key(*QWEN235, "bf16")
-    assert moe_choice.policy(*QWEN235, "bf16", "NVIDIA H200", "aten") == (
+    key = moe_choice.table_key(*ds, "bf16")
+    assert moe_choice.policy(*ds, "bf16", "NVIDIA H200", "aten") == (
         f"{moe_choice.RULE_TEXT['aten_persistent']} (rule: no measured entry for {key} on NVIDIA H200; for this "
-        "shape from T = 512)"
+        "shape: ours T <= 543; aten 543 < T <= 1023; ours T > 1023)"
     )
+    key = moe_choice.table_key(*QWEN235, "bf16")
+    assert moe_choice.policy(*QWEN235, "bf16", "NVIDIA H200", "aten").endswith("for this shape: ours every T)")
     # with measured rows of such a shape (the fixture's GPU given the rule): the rows, then the rule's ranges
     monkeypatch.setattr(moe_choice, "TABLE_DIR", Path(table))
     monkeypatch.setattr(moe_choice, "PERSISTENT_RULE_CONFIGS", frozenset({"Test GPU"}))
@@ -106,14 +110,14 @@ def test_rule_off_the_table_where_the_heuristic_runs_the_persistent_path(table, 
         "aten T <= 512; ours 512 < T <= 2048; aten 2048 < T <= 4096; ours T > 4096 (rule) "
         "(measured on Test GPU: 256, 1024, 4096 tokens)"
     )
-    key = moe_choice.table_key(*QWEN, "bf16")
+    key = moe_choice.table_key(*mixtral_like, "bf16")
     one = {"1": {"triton": 1.0, "aten": 2.0, "config": "heuristic"}}
     (Path(table) / moe_choice.table_file("Test GPU")).write_text(
         json.dumps({"device": "Test GPU", "entries": {key: one}})
     )
     _clear()
-    assert moe_choice.policy(*QWEN, "bf16", "Test GPU", "aten") == (
-        f"ours T <= 1; ours 1 < T <= {limit}, aten {limit} < T < 512, ours T >= 512 (rule) "
+    assert moe_choice.policy(*mixtral_like, "bf16", "Test GPU", "aten") == (
+        f"ours T <= 1; ours 1 < T <= {limit}; aten {limit} < T <= 255; ours T > 255 (rule) "
         "(measured on Test GPU: 1 tokens)"
     )
     _clear()

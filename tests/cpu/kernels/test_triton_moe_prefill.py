@@ -301,8 +301,8 @@ HEURISTIC_SHAPES = [
 
 @pytest.mark.parametrize("E,k,H,I", HEURISTIC_SHAPES)
 def test_heuristic_runs_tuned_persistent_tiles_at_prefill_sizes_on_sm90_only(E, k, H, I):
-    """On sm_90 the heuristic runs the persistent path from moe_choice.PERSISTENT_HEURISTIC_MIN_T tokens and
-    PERSISTENT_HEURISTIC_MIN_ROWS rows per routed expert on (moe_choice.persistent_from: the first such T), with tiles the tuner tries (so the sm_90 compiles above
+    """On sm_90 the heuristic runs the persistent path where moe_choice.PERSISTENT_SWITCH says (bf16: from T = 256
+    at 16 rows per routed expert, from 512 at 32; FP8: from 512 at 32), with tiles the tuner tries (so the sm_90 compiles above
     and the GPU tests of the tuner's tiles cover them); below, elsewhere (sm90=False) and for FP8 weights without
     128-wide block scales it is the heuristic it was."""
     import torch
@@ -321,9 +321,10 @@ def test_heuristic_runs_tuned_persistent_tiles_at_prefill_sizes_on_sm90_only(E, 
         for T in (1, 8, 64, 256, 511, 512, 1024, 2048, 4096, 8192):
             before = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132)
             on_sm90 = tmoe.heuristic_config(T, E, H, I, k, wdt, block, 132, sm90=True)
-            rows = T * k / tmoe.expected_distinct_experts(T, E, k)
-            prefill = T >= choice.PERSISTENT_HEURISTIC_MIN_T and rows >= choice.PERSISTENT_HEURISTIC_MIN_ROWS
-            assert prefill == tmoe.heuristic_runs_persistent(T, E, k) == (T >= choice.persistent_from(E, k))
+            rows = choice.expected_rows(T, E, k)
+            fp8 = wdt == torch.float8_e4m3fn
+            prefill = (T >= 512 and rows >= 32) or (not fp8 and 256 <= T < 512 and rows >= 16)
+            assert prefill == tmoe.heuristic_runs_persistent(T, E, k, fp8)
             if not prefill or wfmt == "fp8_tensor":
                 assert on_sm90 == before, (wfmt, T)
                 assert tmoe.persistent_heuristic(T, E, k, H, I, wdt, block) is None
