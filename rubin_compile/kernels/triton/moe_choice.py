@@ -74,18 +74,22 @@ UNTUNED_RULE_MAX_T = 128
 # tuned: Qwen3-235B-A22B, GLM-4.5-Air, Llama-4-Scout, Qwen1.5-MoE-A2.7B, gpt-oss-120b;
 # benchmarks/results/moe-h200-2026-12-05-s6/moe-heuristic-h200.md) the persistent tiles were 1.05-4.44x faster than
 # the ATen form at every T and shape where they ran (T = 256 to 4096), and the decode-style tiles 1.27-1.60x at 8-17
-# rows (T = 256, 512), but 0.97-1.26x at 32-34 rows and 0.78-0.92x at 64 and more (Mixtral at T = 256: 1331 against
+# rows (T = 256, 512), but anywhere from 0.78x to 2.13x at 32 and more (Mixtral at T = 256, 64 rows: 1331 against
 # 1083 us): the ATen form runs the calls where the decode-style tiles would get more rows. The H100 runs the same
 # tiles (its stand-in configs), 1.19-3.49x faster than the ATen form at T = 1024 and 4096 on the tuned shapes
-# (benchmarks/results/moe-h100-2026-12-05, call 5); the decode-style tiles were not timed there.
+# (benchmarks/results/moe-h100-2026-12-05, call 5), and its decode-style tiles at T = 256 1.27x / 1.37x faster on
+# Qwen3-30B-A3B / DeepSeek-V3 TP8 (16 / 8 rows) but 0.72x on Mixtral (64 rows) (call 1); the persistent tiles below
+# T = 1024 were not timed on the H100.
 PERSISTENT_RULE_CONFIGS = frozenset({"NVIDIA H200"})
 PERSISTENT_RULE_FORMATS = frozenset({"bf16"})
-DECODE_TILES_MAX_ROWS = 17  # the measured 8-17.1 (16 of DeepSeek-V3 at T = 512 is 16.000001: few experts unhit)
+DECODE_TILES_MAX_ROWS = (
+    17  # measured up to 17.1 (expected rows are fractional: DeepSeek-V3's 16 at T = 512 is 16.000001)
+)
 # Where the MoE kernel's heuristic runs the persistent path on sm_90 (kernels/triton/moe.py ``persistent_heuristic``):
 # (from T, at least this many expected rows per routed expert), the last pair whose T the call reaches. On the H200
-# (moe-heuristic-h200.md) the persistent tiles were faster than the decode-style ones at T = 512 on all seven shapes
-# where they ran at 32+ rows (1.12-1.87x, bf16 and FP8 block), and at T = 256 at 16-64 rows in bf16 (1.04-1.79x, six
-# shapes) but not with FP8 weights (0.85-0.89x, three shapes).
+# (moe-heuristic-h200.md) the persistent tiles were faster than the decode-style ones at T = 512 at 32+ rows on all
+# nine (shape, format) pairs where they ran (1.12-1.87x; bf16 and FP8 block), and at T = 256 at 16-64 rows in bf16
+# (1.04-1.79x, six shapes) but not with FP8 weights (0.85-0.89x, three shapes).
 PERSISTENT_SWITCH = {"bf16": ((256, 16), (512, 32)), "fp8": ((512, 32),)}
 
 
