@@ -82,9 +82,8 @@ UNTUNED_RULE_MAX_T = 128
 # T = 1024 were not timed on the H100.
 PERSISTENT_RULE_CONFIGS = frozenset({"NVIDIA H200"})
 PERSISTENT_RULE_FORMATS = frozenset({"bf16"})
-DECODE_TILES_MAX_ROWS = (
-    17  # measured up to 17.1 (expected rows are fractional: DeepSeek-V3's 16 at T = 512 is 16.000001)
-)
+# measured up to 17.1 rows (expected rows are fractional: DeepSeek-V3's 16 at T = 512 computes as 16.000001)
+DECODE_TILES_MAX_ROWS = 17
 # Where the MoE kernel's heuristic runs the persistent path on sm_90 (kernels/triton/moe.py ``persistent_heuristic``):
 # (from T, at least this many expected rows per routed expert), the last pair whose T the call reaches. On the H200
 # (moe-heuristic-h200.md) the persistent tiles were faster than the decode-style ones at T = 512 at 32+ rows on all
