@@ -355,6 +355,17 @@ def commit() -> str:
         return "unknown"
 
 
+def run_facts() -> dict:
+    """What a results file says about its run: the GPU, the date, torch, Triton, the tree's commit."""
+    return dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        commit=commit(),
+    )
+
+
 BASELINE_COLUMNS = {"grouped_mm": "aten", "vllm": "vllm"}  # a result row's baseline -> its name in moe_choice
 
 
@@ -437,11 +448,7 @@ def main(argv=None):
         f"8192^3 products: bf16 {peaks['bf16']:.0f}, FP8 {peaks['fp8']:.0f} TFLOP/s"
     )
     result = dict(
-        device=torch.cuda.get_device_name(),
-        date=time.strftime("%Y-%m-%d"),
-        torch=torch.__version__,
-        triton=__import__("triton").__version__,
-        commit=commit(),
+        **run_facts(),
         copy_gbs=copy_gbs,
         tflops_peak=peaks,
         method=f"CUDA-graph replays of {CALLS} calls on {COPIES} rotating weight copies, fresh random "

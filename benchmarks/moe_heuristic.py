@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,15 +37,15 @@ from rubin_compile.kernels.triton import moe_choice
 from rubin_compile.kernels.triton.tune_moe import (
     BLOCK,
     SHAPES,
-    make_routing,
     make_weights,
+    random_calls,
     reference,
     rel_error,
     time_graph,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import CALLS, COPIES, commit, grouped_mm_moe  # noqa: E402  (benchmarks/moe.py)
+from moe import CALLS, COPIES, grouped_mm_moe, run_facts  # noqa: E402  (benchmarks/moe.py)
 
 # MoE layers of released models whose shapes no table was tuned on (Hugging Face configs: hidden_size,
 # moe_intermediate_size, num_experts, num_experts_per_tok)
@@ -77,14 +76,7 @@ def bench(name, sh, tokens, wf, reps, log):
     dname, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for T in tokens:
-        xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(CALLS)]
-        routes = [list(make_routing(T, E, k, generator=gen)) for _ in range(CALLS)]
-
-        def refresh(i):
-            for r in routes:
-                tw, ids = make_routing(T, E, k, generator=gen)
-                r[0].copy_(tw)
-                r[1].copy_(ids)
+        xs, routes, refresh = random_calls(T, E, k, H, CALLS, gen)
 
         def timed(fn):
             return statistics.median(time_graph([lambda i=i: fn(i) for i in range(CALLS)], refresh=refresh, reps=reps))
@@ -195,11 +187,7 @@ def main(argv=None):
     tokens = [int(t) for t in args.tokens.split(",")]
     fp8_shapes = set((args.fp8_shapes or args.shapes).split(","))
     result = dict(
-        device=torch.cuda.get_device_name(),
-        date=time.strftime("%Y-%m-%d"),
-        torch=torch.__version__,
-        triton=__import__("triton").__version__,
-        commit=commit(),
+        **run_facts(),
         probe_t=PROBE_T,
         persistent_switch=moe_choice.PERSISTENT_SWITCH,
         method=f"CUDA-graph replays of {CALLS} calls on {COPIES} weight copies, fresh random routing before each "

@@ -70,7 +70,7 @@ def _time(calls, refresh) -> float:
 def test_the_chosen_kernel_is_within_5pct_of_the_fastest(shape, T):
     from rubin_compile.kernels.triton import moe as tmoe
     from rubin_compile.kernels.triton import moe_choice
-    from rubin_compile.kernels.triton.tune_moe import SHAPES, make_routing, make_weights
+    from rubin_compile.kernels.triton.tune_moe import SHAPES, make_weights, random_calls
     from rubin_compile.ops.moe import MoEArgs, aten
 
     sh = _shapes()[shape]
@@ -78,14 +78,7 @@ def test_the_chosen_kernel_is_within_5pct_of_the_fastest(shape, T):
     name = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(T)
     weights = [make_weights(E, H, I, "bf16", seed=20 + c) for c in range(COPIES)]
-    xs = [torch.randn((T, H), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(CALLS)]
-    routes = [list(make_routing(T, E, k, generator=gen)) for _ in range(CALLS)]
-
-    def refresh(_):
-        for r in routes:
-            tw, ids = make_routing(T, E, k, generator=gen)
-            r[0].copy_(tw)
-            r[1].copy_(ids)
+    xs, routes, refresh = random_calls(T, E, k, H, CALLS, gen)
 
     def args(i):
         w = weights[i % COPIES]

@@ -95,6 +95,21 @@ def make_routing(T: int, E: int, k: int, device="cuda", generator: Optional[torc
     return tw, ids
 
 
+def random_calls(T: int, E: int, k: int, H: int, calls: int, generator: torch.Generator, device="cuda"):
+    """Inputs of ``calls`` back-to-back calls for a CUDA graph: bf16 hidden states, routing buffers, and ``refresh(i)``,
+    which draws a fresh routing into those buffers (between replays, outside the timed region)."""
+    xs = [torch.randn((T, H), device=device, dtype=torch.bfloat16, generator=generator) for _ in range(calls)]
+    routes = [list(make_routing(T, E, k, device, generator)) for _ in range(calls)]
+
+    def refresh(_i: int) -> None:
+        for r in routes:
+            tw, ids = make_routing(T, E, k, device, generator)
+            r[0].copy_(tw)
+            r[1].copy_(ids)
+
+    return xs, routes, refresh
+
+
 def expert_bytes(H: int, I: int, wfmt: str) -> int:
     """Bytes of one expert's weights (and scales) that a call must read if the expert is routed."""
     if wfmt == "bf16":

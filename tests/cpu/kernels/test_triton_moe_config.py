@@ -717,3 +717,20 @@ def test_warm_compile_one_process_per_job_so_a_fault_drops_only_its_candidate():
     assert warm_compile([1, 2, 3, 4], 1, _fault_on_two) == {
         2: "AcceleratorError: an illegal memory access was encountered"
     }
+
+
+def test_random_calls_refresh_the_routing_in_place():
+    """tune_moe.random_calls: the graph's input buffers keep their storage while refresh draws a new routing into
+    them (the benchmarks and the choice's GPU test replay graphs over these buffers)."""
+    from rubin_compile.kernels.triton.tune_moe import random_calls
+
+    gen = torch.Generator().manual_seed(0)
+    xs, routes, refresh = random_calls(5, 16, 4, 8, 3, gen, device="cpu")
+    assert len(xs) == len(routes) == 3 and xs[0].shape == (5, 8) and xs[0].dtype == torch.bfloat16
+    ptrs = [(tw.data_ptr(), ids.data_ptr()) for tw, ids in routes]
+    before = [ids.clone() for _, ids in routes]
+    refresh(0)
+    assert [(tw.data_ptr(), ids.data_ptr()) for tw, ids in routes] == ptrs
+    assert any(not torch.equal(b, ids) for b, (_, ids) in zip(before, routes))
+    for tw, ids in routes:  # k distinct experts per token, weights summing to one
+        assert all(len(set(row.tolist())) == 4 for row in ids) and torch.allclose(tw.sum(-1), torch.ones(5))
