@@ -1139,29 +1139,22 @@ def _moe_route_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[str, int, bool]:
-    """(name, SM count, supports PDL) of a CUDA device."""
+def _device_info(index: int) -> tuple[str, int, int]:
+    """(name, SM count, compute capability major) of a CUDA device."""
     props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count, props.major >= 9
+    return props.name, props.multi_processor_count, props.major
+
+
+def _device_facts(device: torch.device) -> tuple[str, int, int]:
+    if device.type == "cuda":
+        return _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    return "cpu", 132, 0  # the interpreter: no PDL instructions, heuristic tiles
 
 
 def is_sm90(device: torch.device) -> bool:
     """Whether ``device`` is an sm_90 GPU (H100 / H200 / GH200): where the heuristic may pick the persistent path,
     tested only there (its TMA descriptors and wgmma tiles; an interpreted run on the CPU takes the other tiles)."""
-    if device.type != "cuda" or _INTERPRET:
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _device_facts(device: torch.device) -> tuple[str, int, bool]:
-    if device.type == "cuda":
-        return _device_info(device.index if device.index is not None else torch.cuda.current_device())
-    return "cpu", 132, False  # the interpreter: no PDL instructions, heuristic tiles
+    return not _INTERPRET and _device_facts(device)[2] == 9
 
 
 def route_groups_torch(flat_ids: torch.Tensor, E: int, cap: int):
@@ -1808,10 +1801,11 @@ def run(
         raise ValueError(f"rubin.moe[triton]: out must be [{T}, {H}] {dtype} with contiguous rows")
     if T == 0 or k == 0:
         return out.zero_()
-    name, num_sms, has_pdl = _device_facts(dev)
+    name, num_sms, major = _device_facts(dev)
+    has_pdl = major >= 9
     if config is None:
         block = tuple(args.block_shape) if args.block_shape is not None else None
-        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, is_sm90(dev))
+        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, major == 9 and not _INTERPRET)
     placed = launch.placement is not None and launch.placement.applies(T)
     if config.mode == "persistent":
         tiles = moe_prefill.Tiles.of(config)

@@ -551,7 +551,7 @@ def _interp_case(
         domains = locality.sequential(2, x.device, localized_memory=split_n == "copies")
     facts = tmoe._device_facts
     if sms:
-        tmoe._device_facts = lambda device: ("cpu", sms, False)
+        tmoe._device_facts = lambda device: ("cpu", sms, 0)
     try:
         tmoe.fused_moe(
             x, w13, w2, tw, ids, act, b13, b2, config=cfg, out=out, placement=placement, domains=domains, **quant

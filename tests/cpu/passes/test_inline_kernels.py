@@ -38,7 +38,7 @@ def on_h200():
         stack.enter_context(mock.patch.object(registry.Kernel, "unavailable_here", lambda self, here: None))
         stack.enter_context(mock.patch.object(triton_attention, "_sm_count", lambda index: 132))
         stack.enter_context(mock.patch.object(triton_route, "_device_facts", lambda index: (132, True)))
-        stack.enter_context(mock.patch.object(triton_moe, "_device_info", lambda index: ("NVIDIA H200", 132, True)))
+        stack.enter_context(mock.patch.object(triton_moe, "_device_info", lambda index: ("NVIDIA H200", 132, 9)))
         yield
 
 
