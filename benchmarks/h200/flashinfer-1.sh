@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, H200 step 1: FlashInfer 0.7.2.post1 from the carried bundle (../shared/tools/flashinfer-bundle .devcache)
 # and the cuDNN frontend wheel beside it (.devcache/nvidia_cudnn_frontend-*.whl); the FlashInfer GPU tests, then
-# benchmarks/flashinfer.py. FlashInfer's JIT output goes to .ficache (kept while the machine stays warm).
+# benchmarks/flashinfer_kernels.py. FlashInfer's JIT output goes to .ficache (kept while the machine stays warm).
 #   bash benchmarks/h200/flashinfer-1.sh            (run with carry [".devcache"])
 . "$(dirname "$0")/flashinfer-common.sh"
 python3 -c "
@@ -17,5 +17,5 @@ echo "pytest exit $?"; grep -E "FAILED|ERROR|passed|failed|crashed" "$OUT/flashi
 # a kernel that aborted its test worker (a crash, not a failure) is left out of the benchmark, which it would kill
 SKIP=$(grep -o "crashed while running '[^']*flashinfer_[a-z0-9]*" "$OUT/flashinfer-h200.log" | grep -o "flashinfer_[a-z0-9]*$" | sort -u | paste -sd, -)
 echo "benchmark skips: ${SKIP:-none}"
-timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/flashinfer.py --out "$OUT" --skip "$SKIP" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/flashinfer_kernels.py --out "$OUT" --skip "$SKIP" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "benchmark exit $?"; tail -5 "$OUT/bench.log"; cat "$OUT/flashinfer-h200.md" 2>/dev/null | head -150

@@ -190,7 +190,7 @@ class FA3Prefill(_SinglePrefill):
     Hugging Face layout and the static cache alike; NHD with tokens outermost is the layout its own tests use.
     Decode is left to our split-KV kernel / FA2: this kernel does not split the KV length, so one query token
     runs B * Hkv blocks. Its host code builds TMA descriptors with the driver API, which needs the calling thread's
-    CUDA context current: called first from a fresh thread (benchmarks/flashinfer.py's threaded warm-up) it failed
+    CUDA context current: called first from a fresh thread (benchmarks/flashinfer_kernels.py's threaded warm-up) it failed
     with error 201 (invalid context) and then an illegal instruction; from the thread that runs the model (where
     torch has made a CUDA call) it ran."""
 

@@ -51,3 +51,12 @@ def test_markdown_gives_every_row_its_ratios_and_errors(bench):
     )
     assert "| qwen3-235b-a22b | bf16 | 4096 | 1800.0 | - | - | - | - | - | - | - | heuristic |" in md
     assert "- qwen3-235b-a22b bf16 T=4096: {'persistent': 'RuntimeError: boom'}" in md
+
+
+def test_no_benchmark_shadows_a_dependency():
+    """A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path (and the benchmarks that import
+    their neighbours put it there): a file named like a dependency's package would be imported in its place (until
+    2026-12-05 benchmarks/flashinfer.py was, for every benchmark that reached rubin's FlashInfer provider)."""
+    dependencies = {"torch", "triton", "flashinfer", "cutlass", "cuda", "vllm", "transformers", "pytest", "numpy"}
+    names = {p.stem for p in (ROOT / "benchmarks").rglob("*.py")} | {p.name for p in (ROOT / "benchmarks").iterdir()}
+    assert not names & dependencies, names & dependencies

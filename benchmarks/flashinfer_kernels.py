@@ -1,8 +1,8 @@
 """FlashInfer's sm_90 kernels beside rubin's alternatives for the same call, each called through its canonical op.
 
-    PYTHONPATH=. python benchmarks/flashinfer.py --out benchmarks/results          # every table (~5 min with JIT)
-    PYTHONPATH=. python benchmarks/flashinfer.py --quick --ops gemm               # one shape per table: a smoke test
-    python benchmarks/flashinfer.py --dry-run                                      # no GPU: build every call, time none
+    PYTHONPATH=. python benchmarks/flashinfer_kernels.py --out benchmarks/results          # every table (~5 min with JIT)
+    PYTHONPATH=. python benchmarks/flashinfer_kernels.py --quick --ops gemm               # one shape per table: a smoke test
+    python benchmarks/flashinfer_kernels.py --dry-run                                      # no GPU: build every call, time none
 
 What is timed is what a compiled graph runs: ``torch.ops.rubin.attention(..., impl="<kernel>@sm90")`` and
 ``torch.ops.rubin.gemm(..., impl=...)``, i.e. the registered kernel's adapter (for FlashInfer: the weights
@@ -74,9 +74,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-# Run as a script, this file's directory is sys.path[0] and this file would be `import flashinfer`: drop it, so that
-# the FlashInfer package is found.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
@@ -828,7 +825,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown op(s) {unknown}; choose from {list(GROUPS)}")
     if not a.dry_run and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/flashinfer.py needs a CUDA GPU (or --dry-run)")
+        raise SystemExit("benchmarks/flashinfer_kernels.py needs a CUDA GPU (or --dry-run)")
     out = Path(a.out) if a.out else None
     if a.dry_run:
         target, here, bw, name, sms = target_mod.resolve("sm90"), None, 0.0, "", 132
@@ -849,7 +846,7 @@ def main() -> None:
         copy_GBps=bw,
         versions=versions(),
         commit=a.commit or commit(),
-        command="python benchmarks/flashinfer.py " + shlex.join(sys.argv[1:]),
+        command="python benchmarks/flashinfer_kernels.py " + shlex.join(sys.argv[1:]),
         reps=a.reps,
         calls=CALLS,
         dry_run=a.dry_run,
