@@ -16,6 +16,10 @@ their numbers, in one run, per shape, T and weight format:
   is from tuning;
 * ``aten``: rubin.moe's ATen form (``torch._grouped_mm``; bf16 only), the other side of the rule.
 
+``--write-configs moe_configs/<GPU>.json`` merges the heuristic's configs that timed more than 10% faster than the
+table's (at a T between its tuned sizes, or one tuned before the persistent path) into the table, for the shapes it
+has; ``--configs-from-run JSON`` does so from an earlier run's results, without a GPU.
+
 The shapes: the four benchmark shapes the tables were tuned on, and held-out shapes of real models that were
 never tuned (``HELD_OUT``): the heuristic is what those run. Timing as benchmarks/moe.py: CUDA-graph replays of
 4 calls on 2 weight copies, fresh random routing before each replay, median. Writes
@@ -170,6 +174,40 @@ def markdown(result) -> str:
     return "\n".join(out) + "\n"
 
 
+MARGIN = 1.10  # a measured config replaces the table's only this much faster (one config timed twice: up to 7% apart)
+
+
+def write_configs(result: dict, path: Path, margin: float = MARGIN) -> list[str]:
+    """Merge into the tuned-config table at ``path`` (moe_configs/<GPU>.json, of the run's GPU) the heuristic's
+    configs that timed faster than what the table runs at that T (its entry of the nearest tuned T, the ``tuned``
+    column) by more than ``margin``, for shapes the table has (a shape without entries stays untuned: its rule is
+    ``moe_choice.untuned_ours``). Each entry gets the time measured and, where the run checked it, the relative
+    error, and ``measured_by`` naming the run. Returns what was written, one line each."""
+    table = json.loads(path.read_text())
+    if table.get("device") != result["device"]:
+        raise SystemExit(f"{path} is the table of {table.get('device')!r}, not of {result['device']!r}")
+    done = []
+    for row in result["rows"]:
+        us = row["us"]
+        if "tuned" not in us:
+            continue
+        best = min((label for label in ("decode_tiles", "persistent") if label in us), key=us.get, default=None)
+        if best is None or us["tuned"] <= margin * us[best]:
+            continue
+        key = moe_choice.table_key(row["E"], row["H"], row["I"], row["k"], row["wfmt"])
+        entry = dict(row["configs"][best], us=round(us[best], 2))
+        if best == "persistent" and "persistent_rel_err" in row:
+            entry["rel_err"] = float(f"{row['persistent_rel_err']:.3g}")
+        entry["measured_by"] = (
+            f"benchmarks/moe_heuristic.py, {result['device']}, {result['date']}, commit {result['commit']}: "
+            f"{best} {us[best]:.1f} us against the table's entry of then {us['tuned']:.1f} us"
+        )
+        table["configs"][key][str(row["T"])] = entry
+        done.append(f"{key} T={row['T']}: {best} {us[best]:.1f} us (was {us['tuned']:.1f})")
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")  # as tune_moe writes it
+    return done
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -178,7 +216,20 @@ def main(argv=None):
     ap.add_argument("--formats", default="bf16,fp8_block")
     ap.add_argument("--fp8-shapes", default=None, help="shapes timed in FP8 (default: all of --shapes)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument(
+        "--write-configs",
+        default=None,
+        help="merge the heuristic's configs that timed over 10%% faster than the tuned table's into this table "
+        "(moe_configs/<GPU>.json), for the shapes it has",
+    )
+    ap.add_argument("--configs-from-run", default=None, help="with --write-configs: an earlier run's JSON, no GPU")
     args = ap.parse_args(argv)
+    if args.configs_from_run:
+        if not args.write_configs:
+            ap.error("--configs-from-run needs --write-configs PATH")
+        for line in write_configs(json.loads(Path(args.configs_from_run).read_text()), Path(args.write_configs)):
+            print(line)
+        return 0
     unknown = [s for s in args.shapes.split(",") if s not in ALL_SHAPES]
     if unknown:
         ap.error(f"unknown shapes {unknown}; known: {', '.join(ALL_SHAPES)}")
@@ -207,6 +258,9 @@ def main(argv=None):
             stem.with_suffix(".json").write_text(json.dumps(result, indent=1))  # written as it goes
             stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
+    if args.write_configs:
+        for line in write_configs(result, Path(args.write_configs)):
+            print(line)
     return 0
 
 

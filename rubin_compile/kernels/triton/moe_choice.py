@@ -43,7 +43,7 @@ import torch
 TABLE_DIR = Path(__file__).with_name("moe_baselines")
 CONFIG_DIR = Path(__file__).with_name("moe_configs")  # the tuned configs (moe.py reads them through lookup_config)
 # Fields of a tuned-config entry that are its measurement, not the config
-MEASUREMENT_FIELDS = frozenset({"us", "rel_err", "heuristic_us"})
+MEASUREMENT_FIELDS = frozenset({"us", "rel_err", "heuristic_us", "measured_by"})
 # GemmConfig fields added after rows were first recorded, at their defaults: an fc1 / fc2 without them is the same
 # tile (the tables hold configs as JSON, read here without Triton; a CPU test checks these against GemmConfig)
 LATER_GEMM_DEFAULTS = {"occupancy": 1, "flatten": False}

@@ -267,8 +267,9 @@ def test_choice_on_the_benchmark_is_never_more_than_5pct_slower():
         chosen = ours if c.kernel == "triton" else aten
         assert chosen <= 1.05 * min(ours, aten), (r["shape"], r["T"], c.describe(), ours, aten)
         checked += 1
-    # of 44: Qwen3 and DeepSeek-V3 at T = 1, 2, 4, 8, 1024, 4096, Mixtral and MiniMax-M2 at 1024, 4096 re-tuned
-    assert checked == 28, checked
+    # of 44: Qwen3 and DeepSeek-V3 at T = 1, 2, 4, 8, 1024, 4096, Mixtral and MiniMax-M2 at 1024, 4096 re-tuned, and
+    # Mixtral at 256 given the heuristic's persistent tiles (measured 1.54x faster, moe-heuristic-h200.md)
+    assert checked == 27, checked
 
 
 SAME_RUN = ROOT / "benchmarks" / "results" / "moe-h200-2026-12-05-s6" / "moe-h200-prefill.json"
@@ -278,14 +279,17 @@ def test_choice_against_vllm_and_aten_on_the_h200s_same_run_benchmark():
     """The H200's run that timed ours, the ATen form and vLLM's fused_moe in one process (2026-12-05, d473b05; the
     committed H200 table's rows come from it): on each route (the ATen form under torch.compile, vLLM's kernel in
     vLLM) the chosen kernel is within 5% of the faster of the two at every measured size, and ours is chosen over
-    vLLM's kernel at T = 1024 and 4096 on all three shapes, where it timed 1.11-1.28x faster."""
+    vLLM's kernel at T = 1024 and 4096 on all three shapes, where it timed 1.11-1.28x faster. (Mixtral at T = 256 runs
+    another config since -- the heuristic's persistent tiles, moe-heuristic-h200.md -- so that row no longer counts.)"""
     result = json.loads(SAME_RUN.read_text())
     assert result["device"] == "NVIDIA H200"
     configs = moe_choice.load_configs("NVIDIA H200")
-    checked = 0
+    checked, stale = 0, []
     for r in result["rows"]:
         key = moe_choice.table_key(r["E"], r["H"], r["I"], r["k"], r["wfmt"])
-        assert moe_choice.same_config(r["config_entry"], moe_choice.current_config(r["T"], key, configs)), r["shape"]
+        if not moe_choice.same_config(r["config_entry"], moe_choice.current_config(r["T"], key, configs)):
+            stale.append((r["shape"], r["T"]))
+            continue
         for baseline, column in (("aten", "grouped_mm"), ("vllm", "vllm")):
             ours, theirs = r["us"]["triton"], r["us"][column]
             c = moe_choice.choose(r["T"], r["E"], r["H"], r["I"], r["k"], r["wfmt"], "NVIDIA H200", baseline)
@@ -294,7 +298,8 @@ def test_choice_against_vllm_and_aten_on_the_h200s_same_run_benchmark():
             if baseline == "vllm" and r["T"] >= 1024:
                 assert c.kernel == "triton" and theirs / ours >= 1.1, (r["shape"], r["T"], c.describe())
             checked += 1
-    assert checked == 30  # 3 shapes x T = 1, 64, 256, 1024, 4096 x 2 routes
+    assert stale == [("mixtral-8x7b", 256)] and moe_choice.stale(*MIXTRAL, "bf16", "NVIDIA H200") == [256]
+    assert checked == 28  # 3 shapes x T = 1, 64, 256, 1024, 4096 x 2 routes, but Mixtral's 256
 
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -316,13 +321,16 @@ def test_a_gpu_without_tuned_configs_runs_its_stand_ins(tmp_path):
     assert moe_choice.configs_device(H100, str(own)) == H100
     assert moe_choice.load_configs(H100, str(own))["device"] == H100
     assert moe_choice.configs_device(H100, str(tmp_path)) == H100 and moe_choice.load_configs(H100, str(tmp_path)) == {}
-    # every H100 row was timed with the H200's configs (benchmarks/results/moe-h100-2026-12-05/, call 5 at 2519eb4)
-    for shape in (QWEN, MIXTRAL, (256, 7168, 256, 8)):
+    # every H100 row was timed with the H200's configs of then (benchmarks/results/moe-h100-2026-12-05/, call 5 at
+    # 2519eb4); Mixtral's T = 256 entry changed since (the heuristic's persistent tiles), so that row no longer counts
+    for shape in (QWEN, (256, 7168, 256, 8)):
         assert moe_choice.stale(*shape, "bf16", H100) == []
-    # what the H100 measured decides: grouped_mm beat ours on Mixtral at T = 256 there (1215 against 1521 us), ours
-    # won at 1024
+    assert moe_choice.stale(*MIXTRAL, "bf16", H100) == [256]
+    # what the H100 measured decides: ours beat grouped_mm on Mixtral at T = 64 and 1024 there; T = 256 (grouped_mm
+    # 1215 against the old config's 1521 us) now goes by the nearest counted row, 64 (a tie with 1024 in log2)
     c = moe_choice.choose(256, *MIXTRAL, "bf16", H100, "aten")
-    assert (c.kernel, c.ours_us, c.baseline_us) == ("aten", 1520.9, 1215.06), c.describe()
+    key = moe_choice.table_key(*MIXTRAL, "bf16")
+    assert (c.kernel, c.source) == ("triton", f"table:{key}@T=64"), c.describe()
     assert moe_choice.choose(1024, *MIXTRAL, "bf16", H100, "aten").kernel == "triton"
     # DeepSeek-V3 against vLLM, measured at T = 1 (ours 48.6, vLLM 60.0 us) and 64 (883.4 / 864.9): T = 8 goes by the
     # T = 1 row (a tie in log2, the smaller), where the H100's GPU test timed ours 1.13x faster at T = 8 itself
