@@ -54,9 +54,10 @@ def test_markdown_gives_every_row_its_ratios_and_errors(bench):
 
 
 def test_no_benchmark_shadows_a_dependency():
-    """A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path (and the benchmarks that import
-    their neighbours put it there): a file named like a dependency's package would be imported in its place (until
-    2026-12-05 benchmarks/flashinfer.py was, for every benchmark that reached rubin's FlashInfer provider)."""
+    """A script run from benchmarks/ has that folder first on sys.path (and the benchmarks that import their
+    neighbours put it there): a file named like a dependency's package would be imported in its place (until 2026-12-05
+    the FlashInfer benchmark, now flashinfer_kernels, was named flashinfer, and was, for every benchmark that reached
+    rubin's FlashInfer provider)."""
     dependencies = {"torch", "triton", "flashinfer", "cutlass", "cuda", "vllm", "transformers", "pytest", "numpy"}
     names = {p.stem for p in (ROOT / "benchmarks").rglob("*.py")} | {p.name for p in (ROOT / "benchmarks").iterdir()}
     assert not names & dependencies, names & dependencies
