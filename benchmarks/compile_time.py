@@ -7,7 +7,7 @@ process over the same directories): what a user sees on the first run on a machi
 Compile time = the first generate() call (which compiles the decode step: transformers' compile_config,
 mode="reduce-overhead") less the same call warm. The child process also counts where the first call's time
 went in that process: Triton compiles run in it (``triton.compile``: rubin's kernels; Inductor compiles its
-own in worker processes) and rubin's pass pipeline. Writes compile-time-h200.{md,json} under ``--out``.
+own in worker processes) and rubin's pass pipeline. Writes compile-time-<gpu>.{md,json} under ``--out`` (gpu_names.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 
 def _count(obj, name: str, tally: dict) -> None:
@@ -141,8 +143,8 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "compile-time-h200.md").write_text(text + "\n")
-        (out / "compile-time-h200.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+        (out / f"compile-time-{gpu_slug()}.md").write_text(text + "\n")
+        (out / f"compile-time-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ a call's launch then overlaps the call before it (in a model, the kernel before 
 kernel may launch right after the wait (in a model, the next layer's projection, which asks for its weights before
 its own wait); ``late trigger`` lets it launch only once the K / V loop is done, ``L2 prefetch`` asks L2 for the
 first two K / V tiles before the wait (kernels/triton/attention.py ``Config``). Writes
-decode-attention-h200.{md,json} under ``--out``.
+decode-attention-<gpu>.{md,json} under ``--out`` (gpu_names.py).
 
 ``--sweep`` times every ``Config`` of the kernel (tile, warps, stages, programs per SM, shortest split) at the
 benchmark's shapes, checks each against the ATen form, and writes
@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -39,6 +40,9 @@ from rubin_compile.kernels.triton import attention as kernel
 from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
 from rubin_compile.ops.attention import AttentionArgs, aten
 from rubin_compile.ops.registry import Launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 HQ, HKV, D, EXTRA = 32, 4, 128, 128
 CALLS = 16  # calls per captured graph
@@ -209,8 +213,10 @@ def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Pa
     print(text)
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "decode-attention-sweep-h200.md").write_text(text + "\n")
-        (out / "decode-attention-sweep-h200.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+        (out / f"decode-attention-sweep-{gpu_slug()}.md").write_text(text + "\n")
+        (out / f"decode-attention-sweep-{gpu_slug()}.json").write_text(
+            json.dumps({"device": head, "rows": rows}, indent=1)
+        )
 
 
 def main() -> None:
@@ -241,8 +247,8 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "decode-attention-h200.md").write_text(text + "\n")
-        (out / "decode-attention-h200.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+        (out / f"decode-attention-{gpu_slug()}.md").write_text(text + "\n")
+        (out / f"decode-attention-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: rubin_compile beside benchmarks/
 from rubin_compile.passes import PASS_NAMES  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+
 VARIANTS = {
     # name: (backend, torch.compile kwargs) -- None backend: eager
     "eager": (None, {}),
@@ -393,8 +396,8 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "decode-step-h200.md").write_text(text + "\n")
-        (out / "decode-step-h200.json").write_text(
+        (out / f"decode-step-{gpu_slug()}.md").write_text(text + "\n")
+        (out / f"decode-step-{gpu_slug()}.json").write_text(
             json.dumps(
                 {
                     "bandwidth_GBps": bw,

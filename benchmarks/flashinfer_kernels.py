@@ -47,7 +47,7 @@ fastest impl per shape (bold). A kernel that raises is a FAILED row with its mes
 
 JIT: before timing, the FlashInfer variants of every table (FA2 / FA3 bf16, FA2 FP8 KV, bmm_fp8, cuDNN,
 fp8_blockscale_gemm_sm90) are built at once in threads, one per variant (``--serial-jit``: each at its first
-row instead); their build times are the "first call" table. Writes flashinfer-h200.{md,json} under ``--out``
+row instead); their build times are the "first call" table. Writes flashinfer-<gpu>.{md,json} (gpu_names.py) under ``--out``
 after every shape, so a run cut short keeps what it measured.
 
 ``--dry-run`` (no GPU needed): builds every row's arguments on meta tensors, asks the registry, builds and checks
@@ -76,6 +76,7 @@ from typing import Any, Callable, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))  # gpu_names
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -88,6 +89,7 @@ from rubin_compile.ops import gemm as gemm_ops  # noqa: E402
 from rubin_compile.ops.attention import AttentionArgs  # noqa: E402
 from rubin_compile.ops.gemm import SCALE_BLOCK, GemmArgs  # noqa: E402
 from rubin_compile.ops.nodes import dtype_name  # noqa: E402
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 from rubin_compile.ops.registry import CANONICAL_OPS, KernelSpec, Launch, UnknownKernelError  # noqa: E402
 
 CALLS = 16  # calls captured per graph
@@ -788,8 +790,8 @@ def write(res: dict, out: Optional[Path]) -> None:
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "flashinfer-h200.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    (out / "flashinfer-h200.md").write_text(render(res))
+    (out / f"flashinfer-{gpu_slug()}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (out / f"flashinfer-{gpu_slug()}.md").write_text(render(res))
 
 
 def log_row(r: dict) -> None:
@@ -813,7 +815,7 @@ def main() -> None:
     ap.add_argument("--ops", default="attention,gemm", help="comma-separated: attention, gemm")
     ap.add_argument("--quick", action="store_true", help="one shape per table (a smoke test of every impl)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays per row (the median is reported)")
-    ap.add_argument("--out", default=None, help="directory for flashinfer-h200.{md,json}")
+    ap.add_argument("--out", default=None, help="directory for flashinfer-<gpu>.{md,json} (gpu_names.py)")
     ap.add_argument("--dry-run", action="store_true", help="build every call on meta tensors, time nothing (no GPU)")
     ap.add_argument("--serial-jit", action="store_true", help="build each FlashInfer variant at its first row")
     ap.add_argument("--commit", default=None, help="the commit to report (default: git rev-parse --short HEAD)")

@@ -25,7 +25,7 @@ read once per step), median of the replays, us per call. Per row:
 - % of copy bandwidth (weights + activations in and out / copy bandwidth measured at the start / time) and
   % of the dense tensor peak (2MNK / time / peak; H200: 989 TFLOPS bf16, 1979 FP8).
 
-Writes ``gemm-h200.{md,json,png}`` under ``--out``.
+Writes ``gemm-<gpu>.{md,json,png}`` under ``--out`` (gpu_names.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rubin_compile.kernels.triton import gemm as G  # noqa: E402
 from rubin_compile.kernels.triton import tune_gemm as T  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PEAK_TFLOPS = {"bf16": 989.0, "fp8_block": 1979.0}  # H200 dense (NVIDIA's datasheet figures without sparsity)
@@ -169,7 +172,7 @@ def summary(res: dict) -> list[str]:
 
 def write(res: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm-h200.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"gemm-{gpu_slug()}.json").write_text(json.dumps(res, indent=1) + "\n")
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [
         f"# Decode-sized GEMMs on {res['gpu']} (copy bandwidth {res['copy_GBps']} GB/s, torch {res['torch']})",
@@ -196,8 +199,8 @@ def write(res: dict, out: Path) -> None:
             f"{r['pct_tensor_peak']:.1f} | {r['selected']} {f(r['selected_us'])} | {r['best']} | "
             f"{r['config']} ({r['source']}) |"
         )
-    (out / "gemm-h200.md").write_text("\n".join(lines) + "\n")
-    plot(res, out / "gemm-h200.png")
+    (out / f"gemm-{gpu_slug()}.md").write_text("\n".join(lines) + "\n")
+    plot(res, out / f"gemm-{gpu_slug()}.png")
 
 
 def plot(res: dict, path: Path) -> None:

@@ -23,9 +23,9 @@ weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens``
   the generation) / device-to-device copy bandwidth measured at the start.
 * breakdown: torch.profiler over replays of the rubin step graph (and Inductor's), device time per kernel group.
 
-Writes ``generate-h200.{md,json,png}`` under ``--out``. ``--setup forward`` times generate() with ``model.forward``
+Writes ``generate-<gpu>.{md,json,png}`` under ``--out`` (gpu_names.py). ``--setup forward`` times generate() with ``model.forward``
 compiled instead (examples/generate.py's second way: no CUDA graphs, so the host cost of every op is paid per step)
-and writes ``generate-forward-h200.*``; pass ``--step-contexts ""`` to skip the one-graph step there.
+and writes ``generate-forward-<gpu>.*``; pass ``--step-contexts ""`` to skip the one-graph step there.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from decode_step import profile_step, weight_bytes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 # examples/generate.py: the model and the generate variants (loaded by path: this module has the same name)
 _spec = importlib.util.spec_from_file_location("generate_example", HERE.parent / "examples" / "generate.py")
@@ -327,7 +330,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = "generate-h200" if args.setup == "compile_config" else "generate-forward-h200"
+        stem = f"generate-{gpu_slug()}" if args.setup == "compile_config" else f"generate-forward-{gpu_slug()}"
         (out / f"{stem}.md").write_text(text + "\n")
         (out / f"{stem}.json").write_text(
             json.dumps({"device": head, "rows": rows, "steps": steps, "profiles": profiles}, indent=1)

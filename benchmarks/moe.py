@@ -24,7 +24,7 @@ format (bf16, FP8 128x128 block) it times, in the same run:
 JSON`` writes it from a results file of an earlier run instead of measuring (no GPU needed; ``--configs-from``
 names the tuned-config table of that run where its results predate the ``config_entry`` field). Each row keeps
 the tuned entry ours ran, and counts only while ours runs the same today. Rows with T >= 256
-also go to ``moe-prefill-h200<tag>.{md,json}``.
+also go to ``moe-prefill-<gpu><tag>.{md,json}`` (<gpu>: gpu_names.py, ``h200`` on the H200).
 
 Method: CUDA-graph replays of 4 back-to-back calls (weights rotated over 2 copies, so no call finds its
 experts in the 60 MB L2), timed with events, median of 50 replays after warm-up; before every replay a
@@ -61,6 +61,7 @@ from rubin_compile.ops.moe import aten_tensors, moe_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_fused_moe  # noqa: E402  (a benchmark helper beside this file)
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 CALLS = 4  # calls per graph replay
 COPIES = 2  # weight copies rotated across the calls
@@ -256,7 +257,7 @@ def _peak(result, wfmt: str) -> float:
 
 def write_outputs(result, out: Path, tag: str):
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"moe-h200{tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"moe-{gpu_slug()}{tag}.json").write_text(json.dumps(result, indent=1))
     peaks = result["tflops_peak"]
     head = [
         f"Copy bandwidth measured in the run: {result['copy_gbs']:.0f} GB/s (read + write); tensor rate of an 8192^3 "
@@ -289,10 +290,10 @@ def write_outputs(result, out: Path, tag: str):
     ]
     if errors:
         notes += ["", "Baselines that did not run:", *errors]
-    (out / f"moe-h200{tag}.md").write_text("\n".join(lines + notes) + "\n")
+    (out / f"moe-{gpu_slug()}{tag}.md").write_text("\n".join(lines + notes) + "\n")
     prefill = [r for r in result["rows"] if r["T"] >= PREFILL_MIN_T]
     if prefill:
-        (out / f"moe-prefill-h200{tag}.json").write_text(json.dumps(dict(result, rows=prefill), indent=1))
+        (out / f"moe-prefill-{gpu_slug()}{tag}.json").write_text(json.dumps(dict(result, rows=prefill), indent=1))
         lines = [f"# Fused MoE at prefill sizes (T >= {PREFILL_MIN_T}) on {result['device']} ({result['date']})", ""]
         lines += head + [
             "| shape | w | T | ours us | TFLOP/s | % tensor peak | % copy bw | vllm us (vllm / ours) | vllm config | "
@@ -307,7 +308,7 @@ def write_outputs(result, out: Path, tag: str):
                 f"{100 * r['tflops'] / _peak(result, r['wfmt']):.1f} | {r['pct_copy_bw']:.1f} | {cell(r, 'vllm')} | "
                 f"{vcfg or '-'} | {cell(r, 'grouped_mm')} | {cell(r, 'inductor')} |"
             )
-        (out / f"moe-prefill-h200{tag}.md").write_text("\n".join(lines) + "\n")
+        (out / f"moe-prefill-{gpu_slug()}{tag}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -342,7 +343,7 @@ def write_outputs(result, out: Path, tag: str):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / f"moe-h200{tag}.png", dpi=110)
+    fig.savefig(out / f"moe-{gpu_slug()}{tag}.png", dpi=110)
 
 
 def commit() -> str:
@@ -472,7 +473,7 @@ def main(argv=None):
             args.vllm_src,
         )
         write_outputs(result, Path(args.out), args.tag)
-    log(f"wrote {args.out}/moe-h200{args.tag}.*")
+    log(f"wrote {args.out}/moe-{gpu_slug()}{args.tag}.*")
     if args.write_baselines:
         source = f"benchmarks/moe.py on {result['device']}, {result['date']}, commit {result['commit']}"
         n = write_baselines(result, Path(args.write_baselines), source)

@@ -49,6 +49,7 @@ from rubin_compile.kernels.triton.tune_moe import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_names import gpu_slug  # noqa: E402
 from moe import CALLS, COPIES, grouped_mm_moe, run_facts  # noqa: E402  (benchmarks/moe.py)
 
 # MoE layers of released models whose shapes no table was tuned on (Hugging Face configs: hidden_size,
@@ -62,12 +63,6 @@ HELD_OUT = {
 }
 ALL_SHAPES = {**SHAPES, **HELD_OUT}
 PROBE_T = 512  # below this T the persistent tiles timed are those the heuristic picks at it
-
-
-def gpu_slug(name: str) -> str:
-    """A file-name word for a GPU: 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3', 'NVIDIA H200' -> 'h200'."""
-    words = name.lower().replace("nvidia", " ").split()
-    return "-".join(words) or "gpu"
 
 
 def bench(name, sh, tokens, wf, reps, log):

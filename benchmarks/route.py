@@ -18,7 +18,7 @@ variant is ``torch.compile`` (default mode, static shapes) of the same function,
 and captured in the same way. Our kernel runs with PDL on (as rubin launches it under CUDA graphs on sm_90)
 and off, with the arguments match_routing gives it for that code (Mixtral / Qwen3: the logits rounded to bf16 as
 their bf16 nn.Linear writes them, bf16 weights). Ids are checked against the ATen routing's (as sets per token:
-logits within one bf16 ulp may round the other way) and against route_reference. Writes route-h200.{md,json} under ``--out``.
+logits within one bf16 ulp may round the other way) and against route_reference. Writes route-<gpu>.{md,json} under ``--out`` (gpu_names.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 
 from rubin_compile.kernels.triton import route as kernel
 from rubin_compile.kernels.triton.tune_moe import time_graph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
 
 CALLS = 16  # calls per captured graph
 HBM_BPS = 4.2e12  # the floor's bandwidth (H200 HBM3e, as copies reach it)
@@ -217,8 +221,8 @@ def main() -> None:
     print(f"id mismatches vs the ATen routing: {total} of {sum(r['tokens_checked'] for r in rows)} tokens; "
           f"vs route_reference: {sum(r['mismatch_vs_reference'] for r in rows)}; {time.perf_counter() - t0:.0f} s")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "route-h200.md").write_text(text + "\n")
-    (args.out / "route-h200.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+    (args.out / f"route-{gpu_slug()}.md").write_text(text + "\n")
+    (args.out / f"route-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ for side in after before; do
   ( cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 benchmarks/decode_attention.py --contexts 4096,16384,32768 \
       --batches 1,8 --out "$OUT/$side" ) > "$OUT/$side/decode-attention.log" 2>&1
   rc=$?; echo "decode_attention ($side, $(git -C "$dir" rev-parse --short HEAD)) exit $rc"
-  grep -E "^\| [0-9]" "$OUT/$side/decode-attention-h200.md" | grep -v "ATen form"
+  grep -E "^\| [0-9]" "$OUT/$side/decode-attention-$SLUG.md" | grep -v "ATen form"
 done
 git worktree remove --force /tmp/before > /dev/null 2>&1
 archive_out attn.tgz 'pytest-decode-attention.log before after'

@@ -6,6 +6,8 @@ mkdir -p "$OUT"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+uncommitted')"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# The GPU's word in the benchmarks' output file names (benchmarks/gpu_names.py): h200 on the H200
+SLUG=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_names import gpu_slug; print(gpu_slug())")
 # The file name of this GPU's MoE tables (moe_configs/, moe_baselines/), e.g. NVIDIA_H200.json
 moe_table_file() {
   python3 -c "import torch; from rubin_compile.kernels.triton import moe_choice; print(moe_choice.table_file(torch.cuda.get_device_name()))"

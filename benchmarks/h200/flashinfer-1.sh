@@ -18,4 +18,4 @@ echo "pytest exit $?"; grep -E "FAILED|ERROR|passed|failed|crashed" "$OUT/flashi
 SKIP=$(grep -o "crashed while running '[^']*flashinfer_[a-z0-9]*" "$OUT/flashinfer-h200.log" | grep -o "flashinfer_[a-z0-9]*$" | sort -u | paste -sd, -)
 echo "benchmark skips: ${SKIP:-none}"
 timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/flashinfer_kernels.py --out "$OUT" --skip "$SKIP" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-echo "benchmark exit $?"; tail -5 "$OUT/bench.log"; cat "$OUT/flashinfer-h200.md" 2>/dev/null | head -150
+echo "benchmark exit $?"; tail -5 "$OUT/bench.log"; cat "$OUT/flashinfer-$SLUG.md" 2>/dev/null | head -150

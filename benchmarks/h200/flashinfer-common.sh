@@ -10,3 +10,5 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.
 export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache
 echo "tree of commit ${RUBIN_COMMIT:-?} (the device copy's own git HEAD can be stale)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# The GPU's word in the benchmarks' output file names (benchmarks/gpu_names.py): h200 on the H200
+SLUG=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_names import gpu_slug; print(gpu_slug())")

@@ -6,4 +6,4 @@ timeout 500 python3 benchmarks/gemm.py --inductor-ms 1,16 --commit "${COMMIT:-?}
 echo "benchmark exit $?"
 grep -v -i warn "$OUT/gemm.log" | grep -E "M=  1 |M= 16 |M=256|bf16, M|FP8|selection|PDL on|off the table|  - |Error|error" | head -150
 mkdir -p "$OUT/merged" && cp rubin_compile/kernels/triton/gemm_configs/NVIDIA_H200.json "$OUT/merged/"
-python3 -m rubin_compile.kernels.triton.tune_gemm --shapes "" --inductor-from "$OUT/gemm-h200.json" --out "$OUT/merged" | tail -1
+python3 -m rubin_compile.kernels.triton.tune_gemm --shapes "" --inductor-from "$OUT/gemm-$SLUG.json" --out "$OUT/merged" | tail -1

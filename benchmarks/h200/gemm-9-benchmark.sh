@@ -7,6 +7,6 @@
 timeout 500 python3 benchmarks/gemm.py --inductor-ms 1,16 --commit "${COMMIT:-?}" --out "$OUT" > "$OUT/gemm.log" 2>&1
 echo "benchmark exit $?"
 grep -v -i warn "$OUT/gemm.log" | sed -n '/## Goals/,/## All rows/p' | head -40
-grep -E "^- |^  - " "$OUT/gemm-h200.md" | head -40
+grep -E "^- |^  - " "$OUT/gemm-$SLUG.md" | head -40
 mkdir -p "$OUT/merged" && cp rubin_compile/kernels/triton/gemm_configs/NVIDIA_H200.json "$OUT/merged/"
-python3 -m rubin_compile.kernels.triton.tune_gemm --shapes "" --inductor-from "$OUT/gemm-h200.json" --out "$OUT/merged" | tail -1
+python3 -m rubin_compile.kernels.triton.tune_gemm --shapes "" --inductor-from "$OUT/gemm-$SLUG.json" --out "$OUT/merged" | tail -1

@@ -13,7 +13,7 @@ TABLE=$(moe_table_file)
   --tokens 1,64,256,1024,4096 --formats bf16 --baselines grouped_mm,vllm --reps 10 --vllm-src .vllm-src \
   --out "$OUT" --tag=-prefill --write-baselines "$OUT/$TABLE" ; } > "$OUT/moe-prefill.log" 2>&1
 echo "benchmark exit $?"; grep -E "T=|merged|Error|Traceback|^real" "$OUT/moe-prefill.log" | cut -c1-220
-[ -f "$OUT/moe-prefill-h200-prefill.md" ] && cat "$OUT/moe-prefill-h200-prefill.md"
+[ -f "$OUT/moe-prefill-$SLUG-prefill.md" ] && cat "$OUT/moe-prefill-$SLUG-prefill.md"
 cp "$OUT/$TABLE" rubin_compile/kernels/triton/moe_baselines/
 # the benchmark's outputs archived now, so that a call cut short still returns them
 archive_out bench.tgz 'moe-*'
