@@ -44,7 +44,7 @@ from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_
 from rubin_compile.kernels.triton.moe_choice import CONFIG_DIR  # noqa: F401 (moe.CONFIG_DIR: the tables' folder)
 from rubin_compile.kernels.triton.moe_choice import load_configs as load_config_table
 from rubin_compile.kernels.triton.moe_choice import nearest_tuned_T, table_file, table_key, weight_format
-from rubin_compile.kernels.triton.moe_choice import expected_distinct_experts, heuristic_runs_persistent
+from rubin_compile.kernels.triton.moe_choice import expected_distinct_experts, expected_rows, heuristic_runs_persistent
 from rubin_compile.ops.moe import WEIGHT_FP8_DTYPES as FP8_DTYPES
 from rubin_compile.ops.moe import MoEArgs, MoEArgumentError
 from rubin_compile.ops.registry import Launch, Placement
@@ -285,7 +285,7 @@ def persistent_heuristic(
     fp8 = weight_dtype in FP8_DTYPES
     if not heuristic_runs_persistent(T, E, k, fp8):  # moe_choice's rule reads the same switch
         return None
-    rows = T * k / max(1.0, expected_distinct_experts(T, E, k))
+    rows = expected_rows(T, E, k)
     if fp8:
         if block_shape is None or int(block_shape[1]) % 128:
             return None  # per-tensor and other block widths: never tuned on this path
@@ -1805,7 +1805,7 @@ def run(
     has_pdl = major >= 9
     if config is None:
         block = tuple(args.block_shape) if args.block_shape is not None else None
-        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, major == 9 and not _INTERPRET)
+        config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, is_sm90(dev))
     placed = launch.placement is not None and launch.placement.applies(T)
     if config.mode == "persistent":
         tiles = moe_prefill.Tiles.of(config)

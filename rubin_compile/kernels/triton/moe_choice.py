@@ -121,8 +121,7 @@ def untuned_ours(T: int, E: int, k: int) -> bool:
 def _untuned_ranges(E: int, k: int, lo: int, baseline: str) -> str:
     """``untuned_ours`` of one shape above ``lo`` tokens as ranges of T ("ours T <= 384; aten 384 < T <= 511; ours
     T > 511"), up to the T from which the persistent path runs at every size (rows grow with T)."""
-    last = max(t for pairs in PERSISTENT_SWITCH.values() for t, _ in pairs)
-    end = last
+    end = PERSISTENT_SWITCH["bf16"][-1][0]  # the switch untuned_ours reads
     while not heuristic_runs_persistent(end, E, k):
         end *= 2
     parts, start = [], lo
@@ -274,9 +273,14 @@ RULE_TEXT = {
 RULES = {b: f"no measured entry at or above this T; rule: {text}" for b, text in RULE_TEXT.items()}
 
 
+def _configs_dir(directory: Optional[str]) -> Optional[str]:
+    """The tuned configs' folder beside a measured table's ``directory`` (None: moe_configs/)."""
+    return directory and str(Path(directory) / "configs")
+
+
 def _configs(device_name: str, directory: Optional[str]) -> dict[str, Any]:
     """The tuned configs ``choose`` reads: moe_configs/'s, or the ``configs`` subfolder of its ``directory``."""
-    return load_configs(device_name, directory and str(Path(directory) / "configs"))
+    return load_configs(device_name, _configs_dir(directory))
 
 
 def _rule(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str, Optional[int]]:
@@ -288,11 +292,10 @@ def _rule(E, H, I, k, wfmt, device_name, baseline, directory=None) -> tuple[str,
         return "vllm", VLLM_RULE_MAX_T
     if _configs(device_name, directory).get("configs", {}).get(table_key(E, H, I, k, wfmt)):
         return "aten", None
-    configs_dir = directory and str(Path(directory) / "configs")
     if (
         wfmt in PERSISTENT_RULE_FORMATS
         and k > 0
-        and configs_device(device_name, configs_dir) in PERSISTENT_RULE_CONFIGS
+        and configs_device(device_name, _configs_dir(directory)) in PERSISTENT_RULE_CONFIGS
     ):
         return "aten_persistent", UNTUNED_RULE_MAX_T
     return "aten_untuned", UNTUNED_RULE_MAX_T

@@ -413,7 +413,7 @@ def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None, modes=None) ->
 
 def _all_candidates(moe, base, T, E, H, I, k, wfmt) -> list:
     cands = []
-    rows = T * k / max(1.0, moe.expected_distinct_experts(T, E, k))
+    rows = moe.expected_rows(T, E, k)
     for a8 in (False, True) if wfmt != "bf16" else (False,):
         b = replace(base, a_fp8=a8)
         for c in _gemm_candidates(moe, T, I, wfmt, "fc1", b.fc1, a8, rows):
