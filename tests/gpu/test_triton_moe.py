@@ -503,18 +503,38 @@ def test_persistent_path_variants(tmoe, kind, tile):
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt)
     assert (kw["w13"].dtype == torch.bfloat16) == (kind == "bf16")
     cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=True)
-    assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2 or cfg.fc1.flatten or cfg.fc2.flatten
+    assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2 or cfg.fc1.flatten or cfg.fc2.flatten or cfg.fc1.join
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw.get("w13_scale"), kw.get("w2_scale"))
     args += (kw.get("block_shape"),)
     got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
     tol = TOL[torch.bfloat16] if kind == "bf16" else TOL["fp8_a8"] if kind == "fp8" else TOL["fp8"]
     _check(got, _reference(x, tw, ids, kw), tol)
-    plain = dict(occupancy=1, flatten=False)
+    plain = dict(occupancy=1, flatten=False, join=False)
     one = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, **plain), fc2=dataclasses.replace(cfg.fc2, **plain))
     assert torch.equal(tmoe.fused_moe(*args, config=one, pdl=False), got)
     outs = [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(8)]
     torch.cuda.synchronize()
     assert all(torch.equal(o, got) for o in outs)
+
+
+JOIN_CASES = [(kind, i) for kind, i in VARIANT_CASES if VARIANTS[kind][i][-1].get("join")]
+
+
+@pytest.mark.parametrize("kind,tile", JOIN_CASES, ids=[f"{k}-{i}" for k, i in JOIN_CASES])
+def test_persistent_path_joined_tiles_past_i(tmoe, kind, tile):
+    """Joined FC1 tiles (GemmConfig.join: the gate and up tiles in one TMA box over w13 seen as [E * 2, I, H]) where I
+    is not a multiple of the tile (the box's zero fill past I) and, FP8, not of the 128-row scale blocks (so the up
+    tile's scales are per column): against the reference, and bitwise the same tiles unjoined."""
+    T, E, k = 37, 9, 2
+    H, I = (328, 200) if kind == "bf16" else (336, 208)  # noqa: E741  (TMA rows of 16 bytes: e4m3 in 16s)
+    wfmt = "16" if kind == "bf16" else "fp8_block"
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt, bias=True, act="gelu_tanh")
+    cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=True)
+    got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
+    tol = TOL[torch.bfloat16] if kind == "bf16" else TOL["fp8_a8"] if kind == "fp8" else TOL["fp8"]
+    _check(got, _reference(x, tw, ids, kw), tol)
+    apart = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, join=False))
+    assert torch.equal(_run(tmoe, x, tw, ids, kw, config=apart, pdl=False), got)
 
 
 def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):

@@ -89,6 +89,10 @@ class GemmConfig:
     # (Triton's tl.range(flatten=True)), so the next item's first tiles load during this item's last K steps and
     # epilogue; for short K loops (FC2 of fine-grained experts: I = 256 is 4 steps of 64)
     flatten: bool = False
+    # the persistent path's FC1 only: a gate tile and its up tile loaded as one TMA box (w13 seen as [E * 2, I, H]) and
+    # multiplied in one MMA of 2 BN columns: the gathered rows read once per K step from shared memory, and in FP8
+    # (W8A8) one wait for the products per K step instead of two
+    join: bool = False
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -142,6 +146,8 @@ class MoEConfig:
             return f"occupancy sizes the persistent path's grids; mode={self.mode!r} takes occupancy=1"
         if self.fc1.flatten or self.fc2.flatten:
             return f"flatten is the persistent path's loop over work items; mode={self.mode!r} takes flatten=False"
+        if self.fc1.join or self.fc2.join:
+            return f"join is the persistent path's FC1 tile; mode={self.mode!r} takes join=False"
         return None
 
     def _persistent_problem(self) -> Optional[str]:
@@ -155,6 +161,8 @@ class MoEConfig:
                 return f"mode='persistent': {name} tile {g.BM}x{g.BN}x{g.BK}: BM in 16..128, BN and BK <= 256"
         if self.w2_l2 or self.early_launch or not self.fused_sum:
             return "mode='persistent': w2_l2, early_launch and fused_sum=False are decode-path options"
+        if self.fc2.join:
+            return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
         return None
 
     def to_json(self) -> dict[str, Any]:

@@ -39,6 +39,17 @@ the activations stay in their dtype, each weight tile is dequantised in register
 rounded to the activations' dtype) and is the MMA's register operand, accumulating weights x rows^T, so the K loop
 keeps its MMAs in flight like the bf16 one.
 
+Two options of FC1 and the W8A8 step (measured per shape by the tuner, benchmarks/results/moe-h200-2026-12-05-s7/):
+
+- ``GemmConfig.join`` (``JOIN``): the gate tile and its up tile loaded as one TMA box over ``w13`` seen as
+  ``[E * 2, I, H]`` (box ``[2, BN, BK]``, reshaped in shared memory to ``[2 BN, BK]``) and multiplied in one MMA of 2 BN
+  columns, split into gate and up in registers after the loop: the gathered rows are read from shared memory once per
+  K step instead of twice, and W8A8 waits for one product per K step instead of two. Bitwise the unjoined tiles.
+- One weight scale per tile (``SCALAR_SW``, set by ``run`` where the 128 x 128 blocks hold whole tiles: BN divides the
+  block and, FC1, the up rows start at a block): the K step folds that scale into its rows' scales and scales its
+  product with one FMA an element, where column scales take an outer-product multiply and an FMA (the same float32
+  values). A joined tile sees its product as ``[BM, 2, BN]``, each half with its own row scales.
+
 Tiles that reach past an expert's weight rows (``I`` or ``H`` not a multiple of ``BN``) read the next expert's rows
 or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits (``problem``):
 rows of whole 16 bytes (``H`` and ``I`` multiples of 8, of 16 for e4m3), contiguous weights and hidden-state rows;
@@ -209,19 +220,26 @@ def _fc1_kernel(
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
     FLATTEN: tl.constexpr = False,
+    JOIN: tl.constexpr = False,
+    SCALAR_SW: tl.constexpr = False,
 ):
     """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b) for every row p of every tile.
     FP8 (``A_FP8``): ``x`` is e4m3 with scales ``xs`` [T, H / BK]; the intermediate is written in e4m3 with one
     scale (amax / 448 over the tile's real columns) per (row, N tile) into ``isc`` [P_MAX, I / BN]: FC2's A tile,
     FC2's K tile being this BN."""
     W8A16: tl.constexpr = W_SCALE != 0 and not A_FP8  # e4m3 weights, activations in their dtype: accumulated transposed
+    SCALAR: tl.constexpr = A_FP8 and W_SCALE == 2 and SCALAR_SW  # each weight tile within one 128 x 128 scale block
+    ROWS3: tl.constexpr = SCALAR and JOIN
     if GDC:
         gdc_wait()  # hidden states (and their scales), tile table and sorted slots are earlier kernels' writes
         gdc_launch_dependents()
     # The descriptors after the wait: they are written to scratch memory the launch took from torch's allocator,
     # which may be a block the previous kernel still reads: under PDL, stream order no longer
     # means the previous kernel has finished (see _ensure_allocator)
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
+    if JOIN:  # w13 seen as [E * 2, I, H]: one box holds a gate tile and its up tile, one MMA of 2 BN columns
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2, I, H], strides=[I * H, H, 1], block_shape=[2, BN, BK])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[BN, BK])
     o_desc = tl.make_tensor_descriptor(inter_ptr, shape=[P_MAX, I], strides=[I, 1], block_shape=[BM, BN])
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(I, BN)
@@ -236,7 +254,18 @@ def _fc1_kernel(
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
         cols = n * BN + tl.arange(0, BN)
         gate_row = e * 2 * I + n * BN
-        if W8A16:  # [BN, BM]
+        if JOIN:  # the joined tile's columns: gate n * BN + j, then up I + n * BN + j
+            j2 = tl.arange(0, 2 * BN)
+            wrow2 = (j2 // BN) * I + n * BN + j2 % BN
+            ok2 = n * BN + j2 % BN < I
+            if W8A16:  # [2 BN, BM]
+                acc = tl.zeros([2 * BN, BM], tl.float32)
+            elif ROWS3:  # [BM, 2, BN]: gate, up
+                acc = tl.zeros([BM, 2, BN], tl.float32)
+            else:
+                acc = tl.zeros([BM, 2 * BN], tl.float32)
+            s2 = tl.zeros([2 * BN], tl.float32)
+        elif W8A16:  # [BN, BM]
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
         else:
@@ -245,23 +274,51 @@ def _fc1_kernel(
         sa = tl.zeros([BM], tl.float32)
         sg = tl.zeros([BN], tl.float32)
         su = tl.zeros([BN], tl.float32)
+        sg0 = 0.0
+        su0 = 0.0
         for k0 in tl.range(0, H, BK, num_stages=NUM_STAGES):
             a = tl.load(a_ptrs, mask=real[:, None] & (offs_k[None, :] < H - k0), other=0.0)
-            wg = w_desc.load([gate_row, k0])
-            wu = w_desc.load([gate_row + I, k0])
             if A_FP8:
                 sa = tl.load(xs_ptr + tok * stride_xst + k0 // BK, mask=real, other=0.0)
-            if W_SCALE == 2:
-                sg = _col_scales(ws_ptr, e, cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-                su = _col_scales(ws_ptr, e, I + cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            if W8A16:
-                acc_g = _step_w8a16(a, wg, acc_g, sg, W_SCALE, DOT_PREC)
-                acc_u = _step_w8a16(a, wu, acc_u, su, W_SCALE, DOT_PREC)
+            if SCALAR:  # the gate tile's one block scale and the up tile's
+                sk = e * stride_se + (k0 // SBK) * stride_sk
+                sg0 = tl.load(ws_ptr + sk + (n * BN // SBN) * stride_sn)
+                su0 = tl.load(ws_ptr + sk + ((I + n * BN) // SBN) * stride_sn)
+            elif W_SCALE == 2:
+                if JOIN:
+                    s2 = _col_scales(ws_ptr, e, wrow2, ok2, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+                else:
+                    sg = _col_scales(ws_ptr, e, cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+                    su = _col_scales(ws_ptr, e, I + cols, cols < I, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+            if JOIN:
+                wj = w_desc.load([2 * e, n * BN, k0]).reshape([2 * BN, BK])
+                if ROWS3:  # the product seen as [BM, 2, BN], each half times its row scales: one FMA an element
+                    d = tl.dot(a, wj.T).reshape([BM, 2, BN])
+                    acc = acc + d * tl.join(sa * sg0, sa * su0)[:, :, None]
+                elif W8A16:
+                    acc = _step_w8a16(a, wj, acc, s2, W_SCALE, DOT_PREC)
+                else:
+                    acc = _step(a, wj, acc, sa, s2, A_FP8, W_SCALE, DOT_PREC)
             else:
-                acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
-                acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
+                wg = w_desc.load([gate_row, k0])
+                wu = w_desc.load([gate_row + I, k0])
+                if SCALAR:  # row scales times the tile's one weight scale
+                    acc_g = _step(a, wg, acc_g, sa * sg0, sg, A_FP8, 1, DOT_PREC)
+                    acc_u = _step(a, wu, acc_u, sa * su0, su, A_FP8, 1, DOT_PREC)
+                elif W8A16:
+                    acc_g = _step_w8a16(a, wg, acc_g, sg, W_SCALE, DOT_PREC)
+                    acc_u = _step_w8a16(a, wu, acc_u, su, W_SCALE, DOT_PREC)
+                else:
+                    acc_g = _step(a, wg, acc_g, sa, sg, A_FP8, W_SCALE, DOT_PREC)
+                    acc_u = _step(a, wu, acc_u, sa, su, A_FP8, W_SCALE, DOT_PREC)
             a_ptrs += BK
-        if W8A16:
+        if ROWS3:
+            acc_g, acc_u = acc.permute(0, 2, 1).split()
+        elif JOIN:
+            if W8A16:
+                acc = acc.T
+            acc_g, acc_u = acc.reshape([BM, 2, BN]).permute(0, 2, 1).split()
+        elif W8A16:
             acc_g = acc_g.T
             acc_u = acc_u.T
         if W_SCALE == 1:
@@ -314,10 +371,12 @@ def _fc2_kernel(
     DOT_PREC: tl.constexpr,
     GDC: tl.constexpr,
     FLATTEN: tl.constexpr = False,
+    SCALAR_SW: tl.constexpr = False,
 ):
     """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
     (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
     W8A16: tl.constexpr = W_SCALE != 0 and not A_FP8  # as in _fc1_kernel
+    SCALAR: tl.constexpr = A_FP8 and W_SCALE == 2 and SCALAR_SW  # as in _fc1_kernel
     if GDC:
         gdc_wait()  # the intermediate (and its scales) are FC1's
         gdc_launch_dependents()
@@ -342,12 +401,16 @@ def _fc2_kernel(
             w = w_desc.load([e * H + n * BN, k0])
             if A_FP8:
                 sa = tl.load(isc_ptr + rows * stride_ist + k0 // BK)
-            if W_SCALE == 2:
-                sw = _col_scales(ws_ptr, e, cols, cols < H, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
-            if W8A16:
-                acc = _step_w8a16(a, w, acc, sw, W_SCALE, DOT_PREC)
+            if SCALAR:  # the row scales times the tile's one weight scale: one FMA an element
+                sw0 = tl.load(ws_ptr + e * stride_se + (n * BN // SBN) * stride_sn + (k0 // SBK) * stride_sk)
+                acc = _step(a, w, acc, sa * sw0, sw, A_FP8, 1, DOT_PREC)
             else:
-                acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
+                if W_SCALE == 2:
+                    sw = _col_scales(ws_ptr, e, cols, cols < H, k0, stride_se, stride_sn, stride_sk, SBN, SBK)
+                if W8A16:
+                    acc = _step_w8a16(a, w, acc, sw, W_SCALE, DOT_PREC)
+                else:
+                    acc = _step(a, w, acc, sa, sw, A_FP8, W_SCALE, DOT_PREC)
         if W8A16:
             acc = acc.T
         if W_SCALE == 1:
@@ -392,6 +455,7 @@ class Tiles:
     a_fp8: bool = True  # e4m3 weights: W8A8 (the activations quantised); False: W8A16 (the weights dequantised)
     occupancy: tuple[int, int] = (1, 1)  # FC1's and FC2's programs per SM (GemmConfig.occupancy)
     flatten: tuple[bool, bool] = (False, False)  # FC1's and FC2's item loops flattened (GemmConfig.flatten)
+    join: bool = False  # FC1's gate and up tiles in one TMA box and one MMA (GemmConfig.join)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -405,6 +469,7 @@ class Tiles:
             config.a_fp8,
             (f1.occupancy, f2.occupancy),
             (f1.flatten, f2.flatten),
+            f1.join,
         )
 
 
@@ -530,6 +595,11 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     s2, s2e, s2n, s2k = scale_args(args.w2_scale, block) if fp8 else (x, 0, 0, 0)
     sbn, sbk = (int(args.block_shape[0]), int(args.block_shape[1])) if block else (1, 1)
     occ1, occ2 = tiles.occupancy
+    # 128 x 128 block scales over tiles that each lie in one block (BN divides the block; the up rows start at a
+    # block: I a multiple of it): one weight scale per tile and K step, folded into the rows' scales, so a K step
+    # scales its products with one FMA an element instead of an outer product and an FMA (the same float32 values)
+    scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
+    scalar2 = a8 and block and sbn % bn2 == 0
     launcher(_fc1_kernel)[(max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)](
         xa,
         xs,
@@ -567,6 +637,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         DOT_PREC=dot_prec,
         GDC=gdc,
         FLATTEN=tiles.flatten[0],
+        JOIN=tiles.join,
+        SCALAR_SW=scalar1,
         num_warps=nw1,
         **chain,
     )
@@ -602,6 +674,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         DOT_PREC=dot_prec,
         GDC=gdc,
         FLATTEN=tiles.flatten[1],
+        SCALAR_SW=scalar2,
         num_warps=nw2,
         **chain,
     )

@@ -345,23 +345,37 @@ PERSISTENT_TILES_W8A16 = tuple(t for i, t in enumerate(PERSISTENT_TILES) if i no
 # within 128 registers. A flattened item loop (``flatten``): FC2's K loop is short where I is (DeepSeek-V3 TP8:
 # 256, four K steps), so the winners of the tuned table get FC2 as one pipelined loop over all its items' K steps.
 # (tests/cpu/kernels/test_triton_moe_prefill.py compiles each, with biases, on Triton 3.6 and 3.9, and checks.)
+# FC1's gate and up tiles joined (``join``: one TMA box, one MMA of 2 BN columns; FC1's BN is each half's width):
+# the gathered rows read from shared memory once per K step, and W8A8 waits for one product per K step, not two.
 _OCC2 = {"occupancy": (2, 2)}
 _FC2_OCC2 = {"occupancy": (1, 2)}
 _FC2_FLAT = {"flatten": (False, True)}
+_JOIN = {"join": True}
 PERSISTENT_VARIANTS = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
     (64, (128, 64, 8, 2), (128, 64, 8, 4), _OCC2),
     (64, (128, 64, 4, 2), (128, 64, 4, 4), _OCC2),
     *((*t, _FC2_FLAT) for t in (PERSISTENT_TILES[0], PERSISTENT_TILES[1], PERSISTENT_TILES[5])),
+    (128, (128, 64, 8, 4), (256, 64, 8, 3), _JOIN),
+    (128, (128, 64, 8, 3), (128, 64, 8, 4), _JOIN),
+    (64, (128, 64, 8, 4), (256, 64, 8, 3), {**_JOIN, **_FC2_FLAT}),
+    (128, (64, 64, 8, 4), (256, 64, 8, 3), _JOIN),
 )
 PERSISTENT_VARIANTS_FP8 = (
     (64, (64, 128, 4, 4), (128, 64, 4, 4), _OCC2),
     (64, (64, 64, 4, 4), (64, 64, 4, 4), _OCC2),
     *((*t, _FC2_FLAT) for t in (PERSISTENT_TILES_FP8[2], PERSISTENT_TILES_FP8[3])),
+    (64, (64, 128, 4, 4), (128, 64, 4, 4), {**_OCC2, **_JOIN}),
+    (64, (64, 128, 4, 3), (128, 64, 4, 4), {**_OCC2, **_JOIN}),
+    (128, (64, 128, 8, 4), (128, 64, 8, 4), _JOIN),
+    (128, (64, 128, 8, 3), (128, 64, 8, 4), _JOIN),
+    (64, (128, 128, 8, 4), (128, 128, 8, 4), _JOIN),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
     (128, (128, 64, 8, 3), (128, 64, 8, 3), _FC2_OCC2),
+    (128, (64, 64, 8, 4), (128, 64, 8, 3), {**_JOIN, **_FC2_OCC2}),
+    (128, (128, 64, 8, 3), (128, 64, 8, 3), {**_JOIN, **_FC2_OCC2}),
 )
 PERSISTENT_MIN_T = 128  # below this many tokens the tuner does not try the persistent path (decode sizes)
 
@@ -388,7 +402,9 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
     return moe.MoEConfig(
         mode="persistent",
         a_fp8=a_fp8,
-        fc1=G(BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1, flatten=f1),
+        fc1=G(
+            BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1, flatten=f1, join=opts.get("join", False)
+        ),
         fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2),
     )
 
@@ -481,6 +497,7 @@ def describe(cfg) -> str:
             + ("/gemv" if c.gemv else "")
             + (f"/occ{c.occupancy}" if c.occupancy > 1 else "")
             + ("/flat" if c.flatten else "")
+            + ("/join" if c.join else "")
         )
 
     return (

@@ -466,6 +466,17 @@ INTERP_CASES = [
     # ... and with the item loop flattened (GemmConfig.flatten: one loop over the program's items' K steps)
     (40, 6, 48, 32, 2, "persistent", {"sms": 2, "flatten": (True, True), "act": "gelu_tanh", "bias": True}),
     (40, 6, 48, 32, 2, "persistent", {"sms": 2, "occupancy": (2, 2), "flatten": (False, True), "wfmt": "fp8_block"}),
+    # ... with FC1's gate and up tiles joined (GemmConfig.join: one TMA box over w13 seen as [E * 2, I, H], one MMA
+    # of 2 BN columns); bitwise the unjoined run: I not a multiple of the tile (the box's zero fill past I), bias,
+    # GELU; FP8 W8A8 with one block scale per tile (the product seen as [BM, 2, BN], a row scale per half) and with
+    # scale blocks narrower than the tile (8 x 16: column scales); W8A16; per-tensor scales
+    (40, 6, 48, 32, 2, "persistent", {"join": True, "bias": True}),
+    (40, 6, 40, 24, 2, "persistent", {"join": True, "act": "gelu_tanh", "bias": True}),
+    (40, 6, 48, 32, 2, "persistent", {"join": True, "wfmt": "fp8_block", "a_fp8": True}),
+    (40, 6, 48, 48, 2, "persistent", {"join": True, "wfmt": "fp8_block", "a_fp8": True, "block": (8, 16)}),
+    (40, 6, 48, 32, 2, "persistent", {"wfmt": "fp8_block", "a_fp8": True, "block": (8, 16), "bias": True}),
+    (40, 6, 48, 32, 2, "persistent", {"join": True, "wfmt": "fp8_block", "act": "gelu_tanh"}),
+    (40, 6, 48, 32, 2, "persistent", {"join": True, "wfmt": "fp8_tensor", "a_fp8": True, "bias": True}),
 ]
 FP8_ACT_TOL = 6e-2  # e4m3 activations: a 3-bit mantissa (tests/gpu/test_triton_moe.py uses the same)
 
@@ -495,6 +506,8 @@ def _interp_case(
     occupancy=(1, 1),
     flatten=(False, False),
     sms=None,
+    join=False,
+    block=(16, 16),
 ):
     """Run one case through the kernels; return (relative error vs float64 reference, any NaN left, relative error
     vs the emulated FP8-activation or bf16 computation)."""
@@ -515,7 +528,7 @@ def _interp_case(
     if wfmt != "fp32":  # e4m3 weights (x 32, so they use the format's range) with their scales
         w13, w2 = (w13 * 32).to(torch.float8_e4m3fn), (w2 * 32).to(torch.float8_e4m3fn)
         if wfmt == "fp8_block":
-            bn = bk = 128 if split_n else 16
+            bn, bk = (128, 128) if split_n else block
             quant["block_shape"] = [bn, bk]
             quant["w13_scale"] = torch.rand((E, -(-2 * I // bn), -(-H // bk)), generator=g) / 32 + 1e-2
             quant["w2_scale"] = torch.rand((E, -(-H // bn), -(-I // bk)), generator=g) / 32 + 1e-2
@@ -542,6 +555,8 @@ def _interp_case(
             fc1=dataclasses.replace(cfg.fc1, occupancy=occupancy[0], flatten=flatten[0]),
             fc2=dataclasses.replace(cfg.fc2, occupancy=occupancy[1], flatten=flatten[1]),
         )
+    if join:
+        cfg = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, join=True))
     out = torch.full((T, H), float("nan"), dtype=x.dtype)
     placement, domains = "", None
     if split_n:
@@ -566,6 +581,10 @@ def _interp_case(
             cfg, fc1=dataclasses.replace(cfg.fc1, **plain), fc2=dataclasses.replace(cfg.fc2, **plain)
         )
         if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=one_each, **quant), out):
+            return float("inf"), False, float("inf")
+    if join:  # joining the gate and up tiles must not change a value: bitwise the unjoined run
+        apart = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, join=False))
+        if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=apart, **quant), out):
             return float("inf"), False, float("inf")
     if split_n:  # the placement must not change a result: bitwise the whole call's
         whole = tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, **quant)

@@ -121,8 +121,11 @@ def _gemms(prefill, kind: str, cfg):
         ("fc2", cfg.fc2, prefill._fc2_kernel, dict(inter_ptr=act, w_ptr=wt, y_ptr=BF)),
     ):
         consts = dict(common, BN=g.BN, BK=g.BK, NUM_STAGES=g.num_stages, FLATTEN=g.flatten)
+        # as run() decides for Qwen3's 128 x 128 blocks (I = 768: the up rows start at a block)
+        consts["SCALAR_SW"] = fp8 and 128 % g.BN == 0
         if name == "fc1":
             consts["ACT"] = 0
+            consts["JOIN"] = g.join
         out.append((name, g, fn, consts, ptrs))
     return out
 
@@ -180,6 +183,31 @@ def test_tile_variants_fit_their_occupancy_and_flatten_their_loops(prefill, i):
         assert fits >= g.occupancy, (name, g, use)
         stores_in_loop = any(re.search(STORES[name], ln) for body in loop_bodies(ptx) for ln in body)
         assert stores_in_loop == g.flatten, (name, g)
+
+
+@pytest.mark.parametrize("join", [False, True], ids=["apart", "joined"])
+@pytest.mark.parametrize("scalar", [False, True], ids=["column-scales", "one-scale-per-tile"])
+def test_w8a8_scales_each_product_with_one_fma_per_element(prefill, join, scalar):
+    """W8A8 with 128 x 128 block scales: where each weight tile lies in one scale block (``SCALAR_SW``, what run()
+    passes for BN dividing the block), a K step folds that one weight scale into its rows' scales and scales its
+    products with one FMA an element -- no float32 multiply per element -- where column scales take an outer-product
+    multiply and an FMA; joined (``JOIN``) FC1 tiles do so with one MMA and one wait per K step, not two."""
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton.tune_moe import persistent_config
+
+    cfg = persistent_config(tmoe, (64, (64, 128, 4, 4), (128, 64, 4, 4), {"join": join}), a_fp8=True)
+    for name, g, fn, consts, ptrs in _gemms(prefill, "fp8", cfg):
+        consts["SCALAR_SW"] = scalar
+        ptx, use = _compile(fn, consts, ptrs, g.num_warps, g.num_stages)
+        body = next(b for b in loop_bodies(ptx) if any("wgmma.mma_async" in ln for ln in b))
+        fma = sum(bool(re.search(r"\bfma\.rn\.f32\b", ln)) for ln in body)
+        mul = sum(bool(re.search(r"\bmul\.(rn\.)?f32\b", ln)) for ln in body)
+        elements = g.BM * g.BN * (2 if name == "fc1" else 1) // (32 * g.num_warps)  # accumulator values a thread holds
+        assert fma == elements, (name, fma, elements)
+        assert (mul < elements // 4) if scalar else (mul >= elements), (name, mul, elements)
+        waits = re.findall(WAITS, "\n".join(body))
+        assert len(waits) == (2 if name == "fc1" and not join else 1), (name, waits)
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (name, use)
 
 
 def test_alignment_and_sum_kernels_compile(prefill):
