@@ -39,7 +39,7 @@ the activations stay in their dtype, each weight tile is dequantised in register
 rounded to the activations' dtype) and is the MMA's register operand, accumulating weights x rows^T, so the K loop
 keeps its MMAs in flight like the bf16 one.
 
-Two options of FC1 and the W8A8 step (measured per shape by the tuner, benchmarks/results/moe-h200-2026-12-05-s7/):
+Two options of FC1 and the W8A8 step (measured per shape by the tuner; docs/kernels/triton_moe.md):
 
 - ``GemmConfig.join`` (``JOIN``): the gate tile and its up tile loaded as one TMA box over ``w13`` seen as
   ``[E * 2, I, H]`` (box ``[2, BN, BK]``, reshaped in shared memory to ``[2 BN, BK]``) and multiplied in one MMA of 2 BN
