@@ -6,6 +6,14 @@ sm__warps_active.avg.pct_of_peak_sustained_active \
         python benchmarks/moe_profile.py --cases qwen3-30b-a3b:bf16:1,deepseek-v3-tp8:bf16:1 > ncu.csv
     python benchmarks/moe_profile.py --summarise ncu.csv
 
+Without Nsight Compute, ``--torch-profiler`` gives the same per-kernel split from torch.profiler: each case's kernels'
+device time averaged over 10 calls (PDL off, so no kernel overlaps the next), with the call's wall time beside it
+(CUDA events around the same 10 calls). ``--configs FILE`` runs the configs of a moe_configs JSON (a tuner's output,
+e.g. another GPU's or a results folder's) instead of this GPU's table:
+
+    python benchmarks/moe_profile.py --torch-profiler --cases qwen3-30b-a3b:fp8_block:4096 \
+        --configs benchmarks/results/moe-h100-2026-12-05-s7/call1-tuned-NVIDIA_H100_80GB_HBM3.json
+
 Each case runs warm-up calls first (compiles, tuned config from the table), then exactly one call between
 ``cudaProfilerStart`` / ``cudaProfilerStop``, so the CSV holds that call's kernels in launch order (ncu
 serialises them and flushes caches between kernels: per-kernel times, not the overlap across kernels).
@@ -21,11 +29,15 @@ import io
 import sys
 
 
-def run(cases: str) -> None:
+def run(cases: str, torch_profiler: bool = False, configs: str = None) -> None:
+    import json
+
     import torch
 
     import rubin_compile.kernels.triton.moe as moe
     from rubin_compile.kernels.triton.tune_moe import BLOCK, SHAPES, make_routing, make_weights
+
+    table = json.load(open(configs)) if configs else None
 
     for case in cases.split(","):
         shape, wfmt, T = case.split(":")
@@ -44,10 +56,11 @@ def run(cases: str) -> None:
             w["w13"].dtype,
             BLOCK if wfmt == "fp8_block" else None,
             torch.cuda.get_device_name(),
+            table=table,
             sm90=moe.is_sm90(torch.device("cuda")),
         )
 
-        def call(x=x, w=w, tw=tw, ids=ids):
+        def call(x=x, w=w, tw=tw, ids=ids, cfg=cfg):
             return moe.fused_moe(
                 x,
                 w["w13"],
@@ -60,19 +73,58 @@ def run(cases: str) -> None:
                 w.get("w13_scale"),
                 w.get("w2_scale"),
                 w.get("block_shape"),
-                pdl=True,
+                pdl=not torch_profiler,
+                config=cfg,
             )
 
         for _ in range(3):
             call()
         torch.cuda.synchronize()
         print(f"# case {case}: {src}", file=sys.stderr)
+        if torch_profiler:
+            kernel_split(case, call, src)
+            continue
         torch.cuda.profiler.start()
         call()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
 
         torch.cuda.empty_cache()
+
+
+def kernel_split(case: str, call, src: str, calls: int = 10) -> None:
+    """Print each kernel's device time per call (torch.profiler, ``calls`` calls) and the call's wall time."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            call()
+        b.record()
+        b.synchronize()
+        walls.append(a.elapsed_time(b) * 1e3 / calls)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.key_averages():  # only CUDA activity was recorded: one row per kernel name (and memset)
+        total_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if total_us:
+            name = ev.key.split("(")[0][:40]
+            per[name] = per.get(name, 0.0) + total_us / calls
+    total = sum(per.values())
+    print(f"## {case}: {statistics.median(walls):.1f} us per call (events, median of 5 x {calls}); {src}")
+    print("| kernel | us per call | share |")
+    print("|---|---:|---:|")
+    for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {us:.1f} | {100 * us / total:.0f}% |")
+    print(f"| (sum of kernels) | {total:.1f} | |", flush=True)
 
 
 def summarise(path: str) -> None:
@@ -117,8 +169,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", help="shape:format:T,... (shapes of tune_moe.SHAPES)")
     ap.add_argument("--summarise", help="an ncu --csv output to print as a table")
+    ap.add_argument("--torch-profiler", action="store_true", help="per-kernel times from torch.profiler (no ncu)")
+    ap.add_argument("--configs", help="a moe_configs JSON whose configs run instead of this GPU's table")
     args = ap.parse_args()
     if args.summarise:
         summarise(args.summarise)
     else:
-        run(args.cases)
+        run(args.cases, args.torch_profiler, args.configs)
