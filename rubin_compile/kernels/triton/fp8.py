@@ -13,7 +13,7 @@ from rubin_compile.kernels.triton.launch import cdiv, launcher
 from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
-@triton.jit(do_not_specialize=["H", "n_tick"])
+@triton.jit(do_not_specialize=["n_tick"])
 def quant_rows_kernel(
     x_ptr,
     q_ptr,
