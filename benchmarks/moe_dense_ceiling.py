@@ -22,24 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rubin_compile.kernels.triton.tune_moe import SHAPES  # noqa: E402
+from rubin_compile.kernels.triton.tune_moe import SHAPES, time_eager  # noqa: E402
 
 
 def time_us(fn, reps: int = 10, inner: int = 10) -> float:
     """Median over ``reps`` runs of ``inner`` back-to-back calls, per call, in microseconds (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times)
+    return statistics.median(time_eager(fn, reps=reps, warmup=3, inner=inner))
 
 
 def gemm_us(M: int, N: int, K: int, fp8: bool) -> float:

@@ -38,11 +38,12 @@ def run(cases: str, torch_profiler: bool = False, configs: str = None) -> None:
     from rubin_compile.kernels.triton.tune_moe import BLOCK, SHAPES, make_routing, make_weights
 
     table = json.load(open(configs)) if configs else None
-    if torch_profiler:  # no PDL at all: our kernels chain with it even on pdl=False, and a waiting kernel's time
-        # would then include the wait for the one before it
+    if torch_profiler:  # no PDL at all: the persistent path's kernels chain with it even on pdl=False, and a
+        # waiting kernel's time would then include the wait for the one before it (the decode path chains only with
+        # pdl=True or a config's ``chain``)
         import rubin_compile.kernels.triton.moe_prefill as prefill
 
-        moe.has_gdc = prefill.has_gdc = lambda: False
+        prefill.has_gdc = lambda: False
 
     for case in cases.split(","):
         shape, wfmt, T = case.split(":")
@@ -104,15 +105,9 @@ def kernel_split(case: str, call, src: str, calls: int = 10) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    walls = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            call()
-        b.record()
-        b.synchronize()
-        walls.append(a.elapsed_time(b) * 1e3 / calls)
+    from rubin_compile.kernels.triton.tune_moe import time_eager
+
+    walls = time_eager(call, reps=5, warmup=0, inner=calls)  # the case's warm-up calls ran before
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()

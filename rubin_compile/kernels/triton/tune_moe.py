@@ -178,8 +178,9 @@ def time_graph(
     return times
 
 
-def time_eager(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> list[float]:
-    """Per-call times (us) of plain launches timed with events (for code a CUDA graph cannot capture)."""
+def time_eager(fn: Callable[[], object], reps: int = 20, warmup: int = 2, inner: int = 1) -> list[float]:
+    """Per-call times (us) of plain launches timed with events (for code a CUDA graph cannot capture): ``reps``
+    times, each ``inner`` back-to-back calls between one pair of events, divided by ``inner``."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -187,10 +188,11 @@ def time_eager(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> lis
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1000.0)
+        out.append(a.elapsed_time(b) * 1000.0 / inner)
     return out
 
 
