@@ -503,7 +503,13 @@ def test_persistent_path_variants(tmoe, kind, tile):
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt)
     assert (kw["w13"].dtype == torch.bfloat16) == (kind == "bf16")
     cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=True)
-    assert max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2 or cfg.fc1.flatten or cfg.fc2.flatten or cfg.fc1.join
+    assert (
+        max(cfg.fc1.occupancy, cfg.fc2.occupancy) == 2
+        or cfg.fc1.flatten
+        or cfg.fc2.flatten
+        or cfg.fc1.join
+        or cfg.fc2.gluon
+    )
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw.get("w13_scale"), kw.get("w2_scale"))
     args += (kw.get("block_shape"),)
     got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
@@ -535,6 +541,48 @@ def test_persistent_path_joined_tiles_past_i(tmoe, kind, tile):
     _check(got, _reference(x, tw, ids, kw), tol)
     apart = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, join=False))
     assert torch.equal(_run(tmoe, x, tw, ids, kw, config=apart, pdl=False), got)
+
+
+GLUON_CASES = [i for i, t in enumerate(VARIANTS["fp8"]) if t[-1].get("gluon")]
+GLUON_SHAPES = {"prefill": (2048, 64, 1024, 768, 8), "ragged": (37, 9, 336, 208, 2)}
+
+
+@pytest.mark.parametrize("shape", list(GLUON_SHAPES))
+@pytest.mark.parametrize("wfmt", ["fp8_block", "fp8_expert", "fp8_tensor"])
+@pytest.mark.parametrize("tile", GLUON_CASES)
+def test_persistent_path_gluon_fc2(tmoe, tile, wfmt, shape):
+    """The Gluon FC2 (GemmConfig.gluon; moe_prefill_gluon.py: the next K step's MMA in flight while this one's product
+    is scaled) runs, and matches: the reference within e4m3's tolerance; the Triton FC2 on the same tiles within one
+    rounding of the output to bf16 (the same float32 operations per element; only the MMA's own summation may
+    differ); itself bitwise with PDL on, 8 calls back to back, and replayed in a CUDA graph. "ragged": H and I not
+    multiples of the tiles (TMA's zero fill past I, columns past H never stored), biases."""
+    from rubin_compile.kernels.triton import moe_prefill_gluon
+    from rubin_compile.kernels.triton.launch import launcher
+
+    assert moe_prefill_gluon.GLUON, "the GPU machine's Triton has Gluon (>= 3.5)"
+    T, E, H, I, k = GLUON_SHAPES[shape]
+    bias = shape == "ragged"
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt, bias=bias, act="gelu_tanh" if bias else "silu")
+    cfg = _persistent_cfg(tmoe, tile, fp8=True, variant=True)
+    assert cfg.fc2.gluon
+    ran = launcher(moe_prefill_gluon._fc2_w8a8_kernel)
+    before = ran.hits + ran.misses
+    got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
+    assert ran.hits + ran.misses == before + 1, "the Gluon FC2 did not run"
+    _check(got, _reference(x, tw, ids, kw), TOL["fp8_a8"])
+    tri = dataclasses.replace(cfg, fc2=dataclasses.replace(cfg.fc2, gluon=False))
+    want = _run(tmoe, x, tw, ids, kw, config=tri, pdl=False)
+    gap = (got.float() - want.float()).abs().max().item()
+    assert gap <= 2**-7 * want.float().abs().max().item(), (gap, torch.equal(got, want))
+    args = (x, kw["w13"], kw["w2"], tw, ids, kw["activation"], kw.get("w13_bias"), kw.get("w2_bias"))
+    args += (kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"))
+    outs = [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(8)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, got) for o in outs)
+    g, out = _captured(lambda: tmoe.fused_moe(*args, config=cfg, pdl=True))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
 
 
 def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):

@@ -198,6 +198,12 @@ class Launcher:
         ``gdc_wait`` is then a no-op)."""
         from torch.library import wrap_triton
 
+        if getattr(self.fn, "is_gluon", lambda: False)():
+            # wrap_triton traces @triton.jit kernels; a Gluon one (host-side TMA descriptors among its arguments)
+            # leaves its adapter an op call, with this reason in the plan
+            raise NotImplementedError(
+                f"{getattr(self.fn, '__name__', self.fn)} is a Gluon kernel (wrap_triton traces Triton ones)"
+            )
         options = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
         wrap_triton(self.fn)[tuple(grid)](*args, **options)
         _recording.append(getattr(self.fn, "__name__", str(self.fn)))

@@ -93,6 +93,11 @@ class GemmConfig:
     # multiplied in one MMA of 2 BN columns: the gathered rows read once per K step from shared memory, and in FP8
     # (W8A8) one wait for the products per K step instead of two
     join: bool = False
+    # the persistent path's FC2 only, W8A8 (a_fp8): the Gluon kernel (moe_prefill_gluon.py), whose K step issues the
+    # next step's MMA before it scales this one's product (Triton's own K loop waits for every FP8 product); BM =
+    # 16 x num_warps, BN <= 128. Where it cannot run (a Triton without Gluon, block scales not holding whole tiles,
+    # the interpreter) the Triton FC2 runs the same tiles
+    gluon: bool = False
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -148,6 +153,8 @@ class MoEConfig:
             return f"flatten is the persistent path's loop over work items; mode={self.mode!r} takes flatten=False"
         if self.fc1.join or self.fc2.join:
             return f"join is the persistent path's FC1 tile; mode={self.mode!r} takes join=False"
+        if self.fc1.gluon or self.fc2.gluon:
+            return f"gluon is the persistent path's FC2 kernel; mode={self.mode!r} takes gluon=False"
         return None
 
     def _persistent_problem(self) -> Optional[str]:
@@ -163,6 +170,14 @@ class MoEConfig:
             return "mode='persistent': w2_l2, early_launch and fused_sum=False are decode-path options"
         if self.fc2.join:
             return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
+        if self.fc1.gluon:
+            return "mode='persistent': gluon is an FC2 kernel (set fc1.gluon=False)"
+        g = self.fc2
+        if g.gluon and not (self.a_fp8 and g.num_warps in (4, 8) and g.BM == 16 * g.num_warps and g.BN <= 128):
+            return (
+                f"mode='persistent': fc2.gluon takes a_fp8=True (the W8A8 FC2), BM = 16 x num_warps and BN <= 128, "
+                f"not a_fp8={self.a_fp8} with {g.BM}x{g.BN} at {g.num_warps} warps"
+            )
         return None
 
     def to_json(self) -> dict[str, Any]:

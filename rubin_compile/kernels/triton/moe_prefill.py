@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_fc2
 from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
@@ -456,6 +457,7 @@ class Tiles:
     occupancy: tuple[int, int] = (1, 1)  # FC1's and FC2's programs per SM (GemmConfig.occupancy)
     flatten: tuple[bool, bool] = (False, False)  # FC1's and FC2's item loops flattened (GemmConfig.flatten)
     join: bool = False  # FC1's gate and up tiles in one TMA box and one MMA (GemmConfig.join)
+    gluon: bool = False  # FC2 by the Gluon kernel where it can run (GemmConfig.gluon; moe_prefill_gluon.py)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -470,6 +472,7 @@ class Tiles:
             (f1.occupancy, f2.occupancy),
             (f1.flatten, f2.flatten),
             f1.join,
+            f2.gluon,
         )
 
 
@@ -642,42 +645,76 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         num_warps=nw1,
         **chain,
     )
-    launcher(_fc2_kernel)[(max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)](
-        inter,
-        isc,
-        args.w2,
-        s2,
-        b2 if b2 is not None else x,
-        sorted_slots,
-        tile_expert,
-        ntiles,
-        y,
-        E,
-        H,
-        I,
-        p_max,
-        isc.stride(0),
-        s2e,
-        s2n,
-        s2k,
-        sbn,
-        sbk,
-        b2.stride(0) if b2 is not None else 0,
-        HAS_BIAS=b2 is not None,
-        A_FP8=a8,
-        W_SCALE=w_scale,
-        BM=BM,
-        BN=bn2,
-        BK=bk2,
-        GROUP=GROUP_M,
-        NUM_STAGES=ns2,
-        DOT_PREC=dot_prec,
-        GDC=gdc,
-        FLATTEN=tiles.flatten[1],
-        SCALAR_SW=scalar2,
-        num_warps=nw2,
-        **chain,
-    )
+    grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
+    if tiles.gluon and not INTERPRET and gluon_fc2.problem(BM, bn2, bk2, nw2, w_scale, scalar2, a8) is None:
+        a_desc, w_desc = gluon_fc2.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
+        launcher(gluon_fc2._fc2_w8a8_kernel)[grid2](
+            a_desc,
+            w_desc,
+            isc,
+            s2,
+            b2 if b2 is not None else x,
+            sorted_slots,
+            tile_expert,
+            ntiles,
+            y,
+            H,
+            I,
+            isc.stride(0),
+            s2e,
+            s2n,
+            s2k,
+            sbn,
+            sbk,
+            b2.stride(0) if b2 is not None else 0,
+            HAS_BIAS=b2 is not None,
+            W_SCALE=w_scale,
+            BM=BM,
+            BN=bn2,
+            BK=bk2,
+            GROUP=GROUP_M,
+            NUM_STAGES=ns2,
+            GDC=gdc,
+            num_warps=nw2,
+            **chain,
+        )
+    else:
+        launcher(_fc2_kernel)[grid2](
+            inter,
+            isc,
+            args.w2,
+            s2,
+            b2 if b2 is not None else x,
+            sorted_slots,
+            tile_expert,
+            ntiles,
+            y,
+            E,
+            H,
+            I,
+            p_max,
+            isc.stride(0),
+            s2e,
+            s2n,
+            s2k,
+            sbn,
+            sbk,
+            b2.stride(0) if b2 is not None else 0,
+            HAS_BIAS=b2 is not None,
+            A_FP8=a8,
+            W_SCALE=w_scale,
+            BM=BM,
+            BN=bn2,
+            BK=bk2,
+            GROUP=GROUP_M,
+            NUM_STAGES=ns2,
+            DOT_PREC=dot_prec,
+            GDC=gdc,
+            FLATTEN=tiles.flatten[1],
+            SCALAR_SW=scalar2,
+            num_warps=nw2,
+            **chain,
+        )
     width = min(1024, next_power_of_2(H))
     launcher(_sum_kernel)[(T, cdiv(H, width))](
         y, tw, out, H, k, out.stride(0), BLOCK=width, GDC=gdc, num_warps=4, **chain

@@ -353,6 +353,9 @@ _OCC2 = {"occupancy": (2, 2)}
 _FC2_OCC2 = {"occupancy": (1, 2)}
 _FC2_FLAT = {"flatten": (False, True)}
 _JOIN = {"join": True}
+# FC2 by the Gluon kernel (``gluon``, W8A8 only: moe_prefill_gluon.py): step k + 1's MMA in flight while step k's
+# product is scaled; its tiles are 64 x BN per warpgroup (BM = 16 x warps) with BN <= 128 (three float32 tiles live)
+_GLUON = {"gluon": True}
 PERSISTENT_VARIANTS = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
     (64, (128, 64, 8, 2), (128, 64, 8, 4), _OCC2),
@@ -372,6 +375,11 @@ PERSISTENT_VARIANTS_FP8 = (
     (128, (64, 128, 8, 4), (128, 64, 8, 4), _JOIN),
     (128, (64, 128, 8, 3), (128, 64, 8, 4), _JOIN),
     (64, (128, 128, 8, 4), (128, 128, 8, 4), _JOIN),
+    (64, (64, 128, 4, 4), (128, 64, 4, 4), {**_OCC2, **_JOIN, **_GLUON}),
+    (64, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_GLUON}),
+    (128, (64, 128, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
+    (64, (128, 128, 8, 4), (128, 128, 4, 4), {**_JOIN, **_GLUON}),
+    (128, (64, 64, 8, 4), (128, 64, 8, 6), _GLUON),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
@@ -407,7 +415,9 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
         fc1=G(
             BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1, flatten=f1, join=opts.get("join", False)
         ),
-        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2),
+        fc2=G(
+            BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=opts.get("gluon", False)
+        ),
     )
 
 
@@ -500,6 +510,7 @@ def describe(cfg) -> str:
             + (f"/occ{c.occupancy}" if c.occupancy > 1 else "")
             + ("/flat" if c.flatten else "")
             + ("/join" if c.join else "")
+            + ("/gluon" if c.gluon else "")
         )
 
     return (
