@@ -93,10 +93,11 @@ class GemmConfig:
     # multiplied in one MMA of 2 BN columns: the gathered rows read once per K step from shared memory, and in FP8
     # (W8A8) one wait for the products per K step instead of two
     join: bool = False
-    # the persistent path's FC2 only, W8A8 (a_fp8): the Gluon kernel (moe_prefill_gluon.py), whose K step issues the
-    # next step's MMA before it scales this one's product (Triton's own K loop waits for every FP8 product); BM =
-    # 16 x num_warps, BN <= 128. Where it cannot run (a Triton without Gluon, block scales not holding whole tiles,
-    # the interpreter) the Triton FC2 runs the same tiles
+    # the persistent path, W8A8 (a_fp8): this GEMM by its Gluon kernel (moe_prefill_gluon.py), whose K loop issues the
+    # next step's MMA before it scales this one's product (Triton's own K loop waits for every FP8 product); BM = 16 x
+    # num_warps; FC2: BN <= 128; FC1: joined (join=True: its one MMA covers the gate and up tiles), BN <= 64. Where
+    # it cannot run (a Triton without Gluon, block scales not holding whole tiles, the interpreter) the Triton kernel
+    # runs the same tiles
     gluon: bool = False
 
     def problem(self) -> Optional[str]:
@@ -170,14 +171,14 @@ class MoEConfig:
             return "mode='persistent': w2_l2, early_launch and fused_sum=False are decode-path options"
         if self.fc2.join:
             return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
-        if self.fc1.gluon:
-            return "mode='persistent': gluon is an FC2 kernel (set fc1.gluon=False)"
-        g = self.fc2
-        if g.gluon and not (self.a_fp8 and g.num_warps in (4, 8) and g.BM == 16 * g.num_warps and g.BN <= 128):
-            return (
-                f"mode='persistent': fc2.gluon takes a_fp8=True (the W8A8 FC2), BM = 16 x num_warps and BN <= 128, "
-                f"not a_fp8={self.a_fp8} with {g.BM}x{g.BN} at {g.num_warps} warps"
-            )
+        for name, g, widest in (("fc1", self.fc1, 64), ("fc2", self.fc2, 128)):
+            if g.gluon and not (self.a_fp8 and g.num_warps in (4, 8) and g.BM == 16 * g.num_warps and g.BN <= widest):
+                return (
+                    f"mode='persistent': {name}.gluon takes a_fp8=True (the W8A8 kernels), BM = 16 x num_warps and "
+                    f"BN <= {widest}, not a_fp8={self.a_fp8} with {g.BM}x{g.BN} at {g.num_warps} warps"
+                )
+        if self.fc1.gluon and not self.fc1.join:
+            return "mode='persistent': fc1.gluon multiplies the gate and up tiles in one MMA: set fc1.join=True"
         return None
 
     def to_json(self) -> dict[str, Any]:

@@ -50,6 +50,10 @@ Two options of FC1 and the W8A8 step (measured per shape by the tuner; docs/kern
   product with one FMA an element, where column scales take an outer-product multiply and an FMA (the same float32
   values). A joined tile sees its product as ``[BM, 2, BN]``, each half with its own row scales.
 
+W8A8 GEMMs may also run as the Gluon kernels of moe_prefill_gluon.py (``GemmConfig.gluon``, FC1's and FC2's): the
+same items and float32 operations, with step k + 1's MMA in flight while step k's product is scaled; ``run`` launches
+them where they can take the call, the Triton kernels on the same tiles elsewhere.
+
 Tiles that reach past an expert's weight rows (``I`` or ``H`` not a multiple of ``BN``) read the next expert's rows
 or TMA's zero fill into columns that are never stored; K past ``H`` or ``I`` reads TMA's zeros. Limits (``problem``):
 rows of whole 16 bytes (``H`` and ``I`` multiples of 8, of 16 for e4m3), contiguous weights and hidden-state rows;
@@ -65,7 +69,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_fc2
 from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
@@ -457,7 +460,7 @@ class Tiles:
     occupancy: tuple[int, int] = (1, 1)  # FC1's and FC2's programs per SM (GemmConfig.occupancy)
     flatten: tuple[bool, bool] = (False, False)  # FC1's and FC2's item loops flattened (GemmConfig.flatten)
     join: bool = False  # FC1's gate and up tiles in one TMA box and one MMA (GemmConfig.join)
-    gluon: bool = False  # FC2 by the Gluon kernel where it can run (GemmConfig.gluon; moe_prefill_gluon.py)
+    gluon: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the Gluon kernels where they can run (GemmConfig.gluon)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -472,7 +475,7 @@ class Tiles:
             (f1.occupancy, f2.occupancy),
             (f1.flatten, f2.flatten),
             f1.join,
-            f2.gluon,
+            (f1.gluon, f2.gluon),
         )
 
 
@@ -603,52 +606,92 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     # scales its products with one FMA an element instead of an outer product and an FMA (the same float32 values)
     scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
     scalar2 = a8 and block and sbn % bn2 == 0
-    launcher(_fc1_kernel)[(max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)](
-        xa,
-        xs,
-        args.w13,
-        s13,
-        b13 if b13 is not None else x,
-        sorted_slots,
-        tile_expert,
-        ntiles,
-        inter,
-        isc,
-        E,
-        H,
-        I,
-        p_max,
-        k,
-        xa.stride(0),
-        xs.stride(0),
-        s13e,
-        s13n,
-        s13k,
-        sbn,
-        sbk,
-        b13.stride(0) if b13 is not None else 0,
-        isc.stride(0),
-        ACT=_ACT[args.activation],
-        HAS_BIAS=b13 is not None,
-        A_FP8=a8,
-        W_SCALE=w_scale,
-        BM=BM,
-        BN=bn1,
-        BK=bk1,
-        GROUP=GROUP_M,
-        NUM_STAGES=ns1,
-        DOT_PREC=dot_prec,
-        GDC=gdc,
-        FLATTEN=tiles.flatten[0],
-        JOIN=tiles.join,
-        SCALAR_SW=scalar1,
-        num_warps=nw1,
-        **chain,
-    )
+    from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_k  # (it imports this module: _tile_of)
+
+    grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
+    if tiles.gluon[0] and not INTERPRET and gluon_k.problem(BM, bn1, bk1, nw1, w_scale, scalar1, a8, fc1=True) is None:
+        launcher(gluon_k._fc1_w8a8_kernel)[grid1](
+            gluon_k.fc1_descriptor(args.w13, E, H, I, bn1, bk1),
+            xa,
+            xs,
+            s13,
+            b13 if b13 is not None else x,
+            sorted_slots,
+            tile_expert,
+            ntiles,
+            inter,
+            isc,
+            H,
+            I,
+            k,
+            xa.stride(0),
+            xs.stride(0),
+            s13e,
+            s13n,
+            s13k,
+            sbn,
+            sbk,
+            b13.stride(0) if b13 is not None else 0,
+            isc.stride(0),
+            ACT=_ACT[args.activation],
+            HAS_BIAS=b13 is not None,
+            W_SCALE=w_scale,
+            BM=BM,
+            BN=bn1,
+            BK=bk1,
+            GROUP=GROUP_M,
+            NUM_STAGES=ns1,
+            GDC=gdc,
+            num_warps=nw1,
+            **chain,
+        )
+    else:
+        launcher(_fc1_kernel)[grid1](
+            xa,
+            xs,
+            args.w13,
+            s13,
+            b13 if b13 is not None else x,
+            sorted_slots,
+            tile_expert,
+            ntiles,
+            inter,
+            isc,
+            E,
+            H,
+            I,
+            p_max,
+            k,
+            xa.stride(0),
+            xs.stride(0),
+            s13e,
+            s13n,
+            s13k,
+            sbn,
+            sbk,
+            b13.stride(0) if b13 is not None else 0,
+            isc.stride(0),
+            ACT=_ACT[args.activation],
+            HAS_BIAS=b13 is not None,
+            A_FP8=a8,
+            W_SCALE=w_scale,
+            BM=BM,
+            BN=bn1,
+            BK=bk1,
+            GROUP=GROUP_M,
+            NUM_STAGES=ns1,
+            DOT_PREC=dot_prec,
+            GDC=gdc,
+            FLATTEN=tiles.flatten[0],
+            JOIN=tiles.join,
+            SCALAR_SW=scalar1,
+            num_warps=nw1,
+            **chain,
+        )
     grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
-    if tiles.gluon and not INTERPRET and gluon_fc2.problem(BM, bn2, bk2, nw2, w_scale, scalar2, a8) is None:
-        a_desc, w_desc = gluon_fc2.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
-        launcher(gluon_fc2._fc2_w8a8_kernel)[grid2](
+    if tiles.gluon[1] and not INTERPRET and gluon_k.problem(BM, bn2, bk2, nw2, w_scale, scalar2, a8) is None:
+        a_desc, w_desc = gluon_k.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
+        launcher(gluon_k._fc2_w8a8_kernel)[grid2](
             a_desc,
             w_desc,
             isc,

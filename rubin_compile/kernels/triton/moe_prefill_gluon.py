@@ -1,28 +1,38 @@
-"""FC2 of the persistent MoE path in FP8 (W8A8) as a Gluon kernel: each K step's e4m3 product stays in flight while
-the previous step's product is scaled (``GemmConfig.gluon``).
+"""The persistent MoE path's two GEMMs in FP8 (W8A8) as Gluon kernels: each K step's e4m3 product stays in flight
+while the previous step's product is scaled (``GemmConfig.gluon``, FC1's and FC2's).
 
-Why Gluon. A W8A8 K step with 128 x 128 block scales computes ``acc += (a . w^T) * s`` with ``s`` the rows' scales
-of that K tile times its weight block's scale: the product must be finished before it is scaled, and Triton's own
-pipeliner keeps a wgmma asynchronous only while its result feeds nothing but later wgmmas (WGMMAPipeline.cpp;
+Why Gluon. A W8A8 K step with 128 x 128 block scales computes ``acc += (a . w^T) * s``, ``s`` the rows' activation
+scales of that K tile times its weight block's scale: the product must be finished before it is scaled, and Triton's
+own pipeliner keeps a wgmma asynchronous only while its result feeds nothing but later wgmmas (WGMMAPipeline.cpp;
 ``benchmarks/sm90_wgmma_waits.py`` shows the ``wgmma.wait_group 0`` it emits), so every Triton K step waits for its
 MMA and the tensor cores idle while it scales. Gluon (``triton.experimental.gluon``, Triton >= 3.5) exposes the
 asynchronous wgmma and its wait: here step k + 1's MMA is issued into a second register tile before the wait for
-step k (``warpgroup_mma_wait(num_outstanding=1)``), so the scaling of one step, the loads' issue and an item's
-epilogue run while the next step's MMA does. That costs a third register tile (accumulator + two products), which
-caps the tile at 64 x BN per warpgroup with BN <= 128.
+step k (``warpgroup_mma_wait(num_outstanding=1)``), so the scaling of one step, the next loads' issue and an item's
+epilogue run while the next step's MMA does. That costs a third float32 register tile (accumulator + two products):
+64 x 128 per warpgroup at most (FC2: BN <= 128; FC1, whose one MMA covers the gate and up tiles: BN <= 64).
 
-The kernel walks the same (M tile, N tile) items as ``moe_prefill._fc2_kernel`` (``_tile_of``'s order), as one flat
-loop over its (item, K step) pairs: the TMA loads run ``NUM_STAGES`` steps ahead across item boundaries, each stage
-with its own mbarrier. Operands come through host-side TMA descriptors (the intermediate [P_MAX, I] in e4m3 and
-``w2`` seen as [E * H, I]); the row scales ``isc`` [P_MAX, I / BK] and the weight scales are loaded one step ahead.
-The output rows are scattered to their slots of ``y`` [T k, H] as ``_fc2_kernel`` does, rounded to y's dtype. Same
-float32 operations per element as ``_fc2_kernel``'s ``SCALAR_SW`` step (the tile's weight scale folded into the row
-scales), in the same order per element, so the two agree to the MMA's own summation order.
+Both kernels walk the same (M tile, N tile) items as moe_prefill.py's (``_tile_of``'s order), as one flat loop over the
+program's (item, K step) pairs: loads run ``NUM_STAGES`` steps ahead across item boundaries, each stage's weight
+tiles on its own mbarrier, and the product's scales are loaded one step ahead.
 
-Scope (``problem``): e4m3 intermediate and weights with 128 x 128 block scales whose blocks hold whole tiles (BN
-divides the block, BK divides it along K), or per-tensor / per-expert scales; BM = 16 x num_warps (one warp row of
-16 per warp); BN <= 128. Other calls run ``_fc2_kernel``. Gluon has no interpreter: the CPU tests compile it for
-sm_90 (tests/cpu/kernels/test_triton_moe_prefill_gluon.py); the GPU tests check its values.
+- ``_fc2_w8a8_kernel``: the intermediate [P_MAX, I] (e4m3, rows in tile order) and ``w2`` seen as [E * H, I] through
+  host-side TMA descriptors; rows rounded to y's dtype and scattered to their slots of ``y`` [T k, H], as
+  ``moe_prefill._fc2_kernel`` does.
+- ``_fc1_w8a8_kernel``: the gate tile and the up tile of ``w13`` seen as [E * 2 I, H] through TMA into the two halves
+  of a [2 BN, BK] buffer, one MMA of 2 BN columns (``GemmConfig.join``'s product); the rows' tokens gathered from the
+  e4m3 hidden states by 16-byte cp.async copies (TMA cannot gather rows on sm_90), one commit group per step, waited
+  for, made visible across the CTA and to the MMA's async proxy (``fence_async_shared``) before the MMA. The epilogue
+  splits the sums into gate and up through shared memory and writes ``act(gate) * up`` in e4m3 with one scale per
+  (row, N tile), as ``moe_prefill._fc1_kernel`` does.
+
+Same float32 operations per element as the Triton kernels' ``SCALAR_SW`` steps (the tile's weight scale folded into
+the row scales), in the same order, so the two agree up to the MMA's own summation order.
+
+Scope (``problem``): e4m3 activations and weights with 128 x 128 block scales whose blocks hold whole tiles, or
+per-tensor / per-expert scales; BM = 16 x num_warps (4 or 8 warps). Calls outside it run the Triton kernels on the
+same tiles. Launches take Triton's own launch path (the host TMA descriptors are arguments ``launch.Launcher`` does not
+bind), and ``passes/inline_kernels.py`` leaves a call with them an op call. Gluon has no interpreter: the CPU tests
+compile both kernels for sm_90 (tests/cpu/kernels/test_triton_moe_prefill_gluon.py); the GPU tests check their values.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from typing import Optional
 try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it the Triton FC2 runs
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -41,28 +53,43 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    # TMA's global -> shared copy: ``async_load`` from Triton 3.7 (3.9 refuses the old name), the old name before
+    from rubin_compile.kernels.triton import moe_prefill as _prefill  # _tile_of (a Triton function Gluon can call)
+
+    # TMA's global -> shared copy: ``async_load`` in Triton 3.9 (which refuses the old name), the old name in 3.6
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # the CTA barrier (bar.sync): ``barrier`` in Triton 3.9, ``thread_barrier`` in 3.6
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    # cp.async's global -> shared copy (gathered rows): the same rename
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    from rubin_compile.kernels.triton.activations import gated  # a Triton function Gluon can call
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 GLUON = gluon is not None
 
 
-def problem(BM: int, BN: int, BK: int, num_warps: int, w_scale: int, scalar_sw: bool, a_fp8: bool) -> Optional[str]:
-    """Why the Gluon FC2 cannot run these tiles (None: it can)."""
+def problem(
+    BM: int, BN: int, BK: int, num_warps: int, w_scale: int, scalar_sw: bool, a_fp8: bool, fc1: bool = False
+) -> Optional[str]:
+    """Why the Gluon FC2 (``fc1``: FC1) cannot run these tiles (None: it can)."""
+    name = "FC1" if fc1 else "FC2"
     if not GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon, Triton >= 3.5)"
     if not a_fp8:
-        return "the Gluon FC2 is the W8A8 one (e4m3 intermediate and weights)"
-    if w_scale == 2 and not scalar_sw:
-        return "128 x 128 block scales must hold whole tiles (BN and BK dividing the blocks)"
+        return f"the Gluon {name} is the W8A8 one (e4m3 activations and weights)"
     if w_scale == 0:
         return "e4m3 weights without scales"
+    if w_scale == 2 and not scalar_sw:
+        return "128 x 128 block scales must hold whole tiles (BN and BK dividing the blocks, FC1: I a multiple of them)"
     if num_warps not in (4, 8) or BM != 16 * num_warps:
-        return f"BM={BM} with {num_warps} warps: the Gluon FC2 takes BM = 16 x num_warps (4 or 8 warps)"
-    if BN not in (32, 64, 128):
-        return f"BN={BN}: the Gluon FC2 keeps three BM x BN float32 tiles in registers; BN in 32, 64, 128"
+        return f"BM={BM} with {num_warps} warps: the Gluon {name} takes BM = 16 x num_warps (4 or 8 warps)"
+    widths = (32, 64) if fc1 else (32, 64, 128)
+    if BN not in widths:
+        return (
+            f"BN={BN}: the Gluon {name} keeps three float32 tiles of BM x {'2 BN' if fc1 else 'BN'} in registers; "
+            f"BN in {', '.join(map(str, widths))}"
+        )
     if BK not in (32, 64, 128):
         return f"BK={BK}: e4m3 K tiles of 32, 64 or 128"
     return None
@@ -72,13 +99,8 @@ if GLUON:
 
     @gluon.jit
     def _item(g, num_k, num_m, num_n, GROUP: gl.constexpr):
-        """(M tile, N tile, K step) of this program's flat step ``g`` (``moe_prefill._tile_of``'s walk)."""
-        tile = gl.program_id(0) + (g // num_k) * gl.num_programs(0)
-        per_group = GROUP * num_n
-        first_m = (tile // per_group) * GROUP
-        rows = gl.minimum(num_m - first_m, GROUP)
-        m = first_m + (tile % per_group) % rows
-        n = (tile % per_group) // rows
+        """(M tile, N tile, K step) of this program's flat step ``g``: its items in ``moe_prefill._tile_of``'s walk."""
+        m, n = _prefill._tile_of(gl.program_id(0) + (g // num_k) * gl.num_programs(0), num_m, num_n, GROUP)
         return m, n, g % num_k
 
     @gluon.jit
@@ -380,6 +402,400 @@ if GLUON:
             )
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
+
+    @gluon.jit
+    def _issue_fc1(
+        w_desc,
+        a_s,
+        w_s,
+        ready,
+        x_ptr,
+        sorted_ptr,
+        tile_expert_ptr,
+        g,
+        total,
+        num_k,
+        num_m,
+        num_n,
+        H,
+        I,
+        K_TOP,
+        stride_xt,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        GROUP: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        a_layout: gl.constexpr,
+    ):
+        """Start flat step ``g``'s loads into its stage (none past ``total``, but the copy group is committed
+        all the same, so every step owns one): the expert's gate tile and up tile through TMA into the two halves
+        of the stage's [2 BN, BK] weight buffer, and the rows' gathered tokens by 16-byte cp.async copies (TMA cannot
+        gather rows on sm_90), zeros for padding rows and past H."""
+        ok = g < total
+        m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
+        e = gl.load(tile_expert_ptr + m, mask=ok, other=0)
+        s = g % NUM_STAGES
+        bar = ready.index(s)
+        ws = w_s.index(s)
+        mbarrier.expect(bar, 2 * BN * BK, pred=ok)
+        _tma_load(w_desc, [e * 2 * I + n * BN, kk * BK], bar, ws.slice(0, BN), pred=ok)
+        _tma_load(w_desc, [e * 2 * I + I + n * BN, kk * BK], bar, ws.slice(BN, BN), pred=ok)
+        rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, a_layout))
+        slot = gl.load(sorted_ptr + rows, mask=ok, other=-1)
+        tok = gl.where(slot >= 0, slot // K_TOP, 0).to(gl.int64)
+        offs_k = kk * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, a_layout))
+        ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
+        mask = gl.expand_dims(slot >= 0, 1) & gl.expand_dims(offs_k < H, 0)
+        _cp_async(a_s.index(s), ptrs, mask=mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _scales_fc1(
+        xs_ptr,
+        ws_ptr,
+        sorted_ptr,
+        tile_expert_ptr,
+        g,
+        num_k,
+        num_m,
+        num_n,
+        I,
+        K_TOP,
+        stride_xst,
+        stride_se,
+        stride_sn,
+        stride_sk,
+        SBN,
+        SBK,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        GROUP: gl.constexpr,
+        W_SCALE: gl.constexpr,
+        mma_layout: gl.constexpr,
+    ):
+        """Step ``g``'s row scales of its gate and up products ([BM] each): the row's activation scale of the K tile,
+        times (128 x 128 block scales) the gate tile's one weight scale, and the up tile's."""
+        m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
+        rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+        slot = gl.load(sorted_ptr + rows)
+        tok = gl.where(slot >= 0, slot // K_TOP, 0).to(gl.int64)
+        sa = gl.load(xs_ptr + tok * stride_xst + kk, mask=slot >= 0, other=0.0)
+        if W_SCALE == 2:
+            e = gl.load(tile_expert_ptr + m)
+            sk = e * stride_se + (kk * BK // SBK) * stride_sk
+            sg = sa * gl.load(ws_ptr + sk + (n * BN // SBN) * stride_sn)
+            su = sa * gl.load(ws_ptr + sk + ((I + n * BN) // SBN) * stride_sn)
+            return sg, su
+        return sa, sa
+
+    @gluon.jit
+    def _store_fc1(
+        acc,
+        scratch,
+        inter_ptr,
+        isc_ptr,
+        ws_ptr,
+        b_ptr,
+        tile_expert_ptr,
+        g,
+        num_k,
+        num_m,
+        num_n,
+        I,
+        stride_se,
+        stride_be,
+        stride_ist,
+        ACT: gl.constexpr,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        GROUP: gl.constexpr,
+        W_SCALE: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        out_layout: gl.constexpr,
+    ):
+        """The finished item of step ``g``: its [BM, 2 BN] sums split into gate and up through shared memory, the
+        per-expert weight scale, biases, ``act(gate) * up``, and the intermediate written in e4m3 with one scale
+        (amax / 448 over the real columns) per row into ``isc`` [P_MAX, I / BN], as moe_prefill._fc1_kernel does."""
+        m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
+        e = gl.load(tile_expert_ptr + m)
+        _cta_barrier()  # the previous item's reads of the scratch are done
+        scratch.store(acc)
+        _cta_barrier()
+        gate = scratch.slice(0, BN, dim=1).load(out_layout)
+        up = scratch.slice(BN, BN, dim=1).load(out_layout)
+        rows = (m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
+        cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        real = gl.expand_dims(cols < I, 0)
+        if W_SCALE == 1:
+            sw = gl.load(ws_ptr + e * stride_se).to(gl.float32)
+            gate = gate * sw
+            up = up * sw
+        if HAS_BIAS:
+            bg = gl.load(b_ptr + e * stride_be + cols, mask=cols < I, other=0.0).to(gl.float32)
+            bu = gl.load(b_ptr + e * stride_be + I + cols, mask=cols < I, other=0.0).to(gl.float32)
+            gate = gate + gl.expand_dims(bg, 0)
+            up = up + gl.expand_dims(bu, 0)
+        h = gated(gate, ACT) * up
+        hs = gl.maximum(gl.max(gl.abs(gl.where(real, h, 0.0)), axis=1), 1e-12) / 448.0
+        gl.store(isc_ptr + rows * stride_ist + n, hs)
+        h = h / gl.expand_dims(hs, 1)
+        ptrs = inter_ptr + gl.expand_dims(rows * I, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=real & gl.expand_dims(rows >= 0, 1))
+
+    @gluon.jit
+    def _fc1_w8a8_kernel(
+        w_desc,
+        x_ptr,
+        xs_ptr,
+        ws_ptr,
+        b_ptr,
+        sorted_ptr,
+        tile_expert_ptr,
+        ntiles_ptr,
+        inter_ptr,
+        isc_ptr,
+        H,
+        I,
+        K_TOP,
+        stride_xt,
+        stride_xst,
+        stride_se,
+        stride_sn,
+        stride_sk,
+        SBN,
+        SBK,
+        stride_be,
+        stride_ist,
+        ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        W_SCALE: gl.constexpr,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        GROUP: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        GDC: gl.constexpr,
+    ):
+        """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b), in e4m3 with one scale per row
+        and N tile, for every row p of every tile; the gate and up tiles multiplied as one [BM, 2 BN] product."""
+        NW: gl.constexpr = gl.num_warps()
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 2 * BN, 32]
+        )
+        # the gathered rows: 16 bytes per thread and copy, BK / 16 threads along a row
+        TK: gl.constexpr = BK // 16 if BK // 16 < 32 else 32
+        a_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TK, TK], [NW, 1], [1, 0])
+        # the epilogue: gate and up [BM, BN] float32, 4 per thread along a row
+        TN: gl.constexpr = BN // 4 if BN // 4 < 32 else 32
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TN, TN], [NW, 1], [1, 0])
+
+        a_s = gl.allocate_shared_memory(
+            gl.float8e4nv, [NUM_STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+        )
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, 2 * BN, BK], w_desc.layout)
+        scratch = gl.allocate_shared_memory(
+            gl.float32, [BM, 2 * BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        )
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+
+        if GDC:
+            gdc_wait()  # the hidden states (and their scales), the tile table and the sorted slots are earlier writes
+            gdc_launch_dependents()
+        num_m = gl.load(ntiles_ptr)
+        num_n = gl.cdiv(I, BN)
+        num_k = gl.cdiv(H, BK)
+        items = gl.maximum(num_m * num_n - gl.program_id(0) + gl.num_programs(0) - 1, 0) // gl.num_programs(0)
+        total = items * num_k
+
+        for j in gl.static_range(NUM_STAGES):
+            _issue_fc1(
+                w_desc,
+                a_s,
+                w_s,
+                ready,
+                x_ptr,
+                sorted_ptr,
+                tile_expert_ptr,
+                j,
+                total,
+                num_k,
+                num_m,
+                num_n,
+                H,
+                I,
+                K_TOP,
+                stride_xt,
+                BM,
+                BN,
+                BK,
+                GROUP,
+                NUM_STAGES,
+                a_layout,
+            )
+
+        zero = gl.zeros([BM, 2 * BN], gl.float32, layout=mma_layout)
+        # the product's columns: gate, then up (each half scaled by its own row scales)
+        up = gl.expand_dims(gl.arange(0, 2 * BN, layout=gl.SliceLayout(0, mma_layout)) >= BN, 0)
+        if total > 0:
+            # step 0: its copy group is the oldest of NUM_STAGES; every thread's rows, then the async proxy's view
+            async_copy.wait_group(NUM_STAGES - 1)
+            mbarrier.wait(ready.index(0), 0)
+            _cta_barrier()
+            fence_async_shared()
+            p = warpgroup_mma(a_s.index(0), w_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            sg, su = _scales_fc1(
+                xs_ptr,
+                ws_ptr,
+                sorted_ptr,
+                tile_expert_ptr,
+                0,
+                num_k,
+                num_m,
+                num_n,
+                I,
+                K_TOP,
+                stride_xst,
+                stride_se,
+                stride_sn,
+                stride_sk,
+                SBN,
+                SBK,
+                BM,
+                BN,
+                BK,
+                GROUP,
+                W_SCALE,
+                mma_layout,
+            )
+            acc = zero
+            for g in range(1, total):
+                st = g % NUM_STAGES
+                # NUM_STAGES + g - 1 groups committed; step g's is done when at most NUM_STAGES - 2 are in flight
+                async_copy.wait_group(NUM_STAGES - 2)
+                mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
+                _cta_barrier()
+                fence_async_shared()
+                q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+                sg_next, su_next = _scales_fc1(
+                    xs_ptr,
+                    ws_ptr,
+                    sorted_ptr,
+                    tile_expert_ptr,
+                    g,
+                    num_k,
+                    num_m,
+                    num_n,
+                    I,
+                    K_TOP,
+                    stride_xst,
+                    stride_se,
+                    stride_sn,
+                    stride_sk,
+                    SBN,
+                    SBK,
+                    BM,
+                    BN,
+                    BK,
+                    GROUP,
+                    W_SCALE,
+                    mma_layout,
+                )
+                p = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product is done
+                acc = acc + p * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
+                # step g - 1's stage is free: step g - 1 + NUM_STAGES loads into it
+                _issue_fc1(
+                    w_desc,
+                    a_s,
+                    w_s,
+                    ready,
+                    x_ptr,
+                    sorted_ptr,
+                    tile_expert_ptr,
+                    g - 1 + NUM_STAGES,
+                    total,
+                    num_k,
+                    num_m,
+                    num_n,
+                    H,
+                    I,
+                    K_TOP,
+                    stride_xt,
+                    BM,
+                    BN,
+                    BK,
+                    GROUP,
+                    NUM_STAGES,
+                    a_layout,
+                )
+                if (g - 1) % num_k == num_k - 1:  # step g - 1 ended its item
+                    _store_fc1(
+                        acc,
+                        scratch,
+                        inter_ptr,
+                        isc_ptr,
+                        ws_ptr,
+                        b_ptr,
+                        tile_expert_ptr,
+                        g - 1,
+                        num_k,
+                        num_m,
+                        num_n,
+                        I,
+                        stride_se,
+                        stride_be,
+                        stride_ist,
+                        ACT,
+                        BM,
+                        BN,
+                        GROUP,
+                        W_SCALE,
+                        HAS_BIAS,
+                        out_layout,
+                    )
+                    acc = zero
+                p = q
+                sg = sg_next
+                su = su_next
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            acc = acc + p * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
+            _store_fc1(
+                acc,
+                scratch,
+                inter_ptr,
+                isc_ptr,
+                ws_ptr,
+                b_ptr,
+                tile_expert_ptr,
+                total - 1,
+                num_k,
+                num_m,
+                num_n,
+                I,
+                stride_se,
+                stride_be,
+                stride_ist,
+                ACT,
+                BM,
+                BN,
+                GROUP,
+                W_SCALE,
+                HAS_BIAS,
+                out_layout,
+            )
+        async_copy.wait_group(0)  # the empty groups past the last step
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+
+def fc1_descriptor(w13, E: int, H: int, I: int, BN: int, BK: int):
+    """Host-side TMA descriptor of ``w13`` seen as [E * 2 I, H] (box [BN, BK]: a gate or an up tile, each loaded
+    into its half of a stage's [2 BN, BK] buffer)."""
+    layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
+    return TensorDescriptor(w13, [E * 2 * I, H], [H, 1], [BN, BK], layout)
 
 
 def descriptors(inter, w2, E: int, H: int, I: int, BM: int, BN: int, BK: int):

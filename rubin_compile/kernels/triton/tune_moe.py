@@ -353,9 +353,11 @@ _OCC2 = {"occupancy": (2, 2)}
 _FC2_OCC2 = {"occupancy": (1, 2)}
 _FC2_FLAT = {"flatten": (False, True)}
 _JOIN = {"join": True}
-# FC2 by the Gluon kernel (``gluon``, W8A8 only: moe_prefill_gluon.py): step k + 1's MMA in flight while step k's
-# product is scaled; its tiles are 64 x BN per warpgroup (BM = 16 x warps) with BN <= 128 (three float32 tiles live)
-_GLUON = {"gluon": True}
+# The GEMMs by the Gluon kernels (``gluon``, FC1's and FC2's; W8A8 only: moe_prefill_gluon.py): step k + 1's MMA in
+# flight while step k's product is scaled; 64 x BN per warpgroup (BM = 16 x warps) with three float32 tiles live, so
+# FC2's BN <= 128 and FC1's (joined: 2 BN wide) BN <= 64
+_GLUON2 = {"gluon": (False, True)}
+_GLUON = {"gluon": (True, True)}
 PERSISTENT_VARIANTS = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
     (64, (128, 64, 8, 2), (128, 64, 8, 4), _OCC2),
@@ -375,11 +377,14 @@ PERSISTENT_VARIANTS_FP8 = (
     (128, (64, 128, 8, 4), (128, 64, 8, 4), _JOIN),
     (128, (64, 128, 8, 3), (128, 64, 8, 4), _JOIN),
     (64, (128, 128, 8, 4), (128, 128, 8, 4), _JOIN),
-    (64, (64, 128, 4, 4), (128, 64, 4, 4), {**_OCC2, **_JOIN, **_GLUON}),
-    (64, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_GLUON}),
-    (128, (64, 128, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
-    (64, (128, 128, 8, 4), (128, 128, 4, 4), {**_JOIN, **_GLUON}),
-    (128, (64, 64, 8, 4), (128, 64, 8, 6), _GLUON),
+    (64, (64, 128, 4, 4), (128, 64, 4, 4), {**_OCC2, **_JOIN, **_GLUON2}),
+    (64, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_GLUON2}),
+    (128, (64, 128, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON2}),
+    (64, (128, 128, 8, 4), (128, 128, 4, 4), {**_JOIN, **_GLUON2}),
+    (64, (64, 128, 4, 4), (128, 64, 4, 4), {**_JOIN, **_GLUON, **_FC2_OCC2}),
+    (64, (64, 128, 4, 3), (128, 64, 4, 6), {**_JOIN, **_GLUON, "occupancy": (2, 1)}),
+    (128, (64, 128, 8, 3), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
+    (128, (64, 64, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
@@ -408,16 +413,23 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
     bm, (bn1, bk1, w1, s1), (bn2, bk2, w2, s2), *opts = tile
     opts = opts[0] if opts else {}
     (o1, o2), (f1, f2) = opts.get("occupancy", (1, 1)), opts.get("flatten", (False, False))
+    g1, g2 = opts.get("gluon", (False, False))
     G = moe.GemmConfig
     return moe.MoEConfig(
         mode="persistent",
         a_fp8=a_fp8,
         fc1=G(
-            BM=bm, BN=bn1, BK=bk1, num_warps=w1, num_stages=s1, occupancy=o1, flatten=f1, join=opts.get("join", False)
+            BM=bm,
+            BN=bn1,
+            BK=bk1,
+            num_warps=w1,
+            num_stages=s1,
+            occupancy=o1,
+            flatten=f1,
+            join=opts.get("join", False),
+            gluon=g1,
         ),
-        fc2=G(
-            BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=opts.get("gluon", False)
-        ),
+        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=g2),
     )
 
 

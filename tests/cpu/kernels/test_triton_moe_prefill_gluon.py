@@ -1,8 +1,9 @@
-"""The Gluon FC2 of the persistent MoE path (kernels/triton/moe_prefill_gluon.py) on the CPU: Gluon has no
+"""The Gluon GEMMs of the persistent MoE path (kernels/triton/moe_prefill_gluon.py) on the CPU: Gluon has no
 interpreter, so each tile the tuner tries is compiled ahead of time for sm_90 (Triton's own ptxas) and its PTX read:
-e4m3 wgmma fed by TMA, the K loop waiting for all but the newest MMA (``wgmma.wait_group 1``: the product it scales is
-the previous step's while the next one runs), one griddepcontrol.wait, no spills, and room for its occupancy. Its
-values are checked on the GPU (tests/gpu/test_triton_moe.py, the gluon cases)."""
+e4m3 wgmma fed by TMA (FC1's gathered rows: 16-byte cp.async copies, fenced for the MMA), the K loop waiting for all
+but the newest MMA (``wgmma.wait_group 1``: the product it scales is the previous step's while the next one runs), one
+griddepcontrol.wait, no spills, and room for its occupancy. Their values are checked on the GPU
+(tests/gpu/test_triton_moe.py, test_persistent_path_gluon)."""
 
 from __future__ import annotations
 
@@ -29,43 +30,67 @@ def gluon_fc2():
 def _gluon_variants():
     from rubin_compile.kernels.triton import tune_moe as tm
 
-    return [t for t in tm.PERSISTENT_VARIANTS_FP8 if t[-1].get("gluon")]
+    return [t for t in tm.PERSISTENT_VARIANTS_FP8 if any(t[-1].get("gluon", ()))]
 
 
-# Qwen3-30B-A3B's FC2 at T = 4096 (E 128, H 2048, I 768, k 8) with 128 x 128 block scales over w2 [128, 2048, 768]
-E, H, I, K_TOP = 128, 2048, 768, 8  # noqa: E741
-SCALE_STRIDES = dict(stride_se=16 * 6, stride_sn=6, stride_sk=1, SBN=128, SBK=128)
+# Qwen3-30B-A3B at T = 4096 (E 128, H 2048, I 768, k 8) with 128 x 128 block scales over w13 [128, 1536, 2048] and
+# w2 [128, 2048, 768]
+E, H, I, K_TOP, T = 128, 2048, 768, 8, 4096  # noqa: E741
+PTRS = dict(
+    x_ptr="*fp8e4nv",
+    xs_ptr="*fp32",
+    isc_ptr="*fp32",
+    ws_ptr="*fp32",
+    b_ptr="*bf16",
+    sorted_ptr="*i32",
+    tile_expert_ptr="*i32",
+    ntiles_ptr="*i32",
+    inter_ptr="*fp8e4nv",
+    y_ptr="*bf16",
+)
 
 
-def _compile(mod, BM, BN, BK, warps, stages, w_scale, bias):
+def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
+    """The Gluon FC1 (``fc1``) or FC2 of GemmConfig ``g`` compiled for sm_90 as a launch on Qwen3's shapes
+    specialises it: (PTX, resource usage)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    p_max = 4096 * K_TOP + E * (BM - 1)
-    inter = torch.empty(p_max, I, dtype=torch.float8_e4m3fn)
-    w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
-    a_desc, w_desc = mod.descriptors(inter, w2, E, H, I, BM, BN, BK)
-    fn = mod._fc2_w8a8_kernel
-    consts = dict(HAS_BIAS=bias, W_SCALE=w_scale, BM=BM, BN=BN, BK=BK, GROUP=8, NUM_STAGES=stages, GDC=True)
-    ptrs = dict(isc_ptr="*fp32", ws_ptr="*fp32", b_ptr="*bf16", sorted_ptr="*i32", tile_expert_ptr="*i32")
-    ptrs.update(ntiles_ptr="*i32", y_ptr="*bf16")
-    ints = dict(H=H, I=I, stride_ist=I // BK, stride_be=H, **SCALE_STRIDES)
+    BM, BN, BK = g.BM, g.BN, g.BK
+    if fc1:
+        w13 = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
+        descs = {"w_desc": mod.fc1_descriptor(w13, E, H, I, BN, BK)}
+        fn = mod._fc1_w8a8_kernel
+        ints = dict(H=H, I=I, K_TOP=K_TOP, stride_xt=H, stride_xst=H // BK, stride_be=2 * I, stride_ist=I // BN)
+        ints.update(stride_se=12 * 16, stride_sn=16, stride_sk=1)
+        consts = dict(ACT=0)
+    else:
+        inter = torch.empty(T * K_TOP + E * (BM - 1), I, dtype=torch.float8_e4m3fn)
+        w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
+        a_desc, w_desc = mod.descriptors(inter, w2, E, H, I, BM, BN, BK)
+        descs = {"a_desc": a_desc, "w_desc": w_desc}
+        fn = mod._fc2_w8a8_kernel
+        ints = dict(H=H, I=I, stride_ist=I // BK, stride_be=H, stride_se=16 * 6, stride_sn=6, stride_sk=1)
+        consts = {}
+    ints.update(SBN=128, SBK=128)
+    consts.update(HAS_BIAS=bias, W_SCALE=w_scale, BM=BM, BN=BN, BK=BK, GROUP=8, NUM_STAGES=g.num_stages, GDC=True)
     sig, attrs = {}, {}
     for i, p in enumerate(inspect.signature(fn.fn).parameters):
         if p in consts:
             sig[p] = "constexpr"
-        elif p in ("a_desc", "w_desc"):
-            sig[p] = mangle_type(a_desc if p == "a_desc" else w_desc)
-        elif p in ptrs:
-            sig[p], attrs[(i,)] = ptrs[p], [["tt.divisibility", 16]]
+        elif p in descs:
+            sig[p] = mangle_type(descs[p])
+        elif p in PTRS:
+            sig[p], attrs[(i,)] = PTRS[p], [["tt.divisibility", 16]]
         else:  # as a launch specialises: 16-divisible ints marked so (SBN, SBK = 128 included)
             sig[p] = "i32"
             if ints[p] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    opts = {"num_warps": g.num_warps, "num_stages": g.num_stages}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     use = resource_usage(k.asm["cubin"])
     use["DYNAMIC_SHARED"] = k.metadata.shared
     return k.asm["ptx"], use
@@ -83,23 +108,39 @@ def _in_loops(ptx: str) -> list[str]:
     return out
 
 
-def test_the_tuner_tries_gluon_fc2_tiles():
-    assert len(_gluon_variants()) >= 4
+def test_the_tuner_tries_gluon_tiles_of_both_gemms():
+    vs = _gluon_variants()
+    assert sum(t[-1]["gluon"][1] for t in vs) >= 4 and sum(t[-1]["gluon"][0] for t in vs) >= 3
 
 
-@pytest.mark.parametrize("w_scale,bias", [(2, False), (1, True)], ids=["block-scales", "per-expert-bias"])
-@pytest.mark.parametrize("i", range(len(_gluon_variants())))
-def test_gluon_fc2_keeps_the_next_mma_in_flight_without_spills(gluon_fc2, i, w_scale, bias):
+CASES = [
+    (i, gemm, w_scale, bias)
+    for i, t in enumerate(_gluon_variants())
+    for gemm in ("fc1", "fc2")
+    if t[-1]["gluon"][gemm == "fc2"]
+    for w_scale, bias in ((2, False), (1, True))
+]
+
+
+@pytest.mark.parametrize(
+    "i,gemm,w_scale,bias", CASES, ids=[f"{i}-{g}-{'block' if w == 2 else 'expert-bias'}" for i, g, w, _ in CASES]
+)
+def test_gluon_gemms_keep_the_next_mma_in_flight_without_spills(gluon_fc2, i, gemm, w_scale, bias):
     from rubin_compile.kernels.triton import moe as tmoe
     from rubin_compile.kernels.triton.tune_moe import persistent_config
 
     cfg = persistent_config(tmoe, _gluon_variants()[i], a_fp8=True)
-    g = cfg.fc2
+    fc1 = gemm == "fc1"
+    g = cfg.fc1 if fc1 else cfg.fc2
     assert g.gluon and cfg.problem() is None
-    assert gluon_fc2.problem(g.BM, g.BN, g.BK, g.num_warps, w_scale, True, True) is None
-    ptx, use = _compile(gluon_fc2, g.BM, g.BN, g.BK, g.num_warps, g.num_stages, w_scale, bias)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{g.BN}k32\.f32\.e4m3\.e4m3", ptx)
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)
+    assert gluon_fc2.problem(g.BM, g.BN, g.BK, g.num_warps, w_scale, True, True, fc1=fc1) is None
+    ptx, use = _compile(gluon_fc2, fc1, g, w_scale, bias)
+    n = 2 * g.BN if fc1 else g.BN  # FC1 multiplies the gate and up tiles as one
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)  # weights (FC2: both)
+    if fc1:  # the gathered rows: 16-byte cp.async copies, made visible to the MMA's async proxy
+        assert set(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], (\w+)", ptx)) == {"0x10"}
+        assert "fence.proxy.async.shared::cta" in ptx
     assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
     assert use["LOCAL"] == 0 and use["STACK"] == 0, use
     fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), g.num_warps)
@@ -110,13 +151,15 @@ def test_gluon_fc2_keeps_the_next_mma_in_flight_without_spills(gluon_fc2, i, w_s
     assert re.search(r"wgmma\.wait_group\.sync\.aligned 0;", ptx)
 
 
-def test_gluon_fc2_says_what_it_cannot_run(gluon_fc2):
+def test_gluon_gemms_say_what_they_cannot_run(gluon_fc2):
     p = gluon_fc2.problem
     assert p(64, 128, 64, 4, 2, True, True) is None
-    assert "W8A8" in p(64, 128, 64, 4, 2, True, False)
+    assert "the Gluon FC2 is the W8A8 one" in p(64, 128, 64, 4, 2, True, False)
     assert "whole tiles" in p(64, 128, 64, 4, 2, False, True)
-    assert "BM = 16 x num_warps" in p(128, 128, 64, 4, 2, True, True)
+    assert "the Gluon FC2 takes BM = 16 x num_warps" in p(128, 128, 64, 4, 2, True, True)
     assert "BN in 32, 64, 128" in p(64, 256, 64, 4, 1, False, True)
+    assert p(64, 64, 128, 4, 2, True, True, fc1=True) is None
+    assert "BM x 2 BN" in p(64, 128, 128, 4, 2, True, True, fc1=True)
 
 
 def test_gluon_configs_are_checked():
@@ -126,8 +169,12 @@ def test_gluon_configs_are_checked():
     assert (
         M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=G(BM=64, BN=128, num_warps=4, gluon=True)).problem() is None
     )
-    with pytest.raises(ValueError, match="gluon is an FC2 kernel"):
+    with pytest.raises(ValueError, match="fc1.gluon multiplies the gate and up tiles in one MMA: set fc1.join=True"):
         M(mode="persistent", a_fp8=True, fc1=G(BM=64, gluon=True), fc2=G(BM=64))
+    with pytest.raises(ValueError, match="fc1.gluon takes a_fp8=True .* BN <= 64"):
+        M(mode="persistent", a_fp8=True, fc1=G(BM=64, BN=128, join=True, gluon=True), fc2=G(BM=64))
+    fc1 = G(BM=64, BN=64, join=True, gluon=True)
+    assert M(mode="persistent", a_fp8=True, fc1=fc1, fc2=G(BM=64)).problem() is None
     with pytest.raises(ValueError, match="fc2.gluon takes a_fp8=True"):
         M(mode="persistent", fc1=G(BM=64), fc2=G(BM=64, num_warps=4, gluon=True))
     with pytest.raises(ValueError, match="BM = 16 x num_warps"):
