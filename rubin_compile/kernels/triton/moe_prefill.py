@@ -69,7 +69,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_k
 from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.moe_walk import tile_of
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
 from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
@@ -140,17 +142,6 @@ def _align_scatter(
     e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
     rank = tl.atomic_add(cursor_ptr + e, 1, mask=ok, sem="relaxed")
     tl.store(sorted_ptr + tl.gather(start, e, axis=0) + rank, offs, mask=ok)
-
-
-@triton.jit
-def _tile_of(tile, num_m, num_n, GROUP: tl.constexpr):
-    """(M tile, N tile) of work item ``tile``: GROUP M tiles per N tile, then the next N tile."""
-    per_group = GROUP * num_n
-    first_m = (tile // per_group) * GROUP
-    rows = tl.minimum(num_m - first_m, GROUP)
-    m = first_m + (tile % per_group) % rows
-    n = (tile % per_group) // rows
-    return m, n
 
 
 @triton.jit
@@ -249,7 +240,7 @@ def _fc1_kernel(
     num_n = tl.cdiv(I, BN)
     offs_k = tl.arange(0, BK)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        m, n = _tile_of(tile, num_m, num_n, GROUP)
+        m, n = tile_of(tile, num_m, num_n, GROUP)
         e = tl.load(tile_expert_ptr + m)
         rows = m * BM + tl.arange(0, BM)
         slot = tl.load(sorted_ptr + rows)
@@ -390,7 +381,7 @@ def _fc2_kernel(
     num_m = tl.load(ntiles_ptr)
     num_n = tl.cdiv(H, BN)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        m, n = _tile_of(tile, num_m, num_n, GROUP)
+        m, n = tile_of(tile, num_m, num_n, GROUP)
         e = tl.load(tile_expert_ptr + m)
         rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = n * BN + tl.arange(0, BN)
@@ -606,8 +597,6 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     # scales its products with one FMA an element instead of an outer product and an FMA (the same float32 values)
     scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
     scalar2 = a8 and block and sbn % bn2 == 0
-    from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_k  # (it imports this module: _tile_of)
-
     grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
     if tiles.gluon[0] and not INTERPRET and gluon_k.problem(BM, bn1, bk1, nw1, w_scale, scalar1, a8, fc1=True) is None:
         launcher(gluon_k._fc1_w8a8_kernel)[grid1](

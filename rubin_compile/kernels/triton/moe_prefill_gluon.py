@@ -11,9 +11,9 @@ step k (``warpgroup_mma_wait(num_outstanding=1)``), so the scaling of one step, 
 epilogue run while the next step's MMA does. That costs a third float32 register tile (accumulator + two products):
 64 x 128 per warpgroup at most (FC2: BN <= 128; FC1, whose one MMA covers the gate and up tiles: BN <= 64).
 
-Both kernels walk the same (M tile, N tile) items as moe_prefill.py's (``_tile_of``'s order), as one flat loop over the
-program's (item, K step) pairs: loads run ``NUM_STAGES`` steps ahead across item boundaries, each stage's weight
-tiles on its own mbarrier, and the product's scales are loaded one step ahead.
+Both kernels walk the same (M tile, N tile) items as moe_prefill.py's (``moe_walk.tile_of``'s order), as one flat
+loop over the program's (item, K step) pairs: loads run ``NUM_STAGES`` steps ahead across item boundaries, each
+stage's weight tiles on its own mbarrier, and the product's scales are loaded one step ahead.
 
 - ``_fc2_w8a8_kernel``: the intermediate [P_MAX, I] (e4m3, rows in tile order) and ``w2`` seen as [E * H, I] through
   host-side TMA descriptors; rows rounded to y's dtype and scattered to their slots of ``y`` [T k, H], as
@@ -53,7 +53,7 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from rubin_compile.kernels.triton import moe_prefill as _prefill  # _tile_of (a Triton function Gluon can call)
+    from rubin_compile.kernels.triton.moe_walk import tile_of  # a Triton function Gluon can call
 
     # TMA's global -> shared copy: ``async_load`` in Triton 3.9 (which refuses the old name), the old name in 3.6
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -99,8 +99,8 @@ if GLUON:
 
     @gluon.jit
     def _item(g, num_k, num_m, num_n, GROUP: gl.constexpr):
-        """(M tile, N tile, K step) of this program's flat step ``g``: its items in ``moe_prefill._tile_of``'s walk."""
-        m, n = _prefill._tile_of(gl.program_id(0) + (g // num_k) * gl.num_programs(0), num_m, num_n, GROUP)
+        """(M tile, N tile, K step) of this program's flat step ``g``: its items in ``moe_walk.tile_of``'s order."""
+        m, n = tile_of(gl.program_id(0) + (g // num_k) * gl.num_programs(0), num_m, num_n, GROUP)
         return m, n, g % num_k
 
     @gluon.jit

@@ -132,3 +132,16 @@ def test_without_cuda_every_launch_takes_tritons_path():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"equal": {"0": True, "2": True}, "hits": 0, "misses": 4}
+
+
+def test_a_gluon_kernel_is_not_traced_into_the_graph():
+    """Recording a launch into the graph (passes/inline_kernels.py, through torch.library.wrap_triton) refuses a
+    Gluon kernel with a reason, so its adapter stays an op call with that reason in the plan; a Triton kernel is not
+    refused by that check."""
+    gk = pytest.importorskip("rubin_compile.kernels.triton.moe_prefill_gluon")
+    if not gk.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    with L.into_graph():
+        with pytest.raises(NotImplementedError, match="_fc2_w8a8_kernel is a Gluon kernel"):
+            L.launcher(gk._fc2_w8a8_kernel).record((1,), (), {})
+    assert not L.launcher(_axpy).fn.is_gluon()

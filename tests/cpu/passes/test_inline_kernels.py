@@ -232,7 +232,12 @@ def _jit_functions():
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == module.__name__:
+            # (not the Gluon ones: launch.Launcher.record refuses them, so none is traced into a graph)
+            if (
+                isinstance(obj, triton.runtime.jit.JITFunction)
+                and obj.fn.__module__ == module.__name__
+                and not obj.is_gluon()
+            ):
                 yield f"{info.name}.{name}", obj
 
 
