@@ -48,6 +48,7 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -258,7 +259,8 @@ if GLUON:
         items = gl.maximum(num_m * num_n - gl.program_id(0) + gl.num_programs(0) - 1, 0) // gl.num_programs(0)
         total = items * num_k
 
-        for j in gl.static_range(NUM_STAGES):
+        # NUM_STAGES - 1 steps load ahead; iteration g refills the stage step g - 1 used with step g + NUM_STAGES - 1
+        for j in gl.static_range(NUM_STAGES - 1):
             _issue(
                 a_desc,
                 w_desc,
@@ -280,14 +282,19 @@ if GLUON:
             )
 
         zero = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
-        if total > 0:
-            mbarrier.wait(ready.index(0), 0)
-            p = warpgroup_mma(a_s.index(0), w_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = _scales(
+        acc = zero
+        # the product and row scales of the step before g: none before step 0 (a zero product, zero scales)
+        p = warpgroup_mma_init(zero)
+        s = gl.zeros([BM], gl.float32, layout=row_layout)
+        for g in range(0, total):
+            st = g % NUM_STAGES
+            mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
+            q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s_next = _scales(
                 isc_ptr,
                 ws_ptr,
                 tile_expert_ptr,
-                0,
+                g,
                 num_k,
                 num_m,
                 num_n,
@@ -304,81 +311,55 @@ if GLUON:
                 W_SCALE,
                 row_layout,
             )
-            acc = zero
-            for g in range(1, total):
-                st = g % NUM_STAGES
-                mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
-                q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-                s_next = _scales(
-                    isc_ptr,
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product (g's in flight)
+            acc = acc + done * gl.expand_dims(s, 1)
+            _issue(
+                a_desc,
+                w_desc,
+                a_s,
+                w_s,
+                ready,
+                tile_expert_ptr,
+                g + NUM_STAGES - 1,
+                total,
+                num_k,
+                num_m,
+                num_n,
+                H,
+                BM,
+                BN,
+                BK,
+                GROUP,
+                NUM_STAGES,
+            )
+            if (g > 0) & ((g - 1) % num_k == num_k - 1):  # step g - 1 ended its item
+                _store(
+                    acc,
+                    y_ptr,
                     ws_ptr,
+                    b_ptr,
+                    sorted_ptr,
                     tile_expert_ptr,
-                    g,
-                    num_k,
-                    num_m,
-                    num_n,
-                    stride_ist,
-                    stride_se,
-                    stride_sn,
-                    stride_sk,
-                    SBN,
-                    SBK,
-                    BM,
-                    BN,
-                    BK,
-                    GROUP,
-                    W_SCALE,
-                    row_layout,
-                )
-                p = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product is done
-                acc = acc + p * gl.expand_dims(s, 1)
-                # step g - 1's stage is free: step g - 1 + NUM_STAGES loads into it
-                _issue(
-                    a_desc,
-                    w_desc,
-                    a_s,
-                    w_s,
-                    ready,
-                    tile_expert_ptr,
-                    g - 1 + NUM_STAGES,
-                    total,
+                    g - 1,
                     num_k,
                     num_m,
                     num_n,
                     H,
+                    stride_se,
+                    stride_be,
                     BM,
                     BN,
-                    BK,
                     GROUP,
-                    NUM_STAGES,
+                    W_SCALE,
+                    HAS_BIAS,
+                    out_layout,
                 )
-                if (g - 1) % num_k == num_k - 1:  # step g - 1 ended its item
-                    _store(
-                        acc,
-                        y_ptr,
-                        ws_ptr,
-                        b_ptr,
-                        sorted_ptr,
-                        tile_expert_ptr,
-                        g - 1,
-                        num_k,
-                        num_m,
-                        num_n,
-                        H,
-                        stride_se,
-                        stride_be,
-                        BM,
-                        BN,
-                        GROUP,
-                        W_SCALE,
-                        HAS_BIAS,
-                        out_layout,
-                    )
-                    acc = zero
-                p = q
-                s = s_next
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            acc = acc + p * gl.expand_dims(s, 1)
+                acc = zero
+            p = q
+            s = s_next
+        if total > 0:  # the last step
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            acc = acc + done * gl.expand_dims(s, 1)
             _store(
                 acc,
                 y_ptr,
@@ -611,7 +592,9 @@ if GLUON:
         items = gl.maximum(num_m * num_n - gl.program_id(0) + gl.num_programs(0) - 1, 0) // gl.num_programs(0)
         total = items * num_k
 
-        for j in gl.static_range(NUM_STAGES):
+        # NUM_STAGES - 1 steps load ahead (one cp.async commit group each, empty past ``total``); iteration g refills
+        # the stage step g - 1 used with step g + NUM_STAGES - 1
+        for j in gl.static_range(NUM_STAGES - 1):
             _issue_fc1(
                 w_desc,
                 a_s,
@@ -638,21 +621,28 @@ if GLUON:
             )
 
         zero = gl.zeros([BM, 2 * BN], gl.float32, layout=mma_layout)
+        acc = zero
         # the product's columns: gate, then up (each half scaled by its own row scales)
         up = gl.expand_dims(gl.arange(0, 2 * BN, layout=gl.SliceLayout(0, mma_layout)) >= BN, 0)
-        if total > 0:
-            # step 0: its copy group is the oldest of NUM_STAGES; every thread's rows, then the async proxy's view
-            async_copy.wait_group(NUM_STAGES - 1)
-            mbarrier.wait(ready.index(0), 0)
+        # the product and row scales of the step before g: none before step 0 (a zero product, zero scales)
+        p = warpgroup_mma_init(zero)
+        sg = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, mma_layout))
+        su = sg
+        for g in range(0, total):
+            st = g % NUM_STAGES
+            # NUM_STAGES - 1 + g groups committed: step g's is done when at most NUM_STAGES - 2 are in flight; then
+            # every thread's rows are visible across the CTA, and to the MMA's async proxy
+            async_copy.wait_group(NUM_STAGES - 2)
+            mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
             _cta_barrier()
             fence_async_shared()
-            p = warpgroup_mma(a_s.index(0), w_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            sg, su = _scales_fc1(
+            q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            sg_next, su_next = _scales_fc1(
                 xs_ptr,
                 ws_ptr,
                 sorted_ptr,
                 tile_expert_ptr,
-                0,
+                g,
                 num_k,
                 num_m,
                 num_n,
@@ -671,97 +661,64 @@ if GLUON:
                 W_SCALE,
                 mma_layout,
             )
-            acc = zero
-            for g in range(1, total):
-                st = g % NUM_STAGES
-                # NUM_STAGES + g - 1 groups committed; step g's is done when at most NUM_STAGES - 2 are in flight
-                async_copy.wait_group(NUM_STAGES - 2)
-                mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
-                _cta_barrier()
-                fence_async_shared()
-                q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-                sg_next, su_next = _scales_fc1(
-                    xs_ptr,
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product (g's in flight)
+            acc = acc + done * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
+            _issue_fc1(
+                w_desc,
+                a_s,
+                w_s,
+                ready,
+                x_ptr,
+                sorted_ptr,
+                tile_expert_ptr,
+                g + NUM_STAGES - 1,
+                total,
+                num_k,
+                num_m,
+                num_n,
+                H,
+                I,
+                K_TOP,
+                stride_xt,
+                BM,
+                BN,
+                BK,
+                GROUP,
+                NUM_STAGES,
+                a_layout,
+            )
+            if (g > 0) & ((g - 1) % num_k == num_k - 1):  # step g - 1 ended its item
+                _store_fc1(
+                    acc,
+                    scratch,
+                    inter_ptr,
+                    isc_ptr,
                     ws_ptr,
-                    sorted_ptr,
+                    b_ptr,
                     tile_expert_ptr,
-                    g,
+                    g - 1,
                     num_k,
                     num_m,
                     num_n,
                     I,
-                    K_TOP,
-                    stride_xst,
                     stride_se,
-                    stride_sn,
-                    stride_sk,
-                    SBN,
-                    SBK,
+                    stride_be,
+                    stride_ist,
+                    ACT,
                     BM,
                     BN,
-                    BK,
                     GROUP,
                     W_SCALE,
-                    mma_layout,
+                    HAS_BIAS,
+                    out_layout,
                 )
-                p = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product is done
-                acc = acc + p * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
-                # step g - 1's stage is free: step g - 1 + NUM_STAGES loads into it
-                _issue_fc1(
-                    w_desc,
-                    a_s,
-                    w_s,
-                    ready,
-                    x_ptr,
-                    sorted_ptr,
-                    tile_expert_ptr,
-                    g - 1 + NUM_STAGES,
-                    total,
-                    num_k,
-                    num_m,
-                    num_n,
-                    H,
-                    I,
-                    K_TOP,
-                    stride_xt,
-                    BM,
-                    BN,
-                    BK,
-                    GROUP,
-                    NUM_STAGES,
-                    a_layout,
-                )
-                if (g - 1) % num_k == num_k - 1:  # step g - 1 ended its item
-                    _store_fc1(
-                        acc,
-                        scratch,
-                        inter_ptr,
-                        isc_ptr,
-                        ws_ptr,
-                        b_ptr,
-                        tile_expert_ptr,
-                        g - 1,
-                        num_k,
-                        num_m,
-                        num_n,
-                        I,
-                        stride_se,
-                        stride_be,
-                        stride_ist,
-                        ACT,
-                        BM,
-                        BN,
-                        GROUP,
-                        W_SCALE,
-                        HAS_BIAS,
-                        out_layout,
-                    )
-                    acc = zero
-                p = q
-                sg = sg_next
-                su = su_next
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            acc = acc + p * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
+                acc = zero
+            p = q
+            sg = sg_next
+            su = su_next
+        if total > 0:  # the last step
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            acc = acc + done * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
             _store_fc1(
                 acc,
                 scratch,
