@@ -344,7 +344,9 @@ def smem_estimate(g: GemmConfig, which: str, x_elt: int, w_elt: int, split1: int
     if which == "fc2" and split1 > 1:
         return (g.num_stages - 1) * 2 * split1 * g.BM * g.BK * 4 + g.BN * g.BK * w_elt + 4096
     stage = g.BM * g.BK * x_elt + (2 if which == "fc1" else 1) * g.BN * g.BK * w_elt
-    return stage * (g.num_stages if (g.swap or g.BM >= 64) else g.num_stages - 1)
+    # the Gluon FC1 (moe_prefill_gluon.py) splits its [BM, 2 BN] float32 sums into gate and up through shared memory
+    scratch = g.BM * 2 * g.BN * 4 if (g.gluon and which == "fc1") else 0
+    return stage * (g.num_stages if (g.swap or g.BM >= 64) else g.num_stages - 1) + scratch
 
 
 def fit_smem(g: GemmConfig, which: str, x_elt: int = 2, w_elt: int = 2, split1: int = 1) -> GemmConfig:

@@ -598,7 +598,11 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
     scalar2 = a8 and block and sbn % bn2 == 0
     grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
-    if tiles.gluon[0] and not INTERPRET and gluon_k.problem(BM, bn1, bk1, nw1, w_scale, scalar1, a8, fc1=True) is None:
+    if (
+        tiles.gluon[0]
+        and not INTERPRET
+        and gluon_k.problem(BM, bn1, bk1, nw1, ns1, w_scale, scalar1, a8, fc1=True) is None
+    ):
         launcher(gluon_k._fc1_w8a8_kernel)[grid1](
             gluon_k.fc1_descriptor(args.w13, E, H, I, bn1, bk1),
             xa,
@@ -631,6 +635,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             GROUP=GROUP_M,
             NUM_STAGES=ns1,
             GDC=gdc,
+            UNROLL=gluon_k.UNROLL,
             num_warps=nw1,
             **chain,
         )
@@ -678,7 +683,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             **chain,
         )
     grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
-    if tiles.gluon[1] and not INTERPRET and gluon_k.problem(BM, bn2, bk2, nw2, w_scale, scalar2, a8) is None:
+    if tiles.gluon[1] and not INTERPRET and gluon_k.problem(BM, bn2, bk2, nw2, ns2, w_scale, scalar2, a8) is None:
         a_desc, w_desc = gluon_k.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
         launcher(gluon_k._fc2_w8a8_kernel)[grid2](
             a_desc,
@@ -707,6 +712,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             GROUP=GROUP_M,
             NUM_STAGES=ns2,
             GDC=gdc,
+            UNROLL=gluon_k.UNROLL,
             num_warps=nw2,
             **chain,
         )

@@ -7,13 +7,21 @@ own pipeliner keeps a wgmma asynchronous only while its result feeds nothing but
 ``benchmarks/sm90_wgmma_waits.py`` shows the ``wgmma.wait_group 0`` it emits), so every Triton K step waits for its
 MMA and the tensor cores idle while it scales. Gluon (``triton.experimental.gluon``, Triton >= 3.5) exposes the
 asynchronous wgmma and its wait: here step k + 1's MMA is issued into a second register tile before the wait for
-step k (``warpgroup_mma_wait(num_outstanding=1)``), so the scaling of one step, the next loads' issue and an item's
+step k (``warpgroup_mma_wait(num_outstanding=1)``), so the scaling of one step, the refill of its stage and an item's
 epilogue run while the next step's MMA does. That costs a third float32 register tile (accumulator + two products):
 64 x 128 per warpgroup at most (FC2: BN <= 128; FC1, whose one MMA covers the gate and up tiles: BN <= 64).
 
+The loop must not carry an MMA in flight across its back-edge: ptxas then serialises every wgmma of the kernel (its
+note C7514, "wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator
+registers"; the first form of these kernels did, found by reading its ptxas log). So each iteration runs ``UNROLL``
+steps, unrolled: the overlap above inside it, and its last step waited for alone (``num_outstanding=0``). Steps past
+the program's last (in its last iteration) multiply a stale stage and their products are dropped. The CPU tests
+run ptxas on every tile and fail on C7514.
+
 Both kernels walk the same (M tile, N tile) items as moe_prefill.py's (``moe_walk.tile_of``'s order), as one flat
 loop over the program's (item, K step) pairs: loads run ``NUM_STAGES`` steps ahead across item boundaries, each
-stage's weight tiles on its own mbarrier, and the product's scales are loaded one step ahead.
+stage's weight tiles on its own mbarrier, a stage refilled once every warp group's MMA of it is done (a CTA barrier),
+and a step's scales are loaded while the previous step's product is awaited.
 
 - ``_fc2_w8a8_kernel``: the intermediate [P_MAX, I] (e4m3, rows in tile order) and ``w2`` seen as [E * H, I] through
   host-side TMA descriptors; rows rounded to y's dtype and scattered to their slots of ``y`` [T k, H], as
@@ -48,7 +56,6 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -68,10 +75,21 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 GLUON = gluon is not None
+# steps per iteration of the Gluon K loops (the kernels' UNROLL): no MMA in flight across the loop's back-edge, and
+# of each iteration's UNROLL steps all but the last are scaled while the next one's MMA runs
+UNROLL = 2
 
 
 def problem(
-    BM: int, BN: int, BK: int, num_warps: int, w_scale: int, scalar_sw: bool, a_fp8: bool, fc1: bool = False
+    BM: int,
+    BN: int,
+    BK: int,
+    num_warps: int,
+    num_stages: int,
+    w_scale: int,
+    scalar_sw: bool,
+    a_fp8: bool,
+    fc1: bool = False,
 ) -> Optional[str]:
     """Why the Gluon FC2 (``fc1``: FC1) cannot run these tiles (None: it can)."""
     name = "FC1" if fc1 else "FC2"
@@ -93,6 +111,8 @@ def problem(
         )
     if BK not in (32, 64, 128):
         return f"BK={BK}: e4m3 K tiles of 32, 64 or 128"
+    if num_stages < 2:
+        return f"num_stages={num_stages}: the Gluon {name} loads at least one step ahead (2 or more stages)"
     return None
 
 
@@ -101,7 +121,9 @@ if GLUON:
     @gluon.jit
     def _item(g, num_k, num_m, num_n, GROUP: gl.constexpr):
         """(M tile, N tile, K step) of this program's flat step ``g``: its items in ``moe_walk.tile_of``'s order."""
-        m, n = tile_of(gl.program_id(0) + (g // num_k) * gl.num_programs(0), num_m, num_n, GROUP)
+        # (a step past the program's last, whose loads are predicated off, still gets a real item: no zero divisor)
+        tile = gl.minimum(gl.program_id(0) + (g // num_k) * gl.num_programs(0), num_m * num_n - 1)
+        m, n = tile_of(tile, num_m, num_n, GROUP)
         return m, n, g % num_k
 
     @gluon.jit
@@ -192,18 +214,21 @@ if GLUON:
         rows' slots (padding rows, slot -1, are not stored)."""
         m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
         e = gl.load(tile_expert_ptr + m)
-        out = gl.convert_layout(acc, out_layout)
+        # scale and bias in float32 where the sums are, then y's dtype, then the store's layout: the copy between
+        # layouts moves half the registers (it runs while the next step's MMA holds its own)
+        if W_SCALE == 1:
+            acc = acc * gl.load(ws_ptr + e * stride_se).to(gl.float32)
+        if HAS_BIAS:
+            bcols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+            bias = gl.load(b_ptr + e * stride_be + bcols, mask=bcols < H, other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(bias, 0)
+        out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
         rows = (m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
         cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        if W_SCALE == 1:
-            out = out * gl.load(ws_ptr + e * stride_se).to(gl.float32)
-        if HAS_BIAS:
-            bias = gl.load(b_ptr + e * stride_be + cols, mask=cols < H, other=0.0).to(gl.float32)
-            out = out + gl.expand_dims(bias, 0)
         slot = gl.load(sorted_ptr + rows)
         ptrs = y_ptr + gl.expand_dims(gl.where(slot >= 0, slot, 0).to(gl.int64) * H, 1) + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(slot >= 0, 1) & gl.expand_dims(cols < H, 0)
-        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        gl.store(ptrs, out, mask=mask)
 
     @gluon.jit
     def _fc2_w8a8_kernel(
@@ -233,6 +258,7 @@ if GLUON:
         GROUP: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         GDC: gl.constexpr,
+        UNROLL: gl.constexpr,
     ):
         """y[slot, n] = sum over K tiles of (inter[p] . w2[e, n]) * scale(p, K tile) (+ b), for every real row p."""
         NW: gl.constexpr = gl.num_warps()
@@ -259,8 +285,8 @@ if GLUON:
         items = gl.maximum(num_m * num_n - gl.program_id(0) + gl.num_programs(0) - 1, 0) // gl.num_programs(0)
         total = items * num_k
 
-        # NUM_STAGES - 1 steps load ahead; iteration g refills the stage step g - 1 used with step g + NUM_STAGES - 1
-        for j in gl.static_range(NUM_STAGES - 1):
+        # NUM_STAGES steps load ahead; a step's stage is refilled with the step NUM_STAGES later once its MMA is done
+        for j in gl.static_range(NUM_STAGES):
             _issue(
                 a_desc,
                 w_desc,
@@ -283,18 +309,20 @@ if GLUON:
 
         zero = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
         acc = zero
-        # the product and row scales of the step before g: none before step 0 (a zero product, zero scales)
-        p = warpgroup_mma_init(zero)
-        s = gl.zeros([BM], gl.float32, layout=row_layout)
-        for g in range(0, total):
-            st = g % NUM_STAGES
-            mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
-            q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s_next = _scales(
+        # UNROLL steps an iteration, so that no MMA is in flight across the loop's back-edge: ptxas serialises every
+        # wgmma of a loop that carries an in-flight accumulator into the next iteration (its warning C7514). Each
+        # step's MMA is issued before the previous one's product is waited for and scaled, but the last step of an
+        # iteration is waited for alone. Steps past ``total`` (in the last iteration) multiply a stale stage whose
+        # product is dropped.
+        for g0 in range(0, total, UNROLL):
+            st = g0 % NUM_STAGES
+            mbarrier.wait(ready.index(st), (g0 // NUM_STAGES) & 1)
+            prev = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s_prev = _scales(
                 isc_ptr,
                 ws_ptr,
                 tile_expert_ptr,
-                g,
+                g0,
                 num_k,
                 num_m,
                 num_n,
@@ -311,76 +339,87 @@ if GLUON:
                 W_SCALE,
                 row_layout,
             )
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product (g's in flight)
-            acc = acc + done * gl.expand_dims(s, 1)
-            _issue(
-                a_desc,
-                w_desc,
-                a_s,
-                w_s,
-                ready,
-                tile_expert_ptr,
-                g + NUM_STAGES - 1,
-                total,
-                num_k,
-                num_m,
-                num_n,
-                H,
-                BM,
-                BN,
-                BK,
-                GROUP,
-                NUM_STAGES,
-            )
-            if (g > 0) & ((g - 1) % num_k == num_k - 1):  # step g - 1 ended its item
-                _store(
-                    acc,
-                    y_ptr,
-                    ws_ptr,
-                    b_ptr,
-                    sorted_ptr,
+            for u in gl.static_range(UNROLL):
+                g = g0 + u  # the step whose product is finished in this round
+                if u + 1 < UNROLL:  # issue step g + 1, then wait for step g's product alone
+                    nxt = g + 1
+                    sn = nxt % NUM_STAGES
+                    mbarrier.wait(ready.index(sn), (nxt // NUM_STAGES) & 1, pred=nxt < total)
+                    cur = warpgroup_mma(
+                        a_s.index(sn), w_s.index(sn).permute((1, 0)), zero, use_acc=False, is_async=True
+                    )
+                    s_cur = _scales(
+                        isc_ptr,
+                        ws_ptr,
+                        tile_expert_ptr,
+                        gl.minimum(nxt, total - 1),
+                        num_k,
+                        num_m,
+                        num_n,
+                        stride_ist,
+                        stride_se,
+                        stride_sn,
+                        stride_sk,
+                        SBN,
+                        SBK,
+                        BM,
+                        BN,
+                        BK,
+                        GROUP,
+                        W_SCALE,
+                        row_layout,
+                    )
+                    done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+                else:
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+                if g < total:
+                    acc = acc + done * gl.expand_dims(s_prev, 1)
+                _cta_barrier()  # every warp group's MMA g is done: its stage takes step g + NUM_STAGES
+                _issue(
+                    a_desc,
+                    w_desc,
+                    a_s,
+                    w_s,
+                    ready,
                     tile_expert_ptr,
-                    g - 1,
+                    g + NUM_STAGES,
+                    total,
                     num_k,
                     num_m,
                     num_n,
                     H,
-                    stride_se,
-                    stride_be,
                     BM,
                     BN,
+                    BK,
                     GROUP,
-                    W_SCALE,
-                    HAS_BIAS,
-                    out_layout,
+                    NUM_STAGES,
                 )
-                acc = zero
-            p = q
-            s = s_next
-        if total > 0:  # the last step
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            acc = acc + done * gl.expand_dims(s, 1)
-            _store(
-                acc,
-                y_ptr,
-                ws_ptr,
-                b_ptr,
-                sorted_ptr,
-                tile_expert_ptr,
-                total - 1,
-                num_k,
-                num_m,
-                num_n,
-                H,
-                stride_se,
-                stride_be,
-                BM,
-                BN,
-                GROUP,
-                W_SCALE,
-                HAS_BIAS,
-                out_layout,
-            )
+                if (g < total) & (g % num_k == num_k - 1):  # step g ended its item
+                    _store(
+                        acc,
+                        y_ptr,
+                        ws_ptr,
+                        b_ptr,
+                        sorted_ptr,
+                        tile_expert_ptr,
+                        g,
+                        num_k,
+                        num_m,
+                        num_n,
+                        H,
+                        stride_se,
+                        stride_be,
+                        BM,
+                        BN,
+                        GROUP,
+                        W_SCALE,
+                        HAS_BIAS,
+                        out_layout,
+                    )
+                    acc = zero
+                if u + 1 < UNROLL:
+                    prev = cur
+                    s_prev = s_cur
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
 
@@ -501,6 +540,8 @@ if GLUON:
         (amax / 448 over the real columns) per row into ``isc`` [P_MAX, I / BN], as moe_prefill._fc1_kernel does."""
         m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
         e = gl.load(tile_expert_ptr + m)
+        if W_SCALE == 1:  # the per-expert weight scale, on the sums where they are (the same product per element)
+            acc = acc * gl.load(ws_ptr + e * stride_se).to(gl.float32)
         _cta_barrier()  # the previous item's reads of the scratch are done
         scratch.store(acc)
         _cta_barrier()
@@ -509,10 +550,6 @@ if GLUON:
         rows = (m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
         cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         real = gl.expand_dims(cols < I, 0)
-        if W_SCALE == 1:
-            sw = gl.load(ws_ptr + e * stride_se).to(gl.float32)
-            gate = gate * sw
-            up = up * sw
         if HAS_BIAS:
             bg = gl.load(b_ptr + e * stride_be + cols, mask=cols < I, other=0.0).to(gl.float32)
             bu = gl.load(b_ptr + e * stride_be + I + cols, mask=cols < I, other=0.0).to(gl.float32)
@@ -558,6 +595,7 @@ if GLUON:
         GROUP: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         GDC: gl.constexpr,
+        UNROLL: gl.constexpr,
     ):
         """inter[p, n] = act(x[tok] . w13[e, n] + b) * (x[tok] . w13[e, I + n] + b), in e4m3 with one scale per row
         and N tile, for every row p of every tile; the gate and up tiles multiplied as one [BM, 2 BN] product."""
@@ -592,9 +630,9 @@ if GLUON:
         items = gl.maximum(num_m * num_n - gl.program_id(0) + gl.num_programs(0) - 1, 0) // gl.num_programs(0)
         total = items * num_k
 
-        # NUM_STAGES - 1 steps load ahead (one cp.async commit group each, empty past ``total``); iteration g refills
-        # the stage step g - 1 used with step g + NUM_STAGES - 1
-        for j in gl.static_range(NUM_STAGES - 1):
+        # NUM_STAGES steps load ahead (one cp.async commit group each, empty past ``total``); a step's stage is
+        # refilled with the step NUM_STAGES later once its MMA is done
+        for j in gl.static_range(NUM_STAGES):
             _issue_fc1(
                 w_desc,
                 a_s,
@@ -624,25 +662,24 @@ if GLUON:
         acc = zero
         # the product's columns: gate, then up (each half scaled by its own row scales)
         up = gl.expand_dims(gl.arange(0, 2 * BN, layout=gl.SliceLayout(0, mma_layout)) >= BN, 0)
-        # the product and row scales of the step before g: none before step 0 (a zero product, zero scales)
-        p = warpgroup_mma_init(zero)
-        sg = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, mma_layout))
-        su = sg
-        for g in range(0, total):
-            st = g % NUM_STAGES
-            # NUM_STAGES - 1 + g groups committed: step g's is done when at most NUM_STAGES - 2 are in flight; then
-            # every thread's rows are visible across the CTA, and to the MMA's async proxy
-            async_copy.wait_group(NUM_STAGES - 2)
-            mbarrier.wait(ready.index(st), (g // NUM_STAGES) & 1)
-            _cta_barrier()
+        # UNROLL steps an iteration, no MMA in flight across the back-edge (as in _fc2_w8a8_kernel, which says why).
+        # Before a step's MMA: NUM_STAGES + (steps refilled so far) copy groups are committed, so the step's own is
+        # done when NUM_STAGES - 1 (an iteration's first step: g0 refilled) or NUM_STAGES - 2 (the others: one fewer
+        # refilled than issued) are in flight; then every thread's rows are visible across the CTA and to the MMA's
+        # async proxy.
+        for g0 in range(0, total, UNROLL):
+            st = g0 % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 1)
+            mbarrier.wait(ready.index(st), (g0 // NUM_STAGES) & 1)
             fence_async_shared()
-            q = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-            sg_next, su_next = _scales_fc1(
+            _cta_barrier()
+            prev = warpgroup_mma(a_s.index(st), w_s.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            sg, su = _scales_fc1(
                 xs_ptr,
                 ws_ptr,
                 sorted_ptr,
                 tile_expert_ptr,
-                g,
+                g0,
                 num_k,
                 num_m,
                 num_n,
@@ -661,88 +698,102 @@ if GLUON:
                 W_SCALE,
                 mma_layout,
             )
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(p,))  # step g - 1's product (g's in flight)
-            acc = acc + done * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
-            _issue_fc1(
-                w_desc,
-                a_s,
-                w_s,
-                ready,
-                x_ptr,
-                sorted_ptr,
-                tile_expert_ptr,
-                g + NUM_STAGES - 1,
-                total,
-                num_k,
-                num_m,
-                num_n,
-                H,
-                I,
-                K_TOP,
-                stride_xt,
-                BM,
-                BN,
-                BK,
-                GROUP,
-                NUM_STAGES,
-                a_layout,
-            )
-            if (g > 0) & ((g - 1) % num_k == num_k - 1):  # step g - 1 ended its item
-                _store_fc1(
-                    acc,
-                    scratch,
-                    inter_ptr,
-                    isc_ptr,
-                    ws_ptr,
-                    b_ptr,
+            for u in gl.static_range(UNROLL):
+                g = g0 + u  # the step whose product is finished in this round
+                if u + 1 < UNROLL:  # issue step g + 1, then wait for step g's product alone
+                    nxt = g + 1
+                    sn = nxt % NUM_STAGES
+                    async_copy.wait_group(NUM_STAGES - 2)
+                    mbarrier.wait(ready.index(sn), (nxt // NUM_STAGES) & 1, pred=nxt < total)
+                    fence_async_shared()
+                    _cta_barrier()
+                    cur = warpgroup_mma(
+                        a_s.index(sn), w_s.index(sn).permute((1, 0)), zero, use_acc=False, is_async=True
+                    )
+                    sg_cur, su_cur = _scales_fc1(
+                        xs_ptr,
+                        ws_ptr,
+                        sorted_ptr,
+                        tile_expert_ptr,
+                        gl.minimum(nxt, total - 1),
+                        num_k,
+                        num_m,
+                        num_n,
+                        I,
+                        K_TOP,
+                        stride_xst,
+                        stride_se,
+                        stride_sn,
+                        stride_sk,
+                        SBN,
+                        SBK,
+                        BM,
+                        BN,
+                        BK,
+                        GROUP,
+                        W_SCALE,
+                        mma_layout,
+                    )
+                    done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+                else:
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+                if g < total:
+                    acc = acc + done * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
+                _cta_barrier()  # every warp group's MMA g is done: its stage takes step g + NUM_STAGES
+                _issue_fc1(
+                    w_desc,
+                    a_s,
+                    w_s,
+                    ready,
+                    x_ptr,
+                    sorted_ptr,
                     tile_expert_ptr,
-                    g - 1,
+                    g + NUM_STAGES,
+                    total,
                     num_k,
                     num_m,
                     num_n,
+                    H,
                     I,
-                    stride_se,
-                    stride_be,
-                    stride_ist,
-                    ACT,
+                    K_TOP,
+                    stride_xt,
                     BM,
                     BN,
+                    BK,
                     GROUP,
-                    W_SCALE,
-                    HAS_BIAS,
-                    out_layout,
+                    NUM_STAGES,
+                    a_layout,
                 )
-                acc = zero
-            p = q
-            sg = sg_next
-            su = su_next
-        if total > 0:  # the last step
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            acc = acc + done * gl.where(up, gl.expand_dims(su, 1), gl.expand_dims(sg, 1))
-            _store_fc1(
-                acc,
-                scratch,
-                inter_ptr,
-                isc_ptr,
-                ws_ptr,
-                b_ptr,
-                tile_expert_ptr,
-                total - 1,
-                num_k,
-                num_m,
-                num_n,
-                I,
-                stride_se,
-                stride_be,
-                stride_ist,
-                ACT,
-                BM,
-                BN,
-                GROUP,
-                W_SCALE,
-                HAS_BIAS,
-                out_layout,
-            )
+                if (g < total) & (g % num_k == num_k - 1):  # step g ended its item
+                    _store_fc1(
+                        acc,
+                        scratch,
+                        inter_ptr,
+                        isc_ptr,
+                        ws_ptr,
+                        b_ptr,
+                        tile_expert_ptr,
+                        g,
+                        num_k,
+                        num_m,
+                        num_n,
+                        I,
+                        stride_se,
+                        stride_be,
+                        stride_ist,
+                        ACT,
+                        BM,
+                        BN,
+                        GROUP,
+                        W_SCALE,
+                        HAS_BIAS,
+                        out_layout,
+                    )
+                    acc = zero
+                if u + 1 < UNROLL:
+                    prev = cur
+                    sg = sg_cur
+                    su = su_cur
         async_copy.wait_group(0)  # the empty groups past the last step
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.cpu.kernels.triton_aot import resident_per_sm, resource_usage
 
 torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon", reason="needs a Triton with Gluon (>= 3.5)")
 
 
@@ -76,6 +78,7 @@ def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
         consts = {}
     ints.update(SBN=128, SBK=128)
     consts.update(HAS_BIAS=bias, W_SCALE=w_scale, BM=BM, BN=BN, BK=BK, GROUP=8, NUM_STAGES=g.num_stages, GDC=True)
+    consts.update(UNROLL=mod.UNROLL)
     sig, attrs = {}, {}
     for i, p in enumerate(inspect.signature(fn.fn).parameters):
         if p in consts:
@@ -94,6 +97,26 @@ def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
     use = resource_usage(k.asm["cubin"])
     use["DYNAMIC_SHARED"] = k.metadata.shared
     return k.asm["ptx"], use
+
+
+def _ptxas_log(ptx: str) -> str:
+    """What the ptxas Triton itself uses for sm_90 says, verbosely, of ``ptx``: its performance notes (C7514: wgmma
+    serialised) are in this log, which Triton's own compile drops."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    assert run.returncode == 0, run.stderr
+    return run.stderr
 
 
 def _in_loops(ptx: str) -> list[str]:
@@ -133,7 +156,7 @@ def test_gluon_gemms_keep_the_next_mma_in_flight_without_spills(gluon_fc2, i, ge
     fc1 = gemm == "fc1"
     g = cfg.fc1 if fc1 else cfg.fc2
     assert g.gluon and cfg.problem() is None
-    assert gluon_fc2.problem(g.BM, g.BN, g.BK, g.num_warps, w_scale, True, True, fc1=fc1) is None
+    assert gluon_fc2.problem(g.BM, g.BN, g.BK, g.num_warps, g.num_stages, w_scale, True, True, fc1=fc1) is None
     ptx, use = _compile(gluon_fc2, fc1, g, w_scale, bias)
     n = 2 * g.BN if fc1 else g.BN  # FC1 multiplies the gate and up tiles as one
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3", ptx)
@@ -142,24 +165,31 @@ def test_gluon_gemms_keep_the_next_mma_in_flight_without_spills(gluon_fc2, i, ge
         assert set(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], (\w+)", ptx)) == {"0x10"}
         assert "fence.proxy.async.shared::cta" in ptx
     assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
-    assert use["LOCAL"] == 0 and use["STACK"] == 0, use
+    # no spill on the H200 machine's Triton (3.6); Triton 3.9 compiles with --regAllocOptLevel=2, which leaves 8 bytes
+    # of stack (two registers' worth) at 255 registers in some of these tiles
+    assert use["LOCAL"] == 0 and use["STACK"] <= (0 if triton.__version__.startswith("3.6") else 8), use
+    # the MMAs stay asynchronous: ptxas serialises every wgmma of a kernel that reads an in-flight accumulator (as a
+    # loop carrying one across its back-edge does), and says so
+    assert "C7514" not in _ptxas_log(ptx)
     fits = resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), g.num_warps)
     assert fits >= g.occupancy, (g, use)
-    # the K loop: one wait that leaves the newest MMA in flight; a full wait only after the loop, for the last step
-    waits = [ln for ln in _in_loops(ptx) if "wgmma.wait_group" in ln]
-    assert waits and all(re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ln) for ln in waits), waits
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned 0;", ptx)
+    # the K loop, UNROLL steps an iteration: each step's MMA issued before the previous step's product is waited
+    # for (``wgmma.wait_group 1``), the iteration's last step waited for alone (``0``), nothing in flight at the
+    # back-edge
+    waits = [ln.split()[-1] for ln in _in_loops(ptx) if "wgmma.wait_group" in ln]
+    assert sorted(waits) == ["0;"] + ["1;"] * (gluon_fc2.UNROLL - 1), waits
 
 
 def test_gluon_gemms_say_what_they_cannot_run(gluon_fc2):
     p = gluon_fc2.problem
-    assert p(64, 128, 64, 4, 2, True, True) is None
-    assert "the Gluon FC2 is the W8A8 one" in p(64, 128, 64, 4, 2, True, False)
-    assert "whole tiles" in p(64, 128, 64, 4, 2, False, True)
-    assert "the Gluon FC2 takes BM = 16 x num_warps" in p(128, 128, 64, 4, 2, True, True)
-    assert "BN in 32, 64, 128" in p(64, 256, 64, 4, 1, False, True)
-    assert p(64, 64, 128, 4, 2, True, True, fc1=True) is None
-    assert "BM x 2 BN" in p(64, 128, 128, 4, 2, True, True, fc1=True)
+    assert p(64, 128, 64, 4, 4, 2, True, True) is None
+    assert "the Gluon FC2 is the W8A8 one" in p(64, 128, 64, 4, 4, 2, True, False)
+    assert "whole tiles" in p(64, 128, 64, 4, 4, 2, False, True)
+    assert "the Gluon FC2 takes BM = 16 x num_warps" in p(128, 128, 64, 4, 4, 2, True, True)
+    assert "BN in 32, 64, 128" in p(64, 256, 64, 4, 4, 1, False, True)
+    assert "2 or more stages" in p(64, 128, 64, 4, 1, 2, True, True)
+    assert p(64, 64, 128, 4, 4, 2, True, True, fc1=True) is None
+    assert "BM x 2 BN" in p(64, 128, 128, 4, 4, 2, True, True, fc1=True)
 
 
 def test_gluon_configs_are_checked():
@@ -181,3 +211,15 @@ def test_gluon_configs_are_checked():
         M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=G(BM=64, num_warps=8, gluon=True))
     with pytest.raises(ValueError, match="mode='prefill' takes gluon=False"):
         M(mode="prefill", fc2=G(gluon=True))
+
+
+def test_the_shared_memory_estimate_counts_the_gluon_fc1_scratch():
+    """The Gluon FC1 splits its [BM, 2 BN] float32 sums through shared memory: the estimate that keeps configs within
+    an SM's shared memory counts it (a config past the limit would otherwise fail to launch)."""
+    from rubin_compile.kernels.triton.moe import GemmConfig as G
+    from rubin_compile.kernels.triton.moe import smem_estimate
+
+    g = G(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, join=True)
+    gg = G(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, join=True, gluon=True)
+    assert smem_estimate(gg, "fc1", 1, 1) - smem_estimate(g, "fc1", 1, 1) == 64 * 2 * 64 * 4
+    assert smem_estimate(gg, "fc2", 1, 1) == smem_estimate(g, "fc2", 1, 1)
