@@ -8,15 +8,16 @@
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3-tp8} TOKENS=${TOKENS:-4096}
-{ time timeout 230 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/gpu/test_triton_moe.py \
+{ time timeout 250 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/gpu/test_triton_moe.py \
   -k "gluon or variants or joined" ; } > "$OUT/pytest-gluon.log" 2>&1
 rc=$?; echo "pytest exit $rc"; grep -E "passed|failed|FAILED|ERROR|^real" "$OUT/pytest-gluon.log" | cut -c1-300 | tail -25
-# a Gluon kernel that fails (or hangs) its tests is not timed: the tuner would spend the call on it
+# a Gluon kernel that fails (or hangs) its tests is not timed: the tuner would spend the call on it. Budget: tests
+# 250 s, tuner 210 s, profile 100 s, under the call's 600 s
 [ "$rc" -eq 0 ] || { echo "tests failed: no tuning"; archive_out results.tgz; exit 1; }
 TABLE=$(moe_table_file)
 mkdir -p "$OUT/moe_configs"
 [ -f "rubin_compile/kernels/triton/moe_configs/$TABLE" ] && cp "rubin_compile/kernels/triton/moe_configs/$TABLE" "$OUT/moe_configs/"
-{ time timeout "${TUNE_TIMEOUT:-240}" python3 -m rubin_compile.kernels.triton.tune_moe --shapes "$SHAPES" \
+{ time timeout "${TUNE_TIMEOUT:-210}" python3 -m rubin_compile.kernels.triton.tune_moe --shapes "$SHAPES" \
   --formats fp8_block --tokens "$TOKENS" --modes persistent --merge --reps 10 --out "$OUT/moe_configs" \
   --log "$OUT/tune-detail.log" ; } > "$OUT/tune.log" 2>&1
 echo "tune exit $?"; grep -E "T=|WRONG|Error|^real" "$OUT/tune.log" | cut -c1-260
@@ -24,7 +25,7 @@ grep -E "^ +[0-9.]+ us .*persistent.*a_fp8" "$OUT/tune-detail.log" | sort -n | h
 echo "gluon candidates:"; grep -E "gluon" "$OUT/tune-detail.log" | cut -c1-200
 mkdir -p /tmp/rubin-tuned && cp "$OUT/moe_configs/$TABLE" /tmp/rubin-tuned/
 CASES=$(echo "$SHAPES" | tr ',' '\n' | sed 's/$/:fp8_block:4096/' | paste -sd,)
-{ time timeout 120 python3 benchmarks/moe_profile.py --torch-profiler --configs "$OUT/moe_configs/$TABLE" \
+{ time timeout 100 python3 benchmarks/moe_profile.py --torch-profiler --configs "$OUT/moe_configs/$TABLE" \
   --cases "$CASES" ; } > "$OUT/profile.log" 2>&1
 echo "profile exit $?"; grep -vE "^\s*$" "$OUT/profile.log" | tail -40 | cut -c1-220
 archive_out results.tgz
