@@ -155,7 +155,7 @@ class MoEConfig:
         if self.fc1.join or self.fc2.join:
             return f"join is the persistent path's FC1 tile; mode={self.mode!r} takes join=False"
         if self.fc1.gluon or self.fc2.gluon:
-            return f"gluon is the persistent path's FC2 kernel; mode={self.mode!r} takes gluon=False"
+            return f"gluon picks the persistent path's Gluon kernels; mode={self.mode!r} takes gluon=False"
         return None
 
     def _persistent_problem(self) -> Optional[str]:

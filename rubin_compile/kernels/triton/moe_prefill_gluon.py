@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it the Triton FC2 runs
+try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it the Triton kernels run
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -61,7 +61,9 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from rubin_compile.kernels.triton.moe_walk import tile_of  # a Triton function Gluon can call
+    # Triton functions, which Gluon code can call
+    from rubin_compile.kernels.triton.activations import gated
+    from rubin_compile.kernels.triton.moe_walk import tile_of
 
     # TMA's global -> shared copy: ``async_load`` in Triton 3.9 (which refuses the old name), the old name in 3.6
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -69,8 +71,6 @@ try:  # Gluon is Triton's explicit-layout dialect (Triton >= 3.5); without it th
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     # cp.async's global -> shared copy (gathered rows): the same rename
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-    from rubin_compile.kernels.triton.activations import gated  # a Triton function Gluon can call
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -560,7 +560,7 @@ if GLUON:
         gl.store(isc_ptr + rows * stride_ist + n, hs)
         h = h / gl.expand_dims(hs, 1)
         ptrs = inter_ptr + gl.expand_dims(rows * I, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=real & gl.expand_dims(rows >= 0, 1))
+        gl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=real)
 
     @gluon.jit
     def _fc1_w8a8_kernel(
