@@ -99,6 +99,10 @@ class GemmConfig:
     # it cannot run (a Triton without Gluon, block scales not holding whole tiles, the interpreter) the Triton kernel
     # runs the same tiles
     gluon: bool = False
+    # the Gluon kernel's K steps per loop iteration, unrolled (moe_prefill_gluon.py): all but the last are scaled while
+    # the next step's MMA runs, the last is waited for alone (no MMA in flight across the loop's back-edge), so 4
+    # leaves a quarter of the steps' scaling exposed where 2 leaves half, for a larger loop body
+    unroll: int = 2
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -108,6 +112,10 @@ class GemmConfig:
             return "gemv=True and swap=True exclude each other (the GEMV form has no MMA to swap); set one"
         if self.gemv and self.BM > GEMV_MAX_BM:
             return f"gemv=True takes BM <= {GEMV_MAX_BM} rows per chunk, not {self.BM}; use BM in (1, 2, 4)"
+        if self.unroll not in (2, 4):
+            return f"unroll={self.unroll}: the Gluon kernels run 2 or 4 K steps per loop iteration"
+        if self.unroll != 2 and not self.gluon:
+            return f"unroll={self.unroll} sets the Gluon kernel's loop (gluon=True); without it keep unroll=2"
         return None
 
 

@@ -452,6 +452,7 @@ class Tiles:
     flatten: tuple[bool, bool] = (False, False)  # FC1's and FC2's item loops flattened (GemmConfig.flatten)
     join: bool = False  # FC1's gate and up tiles in one TMA box and one MMA (GemmConfig.join)
     gluon: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the Gluon kernels where they can run (GemmConfig.gluon)
+    unroll: tuple[int, int] = (2, 2)  # the Gluon FC1's and FC2's K steps per loop iteration (GemmConfig.unroll)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -467,6 +468,7 @@ class Tiles:
             (f1.flatten, f2.flatten),
             f1.join,
             (f1.gluon, f2.gluon),
+            (f1.unroll, f2.unroll),
         )
 
 
@@ -635,7 +637,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             GROUP=GROUP_M,
             NUM_STAGES=ns1,
             GDC=gdc,
-            UNROLL=gluon_k.UNROLL,
+            UNROLL=tiles.unroll[0],
             num_warps=nw1,
             **chain,
         )
@@ -712,7 +714,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             GROUP=GROUP_M,
             NUM_STAGES=ns2,
             GDC=gdc,
-            UNROLL=gluon_k.UNROLL,
+            UNROLL=tiles.unroll[1],
             num_warps=nw2,
             **chain,
         )

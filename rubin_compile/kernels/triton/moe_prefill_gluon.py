@@ -14,8 +14,9 @@ epilogue run while the next step's MMA does. That costs a third float32 register
 The loop must not carry an MMA in flight across its back-edge: ptxas then serialises every wgmma of the kernel (its
 note C7514, "wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator
 registers"; the first form of these kernels did, found by reading its ptxas log). So each iteration runs ``UNROLL``
-steps, unrolled: the overlap above inside it, and its last step waited for alone (``num_outstanding=0``). Steps past
-the program's last (in its last iteration) multiply a stale stage and their products are dropped. The CPU tests
+steps (``GemmConfig.unroll``: 2 or 4), unrolled: the overlap above inside it, and its last step waited for alone
+(``num_outstanding=0``), so 2 leaves half the steps' scaling exposed and 4 a quarter, for twice the loop body. Steps
+past the program's last (in its last iteration) multiply a stale stage and their products are dropped. The CPU tests
 run ptxas on every tile and fail on C7514.
 
 Both kernels walk the same (M tile, N tile) items as moe_prefill.py's (``moe_walk.tile_of``'s order), as one flat
@@ -75,9 +76,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 GLUON = gluon is not None
-# steps per iteration of the Gluon K loops (the kernels' UNROLL): no MMA in flight across the loop's back-edge, and
-# of each iteration's UNROLL steps all but the last are scaled while the next one's MMA runs
-UNROLL = 2
 
 
 def problem(

@@ -356,6 +356,7 @@ _JOIN = {"join": True}
 # The GEMMs by the Gluon kernels (``gluon``, FC1's and FC2's; W8A8 only: moe_prefill_gluon.py): step k + 1's MMA in
 # flight while step k's product is scaled; 64 x BN per warpgroup (BM = 16 x warps) with three float32 tiles live, so
 # FC2's BN <= 128 and FC1's (joined: 2 BN wide) BN <= 64
+# (``unroll``: 4 K steps per loop iteration instead of 2, so a quarter of the steps' scaling waits for its MMA alone)
 _GLUON2 = {"gluon": (False, True)}
 _GLUON = {"gluon": (True, True)}
 PERSISTENT_VARIANTS = (
@@ -385,6 +386,8 @@ PERSISTENT_VARIANTS_FP8 = (
     (64, (64, 128, 4, 3), (128, 64, 4, 6), {**_JOIN, **_GLUON, "occupancy": (2, 1)}),
     (128, (64, 128, 8, 3), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
     (128, (64, 64, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
+    (64, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_GLUON2, "unroll": (2, 4)}),
+    (128, (64, 128, 8, 3), (128, 64, 8, 6), {**_JOIN, **_GLUON, "unroll": (4, 4)}),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
@@ -414,6 +417,7 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
     opts = opts[0] if opts else {}
     (o1, o2), (f1, f2) = opts.get("occupancy", (1, 1)), opts.get("flatten", (False, False))
     g1, g2 = opts.get("gluon", (False, False))
+    u1, u2 = opts.get("unroll", (2, 2))
     G = moe.GemmConfig
     return moe.MoEConfig(
         mode="persistent",
@@ -428,8 +432,9 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
             flatten=f1,
             join=opts.get("join", False),
             gluon=g1,
+            unroll=u1,
         ),
-        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=g2),
+        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=g2, unroll=u2),
     )
 
 

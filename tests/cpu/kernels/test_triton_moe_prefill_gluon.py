@@ -78,7 +78,7 @@ def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
         consts = {}
     ints.update(SBN=128, SBK=128)
     consts.update(HAS_BIAS=bias, W_SCALE=w_scale, BM=BM, BN=BN, BK=BK, GROUP=8, NUM_STAGES=g.num_stages, GDC=True)
-    consts.update(UNROLL=mod.UNROLL)
+    consts.update(UNROLL=g.unroll)
     sig, attrs = {}, {}
     for i, p in enumerate(inspect.signature(fn.fn).parameters):
         if p in consts:
@@ -134,6 +134,9 @@ def _in_loops(ptx: str) -> list[str]:
 def test_the_tuner_tries_gluon_tiles_of_both_gemms():
     vs = _gluon_variants()
     assert sum(t[-1]["gluon"][1] for t in vs) >= 4 and sum(t[-1]["gluon"][0] for t in vs) >= 3
+    # and both loop forms (GemmConfig.unroll: 2 or 4 K steps an iteration) of each GEMM
+    for gemm in (0, 1):
+        assert {t[-1].get("unroll", (2, 2))[gemm] for t in vs if t[-1]["gluon"][gemm]} == {2, 4}
 
 
 CASES = [
@@ -165,9 +168,10 @@ def test_gluon_gemms_keep_the_next_mma_in_flight_without_spills(gluon_fc2, i, ge
         assert set(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], (\w+)", ptx)) == {"0x10"}
         assert "fence.proxy.async.shared::cta" in ptx
     assert len(re.findall(r"griddepcontrol\.wait", ptx)) == 1
-    # no spill on the H200 machine's Triton (3.6); Triton 3.9 compiles with --regAllocOptLevel=2, which leaves 8 bytes
-    # of stack (two registers' worth) at 255 registers in some of these tiles
-    assert use["LOCAL"] == 0 and use["STACK"] <= (0 if triton.__version__.startswith("3.6") else 8), use
+    # no spill on the H200 machine's Triton (3.6); Triton 3.9 compiles with --regAllocOptLevel=2, which spills 8 bytes
+    # (two registers' worth) at 255 registers in some of these tiles, 16 in FC2's 4-step loop at BN = 128 (16 bytes
+    # stored, 24 loaded an iteration)
+    assert use["LOCAL"] == 0 and use["STACK"] <= (0 if triton.__version__.startswith("3.6") else 4 * g.unroll), use
     # the MMAs stay asynchronous: ptxas serialises every wgmma of a kernel that reads an in-flight accumulator (as a
     # loop carrying one across its back-edge does), and says so
     assert "C7514" not in _ptxas_log(ptx)
@@ -177,7 +181,7 @@ def test_gluon_gemms_keep_the_next_mma_in_flight_without_spills(gluon_fc2, i, ge
     # for (``wgmma.wait_group 1``), the iteration's last step waited for alone (``0``), nothing in flight at the
     # back-edge
     waits = [ln.split()[-1] for ln in _in_loops(ptx) if "wgmma.wait_group" in ln]
-    assert sorted(waits) == ["0;"] + ["1;"] * (gluon_fc2.UNROLL - 1), waits
+    assert sorted(waits) == ["0;"] + ["1;"] * (g.unroll - 1), waits
 
 
 def test_gluon_gemms_say_what_they_cannot_run(gluon_fc2):
@@ -211,6 +215,12 @@ def test_gluon_configs_are_checked():
         M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=G(BM=64, num_warps=8, gluon=True))
     with pytest.raises(ValueError, match="mode='prefill' takes gluon=False"):
         M(mode="prefill", fc2=G(gluon=True))
+    fc2 = G(BM=64, BN=128, num_warps=4, gluon=True, unroll=4)
+    assert M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=fc2).problem() is None
+    with pytest.raises(ValueError, match="unroll=3: the Gluon kernels run 2 or 4 K steps per loop iteration"):
+        M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=G(BM=64, num_warps=4, gluon=True, unroll=3))
+    with pytest.raises(ValueError, match="unroll=4 sets the Gluon kernel's loop .gluon=True.; without it keep unroll=2"):
+        M(mode="persistent", a_fp8=True, fc1=G(BM=64, unroll=4), fc2=G(BM=64))
 
 
 def test_the_shared_memory_estimate_counts_the_gluon_fc1_scratch():
