@@ -4,12 +4,13 @@
 # 4096) on SHAPES (default Qwen3-30B-A3B, DeepSeek-V3 TP8): every W8A8 tile with and without the Gluon kernels, each
 # candidate's time in tune-detail.log; then moe_profile's per-kernel split (FC1 / FC2 / sum / e4m3 quantisation) of
 # that table's FP8 winners at T = 4096 (PDL off).
-# carry [".whl", ".vllm-src"].   [SHAPES=...] [TOKENS=...] [TUNE_TIMEOUT=...] bash benchmarks/h200/moe14-7-gluon.sh
+# carry [".whl", ".vllm-src"].   [SHAPES=...] [TOKENS=...] [TUNE_TIMEOUT=...] [TESTS="gluon or variants or joined"]
+#   [PROFILE=0: no per-kernel split] bash benchmarks/h200/moe14-7-gluon.sh
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3-tp8} TOKENS=${TOKENS:-4096}
 { time timeout 250 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/gpu/test_triton_moe.py \
-  -k "gluon or variants or joined" ; } > "$OUT/pytest-gluon.log" 2>&1
+  -k "${TESTS:-gluon or variants or joined}" ; } > "$OUT/pytest-gluon.log" 2>&1
 rc=$?; echo "pytest exit $rc"; grep -E "passed|failed|FAILED|ERROR|^real" "$OUT/pytest-gluon.log" | cut -c1-300 | tail -25
 # a Gluon kernel that fails (or hangs) its tests is not timed: the tuner would spend the call on it. Budget: tests
 # 250 s, tuner 210 s, profile 100 s, under the call's 600 s
@@ -24,6 +25,7 @@ echo "tune exit $?"; grep -E "T=|WRONG|Error|^real" "$OUT/tune.log" | cut -c1-26
 grep -E "^ +[0-9.]+ us .*persistent.*a_fp8" "$OUT/tune-detail.log" | sort -n | head -12 | cut -c1-200
 echo "gluon candidates:"; grep -E "gluon" "$OUT/tune-detail.log" | cut -c1-200
 mkdir -p /tmp/rubin-tuned && cp "$OUT/moe_configs/$TABLE" /tmp/rubin-tuned/
+[ "${PROFILE:-1}" = 0 ] && { archive_out results.tgz; exit 0; }
 CASES=$(echo "$SHAPES" | tr ',' '\n' | sed 's/$/:fp8_block:4096/' | paste -sd,)
 { time timeout 100 python3 benchmarks/moe_profile.py --torch-profiler --configs "$OUT/moe_configs/$TABLE" \
   --cases "$CASES" ; } > "$OUT/profile.log" 2>&1
