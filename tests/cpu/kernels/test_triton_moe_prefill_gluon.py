@@ -219,7 +219,9 @@ def test_gluon_configs_are_checked():
     assert M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=fc2).problem() is None
     with pytest.raises(ValueError, match="unroll=3: the Gluon kernels run 2 or 4 K steps per loop iteration"):
         M(mode="persistent", a_fp8=True, fc1=G(BM=64), fc2=G(BM=64, num_warps=4, gluon=True, unroll=3))
-    with pytest.raises(ValueError, match="unroll=4 sets the Gluon kernel's loop .gluon=True.; without it keep unroll=2"):
+    with pytest.raises(
+        ValueError, match="unroll=4 sets the Gluon kernel's loop .gluon=True.; without it keep unroll=2"
+    ):
         M(mode="persistent", a_fp8=True, fc1=G(BM=64, unroll=4), fc2=G(BM=64))
 
 
