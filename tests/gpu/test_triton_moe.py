@@ -585,7 +585,9 @@ def test_persistent_path_gluon(tmoe, tile, wfmt, shape):
     assert ran == [int(fc1), int(cfg.fc2.gluon)], f"Gluon FC1 / FC2 launches {ran}"
     _check(got, _reference(x, tw, ids, kw), TOL["fp8_a8"])
     tri = dataclasses.replace(
-        cfg, fc1=dataclasses.replace(cfg.fc1, gluon=False), fc2=dataclasses.replace(cfg.fc2, gluon=False)
+        cfg,
+        fc1=dataclasses.replace(cfg.fc1, gluon=False, unroll=2),
+        fc2=dataclasses.replace(cfg.fc2, gluon=False, unroll=2),
     )
     want = _run(tmoe, x, tw, ids, kw, config=tri, pdl=False)
     gap = ((got.double() - want.double()).norm() / want.double().norm()).item()
