@@ -528,6 +528,7 @@ def describe(cfg) -> str:
             + ("/flat" if c.flatten else "")
             + ("/join" if c.join else "")
             + ("/gluon" if c.gluon else "")
+            + (f"/u{c.unroll}" if c.unroll != 2 else "")
         )
 
     return (

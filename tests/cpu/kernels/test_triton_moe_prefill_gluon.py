@@ -235,3 +235,15 @@ def test_the_shared_memory_estimate_counts_the_gluon_fc1_scratch():
     gg = G(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, join=True, gluon=True)
     assert smem_estimate(gg, "fc1", 1, 1) - smem_estimate(g, "fc1", 1, 1) == 64 * 2 * 64 * 4
     assert smem_estimate(gg, "fc2", 1, 1) == smem_estimate(g, "fc2", 1, 1)
+
+
+def test_the_tuner_log_names_the_gluon_loop_form():
+    """Two Gluon variants that differ only in ``unroll`` have different lines in the tuner's log (the H100 log of
+    2026-12-05 had two identical lines before)."""
+    from rubin_compile.kernels.triton import moe as tmoe
+    from rubin_compile.kernels.triton.tune_moe import describe, persistent_config
+
+    tile = (64, (64, 128, 4, 4), (128, 64, 4, 6), {"join": True, "gluon": (False, True)})
+    two = describe(persistent_config(tmoe, tile, a_fp8=True))
+    four = describe(persistent_config(tmoe, (*tile[:3], {**tile[3], "unroll": (2, 4)}), a_fp8=True))
+    assert two.endswith("fc2=64x128x64/s6w4/gluon a_fp8") and four.endswith("fc2=64x128x64/s6w4/gluon/u4 a_fp8")
