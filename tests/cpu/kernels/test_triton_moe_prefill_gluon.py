@@ -7,14 +7,13 @@ griddepcontrol.wait, no spills, and room for its occupancy. Their values are che
 
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cpu.kernels.triton_aot import resident_per_sm, resource_usage
+from tests.cpu.kernels.triton_aot import compile_like_a_launch, resident_per_sm, resource_usage
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
@@ -55,11 +54,6 @@ PTRS = dict(
 def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
     """The Gluon FC1 (``fc1``) or FC2 of GemmConfig ``g`` compiled for sm_90 as a launch on Qwen3's shapes
     specialises it: (PTX, resource usage)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     BM, BN, BK = g.BM, g.BN, g.BK
     if fc1:
         w13 = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
@@ -79,24 +73,13 @@ def _compile(mod, fc1: bool, g, w_scale: int, bias: bool):
     ints.update(SBN=128, SBK=128)
     consts.update(HAS_BIAS=bias, W_SCALE=w_scale, BM=BM, BN=BN, BK=BK, GROUP=8, NUM_STAGES=g.num_stages, GDC=True)
     consts.update(UNROLL=g.unroll)
-    sig, attrs = {}, {}
-    for i, p in enumerate(inspect.signature(fn.fn).parameters):
-        if p in consts:
-            sig[p] = "constexpr"
-        elif p in descs:
-            sig[p] = mangle_type(descs[p])
-        elif p in PTRS:
-            sig[p], attrs[(i,)] = PTRS[p], [["tt.divisibility", 16]]
-        else:  # as a launch specialises: 16-divisible ints marked so (SBN, SBK = 128 included)
-            sig[p] = "i32"
-            if ints[p] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": g.num_warps, "num_stages": g.num_stages}
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    use = resource_usage(k.asm["cubin"])
-    use["DYNAMIC_SHARED"] = k.metadata.shared
-    return k.asm["ptx"], use
+    asm = {}
+    ptx = compile_like_a_launch(
+        fn, consts, PTRS, ints, num_stages=g.num_stages, asm=asm, num_warps=g.num_warps, descriptors=descs
+    )
+    use = resource_usage(asm["cubin"])
+    use["DYNAMIC_SHARED"] = asm["metadata"].shared
+    return ptx, use
 
 
 def _ptxas_log(ptx: str) -> str:

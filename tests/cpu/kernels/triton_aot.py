@@ -62,17 +62,25 @@ def compile_like_a_launch(
     floats: tuple = (),
     asm: dict = None,
     num_warps: int = 4,
+    descriptors: dict = None,
 ) -> str:
     """PTX of ``fn`` as Triton specialises a real launch: pointers 16-byte aligned, integer arguments equal to
     1 made constants and those divisible by 16 marked so -- except the ``do_not_specialize`` ones; the
-    arguments named in ``floats`` are fp32 scalars. ``asm``, if given, receives every stage's text (ttgir, ...),
-    the cubin and the compiled kernel's ``metadata`` (``.shared``: its shared memory in bytes)."""
+    arguments named in ``floats`` are fp32 scalars; those in ``descriptors`` host-side TMA descriptors (typed as a
+    launch types them). A Gluon kernel (``@gluon.jit``) is compiled from Gluon's own source. ``asm``, if given,
+    receives every stage's text (ttgir, ...), the cubin and the compiled kernel's ``metadata`` (``.shared``: its
+    shared memory in bytes)."""
+    from triton.runtime.jit import mangle_type
+
     params = list(inspect.signature(fn.fn).parameters)
     dns = {params[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
     sig, attrs, consts = {}, {}, {**_constexpr_defaults(fn), **constexprs}
+    descriptors = descriptors or {}
     for i, p in enumerate(params):
         if p in consts:
             sig[p] = "constexpr"
+        elif p in descriptors:
+            sig[p] = mangle_type(descriptors[p])
         elif p in pointers:
             sig[p], attrs[(i,)] = pointers[p], [["tt.divisibility", 16]]
         elif p in floats:
@@ -83,7 +91,15 @@ def compile_like_a_launch(
             sig[p] = "i32"
             if p not in dns and ints.get(p, 0) % 16 == 0 and ints.get(p, 0) > 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    source = compiler.ASTSource
+    try:  # a Gluon kernel is compiled from its own source kind (Triton >= 3.5)
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+        if isinstance(fn, GluonJITFunction):
+            source = GluonASTSource
+    except ImportError:
+        pass
+    src = source(fn, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(
         src, target=backend.GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
