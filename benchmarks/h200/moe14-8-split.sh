@@ -42,7 +42,7 @@ keep = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throug
         "Block Limit Registers", "Block Limit Shared Mem", "Theoretical Occupancy", "Waves Per SM")
 for r in csv.DictReader(io.StringIO(text[start:])) if start >= 0 else []:
     name = r["Metric Name"]
-    if name in keep or "stall" in name.lower() or name.startswith("sm__pipe_tensor"):
+    if name in keep or "Throughput" in name or "stall" in name.lower() or name.startswith("sm__pipe_tensor"):
         name = name.replace("smsp__average_warps_issue_stalled_", "stall ").replace("_per_issue_active.ratio", "")
         print(r["Kernel Name"].split("(")[0][:24], "|", name, "|", r["Metric Value"], r["Metric Unit"])
 PY
