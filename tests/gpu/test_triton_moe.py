@@ -568,6 +568,7 @@ def test_persistent_path_gluon(tmoe, tile, wfmt, shape):
     replayed in a CUDA graph. "ragged": H and I not multiples of the tiles (zero fill past H and I, columns past I or
     H never stored), biases, GELU."""
     from rubin_compile.kernels.triton import moe_prefill_gluon as gk
+    from rubin_compile.kernels.triton import moe_prefill_ws as wk
     from rubin_compile.kernels.triton.launch import launcher
 
     assert gk.GLUON, "the GPU machine's Triton has Gluon (>= 3.5)"
@@ -575,19 +576,26 @@ def test_persistent_path_gluon(tmoe, tile, wfmt, shape):
     bias = shape == "ragged"
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt, bias=bias, act="gelu_tanh" if bias else "silu")
     cfg = _persistent_cfg(tmoe, tile, fp8=True, variant=True)
-    kernels = [launcher(gk._fc1_w8a8_kernel), launcher(gk._fc2_w8a8_kernel)]
+    kernels = [gk._fc1_w8a8_kernel, gk._fc2_w8a8_kernel, wk._fc1_ws_kernel, wk._fc2_ws_kernel]
+    kernels = [launcher(fn) for fn in kernels]
     before = [ran.hits + ran.misses for ran in kernels]
     got = _run(tmoe, x, tw, ids, kw, config=cfg, pdl=False)
     ran = [ran.hits + ran.misses - b for ran, b in zip(kernels, before)]
     # block scales over a Gluon FC1 need I a multiple of the 128-row blocks (one scale per tile); elsewhere the
     # Triton FC1 runs the same tiles
     fc1 = cfg.fc1.gluon and (wfmt != "fp8_block" or I % 128 == 0)
-    assert ran == [int(fc1), int(cfg.fc2.gluon)], f"Gluon FC1 / FC2 launches {ran}"
+    want_ran = [fc1 and not cfg.fc1.ws, cfg.fc2.gluon and not cfg.fc2.ws, fc1 and cfg.fc1.ws, cfg.fc2.ws]
+    assert ran == [int(r) for r in want_ran], f"Gluon FC1 / FC2, warp-specialized FC1 / FC2 launches {ran}"
     _check(got, _reference(x, tw, ids, kw), TOL["fp8_a8"])
+    # the Triton kernels on the same tiles (a warp-specialized GEMM's 128 rows at 8 warps, as run() falls back)
     tri = dataclasses.replace(
         cfg,
-        fc1=dataclasses.replace(cfg.fc1, gluon=False, unroll=2),
-        fc2=dataclasses.replace(cfg.fc2, gluon=False, unroll=2),
+        fc1=dataclasses.replace(
+            cfg.fc1, gluon=False, ws=False, unroll=2, num_warps=8 if cfg.fc1.ws else cfg.fc1.num_warps
+        ),
+        fc2=dataclasses.replace(
+            cfg.fc2, gluon=False, ws=False, unroll=2, num_warps=8 if cfg.fc2.ws else cfg.fc2.num_warps
+        ),
     )
     want = _run(tmoe, x, tw, ids, kw, config=tri, pdl=False)
     gap = ((got.double() - want.double()).norm() / want.double().norm()).item()

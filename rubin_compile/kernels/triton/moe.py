@@ -103,6 +103,11 @@ class GemmConfig:
     # the next step's MMA runs, the last is waited for alone (no MMA in flight across the loop's back-edge), so 4
     # leaves a quarter of the steps' scaling exposed where 2 leaves half, for a larger loop body
     unroll: int = 2
+    # the persistent path, W8A8, with gluon=True: the Gluon kernel's warp-specialized form (moe_prefill_ws.py): 128-row
+    # tiles whose two 64-row halves are two consumer warpgroups on the same weight tiles, and a producer warp issuing
+    # the TMA loads (FC1's rows quantised in tile order first, so they load by TMA too); BM = 128 at num_warps = 4
+    # (one consumer warpgroup: the kernel runs 9 warps), one program per SM
+    ws: bool = False
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -116,6 +121,12 @@ class GemmConfig:
             return f"unroll={self.unroll}: the Gluon kernels run 2 or 4 K steps per loop iteration"
         if self.unroll != 2 and not self.gluon:
             return f"unroll={self.unroll} sets the Gluon kernel's loop (gluon=True); without it keep unroll=2"
+        if self.ws and not self.gluon:
+            return "ws=True is the warp-specialized form of the Gluon kernel: set gluon=True with it"
+        if self.ws and self.occupancy != 1:
+            return (
+                f"ws=True runs one program per SM (its 9 warps take the SM's registers), not occupancy={self.occupancy}"
+            )
         return None
 
 
@@ -180,7 +191,13 @@ class MoEConfig:
         if self.fc2.join:
             return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
         for name, g, widest in (("fc1", self.fc1, 64), ("fc2", self.fc2, 128)):
-            if g.gluon and not (self.a_fp8 and g.num_warps in (4, 8) and g.BM == 16 * g.num_warps and g.BN <= widest):
+            if g.ws and not (g.BM == 128 and g.num_warps == 4):
+                return (
+                    f"mode='persistent': {name}.ws takes BM = 128 at num_warps = 4 (two consumer warpgroups of 64 "
+                    f"rows), not {g.BM} rows at {g.num_warps} warps"
+                )
+            rows_ok = g.ws or (g.num_warps in (4, 8) and g.BM == 16 * g.num_warps)
+            if g.gluon and not (self.a_fp8 and rows_ok and g.BN <= widest):
                 return (
                     f"mode='persistent': {name}.gluon takes a_fp8=True (the W8A8 kernels), BM = 16 x num_warps and "
                     f"BN <= {widest}, not a_fp8={self.a_fp8} with {g.BM}x{g.BN} at {g.num_warps} warps"

@@ -70,11 +70,12 @@ import triton
 import triton.language as tl
 
 from rubin_compile.kernels.triton import moe_prefill_gluon as gluon_k
+from rubin_compile.kernels.triton import moe_prefill_ws as ws_k
 from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.moe_walk import tile_of
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
-from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
+from rubin_compile.kernels.triton.fp8 import gather_quantise_rows, quantise_rows, scale_args
 from rubin_compile.kernels.triton.pdl import INTERPRET, gdc_launch_dependents, gdc_wait, has_gdc
 from rubin_compile.ops.moe import MoEArgs
 from rubin_compile.ops.registry import Launch
@@ -453,6 +454,7 @@ class Tiles:
     join: bool = False  # FC1's gate and up tiles in one TMA box and one MMA (GemmConfig.join)
     gluon: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the Gluon kernels where they can run (GemmConfig.gluon)
     unroll: tuple[int, int] = (2, 2)  # the Gluon FC1's and FC2's K steps per loop iteration (GemmConfig.unroll)
+    ws: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the warp-specialized Gluon kernels (GemmConfig.ws)
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -469,6 +471,7 @@ class Tiles:
             f1.join,
             (f1.gluon, f2.gluon),
             (f1.unroll, f2.unroll),
+            (f1.ws, f2.ws),
         )
 
 
@@ -552,7 +555,26 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     bn2, bk2, nw2, ns2 = tiles.fc2
     fp8 = args.w13.dtype == torch.float8_e4m3fn
     a8 = fp8 and tiles.a_fp8  # W8A8; e4m3 weights without it run W8A16
-    if a8:  # the call's first kernel: activations to e4m3, one scale per (token, FC1 K tile)
+    block = args.block_shape is not None
+    w_scale = 2 if (fp8 and block) else 1 if fp8 else 0
+    sbn, sbk = (int(args.block_shape[0]), int(args.block_shape[1])) if block else (1, 1)
+    # 128 x 128 block scales over tiles that each lie in one block (BN divides the block; the up rows start at a
+    # block: I a multiple of it): one weight scale per tile and K step, folded into the rows' scales, so a K step
+    # scales its products with one FMA an element instead of an outer product and an FMA (the same float32 values)
+    scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
+    scalar2 = a8 and block and sbn % bn2 == 0
+    # the Gluon kernels where they can run these tiles (else the Triton kernels run them); the warp-specialized FC1
+    # reads rows quantised in tile order (after the alignment) instead of gathering them
+    ws1 = tiles.ws[0] and not INTERPRET and ws_k.problem(BM, bn1, bk1, nw1, ns1, w_scale, scalar1, a8, fc1=True) is None
+    ws2 = tiles.ws[1] and not INTERPRET and ws_k.problem(BM, bn2, bk2, nw2, ns2, w_scale, scalar2, a8) is None
+    gl1 = not tiles.ws[0] and tiles.gluon[0] and not INTERPRET
+    gl1 = gl1 and gluon_k.problem(BM, bn1, bk1, nw1, ns1, w_scale, scalar1, a8, fc1=True) is None
+    gl2 = not tiles.ws[1] and tiles.gluon[1] and not INTERPRET
+    gl2 = gl2 and gluon_k.problem(BM, bn2, bk2, nw2, ns2, w_scale, scalar2, a8) is None
+    # a warp-specialized GEMM that cannot run: its 128-row tile on the Triton kernel at 8 warps (two warpgroups)
+    nw1 = 8 if tiles.ws[0] and not ws1 else nw1
+    nw2 = 8 if tiles.ws[1] and not ws2 else nw2
+    if a8 and not ws1:  # the call's first kernel: activations to e4m3, one scale per (token, FC1 K tile)
         xa, xs = quantise_rows(x, bk1, gdc, pdl)
         pdl = chain
     else:
@@ -588,23 +610,47 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     y = torch.empty((S, H), dtype=dtype, device=dev)
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
     b13, b2 = args.w13_bias, args.w2_bias
-    block = args.block_shape is not None
-    w_scale = 2 if (fp8 and block) else 1 if fp8 else 0
     s13, s13e, s13n, s13k = scale_args(args.w13_scale, block) if fp8 else (x, 0, 0, 0)
     s2, s2e, s2n, s2k = scale_args(args.w2_scale, block) if fp8 else (x, 0, 0, 0)
-    sbn, sbk = (int(args.block_shape[0]), int(args.block_shape[1])) if block else (1, 1)
     occ1, occ2 = tiles.occupancy
-    # 128 x 128 block scales over tiles that each lie in one block (BN divides the block; the up rows start at a
-    # block: I a multiple of it): one weight scale per tile and K step, folded into the rows' scales, so a K step
-    # scales its products with one FMA an element instead of an outer product and an FMA (the same float32 values)
-    scalar1 = a8 and block and sbn % bn1 == 0 and I % sbn == 0
-    scalar2 = a8 and block and sbn % bn2 == 0
     grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
-    if (
-        tiles.gluon[0]
-        and not INTERPRET
-        and gluon_k.problem(BM, bn1, bk1, nw1, ns1, w_scale, scalar1, a8, fc1=True) is None
-    ):
+    if ws1:
+        xq, xsq = gather_quantise_rows(x, sorted_slots, ntiles, BM, k, bk1, gdc, chain)
+        a_desc, w_desc = ws_k.fc1_descriptors(xq, args.w13, E, H, I, BM, bn1, bk1)
+        launcher(ws_k._fc1_ws_kernel)[grid1](
+            a_desc,
+            w_desc,
+            xsq,
+            s13,
+            b13 if b13 is not None else x,
+            tile_expert,
+            ntiles,
+            inter,
+            isc,
+            H,
+            I,
+            xsq.stride(0),
+            s13e,
+            s13n,
+            s13k,
+            sbn,
+            sbk,
+            b13.stride(0) if b13 is not None else 0,
+            isc.stride(0),
+            ACT=_ACT[args.activation],
+            HAS_BIAS=b13 is not None,
+            W_SCALE=w_scale,
+            BM=BM,
+            BN=bn1,
+            BK=bk1,
+            GROUP=GROUP_M,
+            NUM_STAGES=ns1,
+            GDC=gdc,
+            UNROLL=tiles.unroll[0],
+            num_warps=nw1,
+            **chain,
+        )
+    elif gl1:
         launcher(gluon_k._fc1_w8a8_kernel)[grid1](
             gluon_k.fc1_descriptor(args.w13, E, H, I, bn1, bk1),
             xa,
@@ -685,9 +731,9 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             **chain,
         )
     grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
-    if tiles.gluon[1] and not INTERPRET and gluon_k.problem(BM, bn2, bk2, nw2, ns2, w_scale, scalar2, a8) is None:
+    if ws2 or gl2:  # the two Gluon FC2s take the same arguments
         a_desc, w_desc = gluon_k.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
-        launcher(gluon_k._fc2_w8a8_kernel)[grid2](
+        launcher(ws_k._fc2_ws_kernel if ws2 else gluon_k._fc2_w8a8_kernel)[grid2](
             a_desc,
             w_desc,
             isc,

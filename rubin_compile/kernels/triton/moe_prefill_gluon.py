@@ -175,11 +175,14 @@ if GLUON:
         GROUP: gl.constexpr,
         W_SCALE: gl.constexpr,
         row_layout: gl.constexpr,
+        TILE_M: gl.constexpr,
+        ROW0: gl.constexpr,
     ):
         """The float32 scale of each row of step ``g``'s product: the rows' activation scales of its K tile, times
-        (128 x 128 block scales) the tile's one weight scale."""
+        (128 x 128 block scales) the tile's one weight scale. Its BM rows start ROW0 rows into the TILE_M-row M tile
+        (the warp-specialized kernels' warpgroups each take half a tile)."""
         m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
-        rows = (m * BM + gl.arange(0, BM, layout=row_layout)).to(gl.int64)
+        rows = (m * TILE_M + ROW0 + gl.arange(0, BM, layout=row_layout)).to(gl.int64)
         sa = gl.load(isc_ptr + rows * stride_ist + kk)
         if W_SCALE == 2:
             e = gl.load(tile_expert_ptr + m)
@@ -207,9 +210,11 @@ if GLUON:
         W_SCALE: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         out_layout: gl.constexpr,
+        TILE_M: gl.constexpr,
+        ROW0: gl.constexpr,
     ):
         """The finished item of step ``g``: per-expert weight scale, bias, rounded to y's dtype and scattered to the
-        rows' slots (padding rows, slot -1, are not stored)."""
+        rows' slots (padding rows, slot -1, are not stored). Its BM rows start ROW0 rows into the TILE_M-row M tile."""
         m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
         e = gl.load(tile_expert_ptr + m)
         # scale and bias in float32 where the sums are, then y's dtype, then the store's layout: the copy between
@@ -221,7 +226,7 @@ if GLUON:
             bias = gl.load(b_ptr + e * stride_be + bcols, mask=bcols < H, other=0.0).to(gl.float32)
             acc = acc + gl.expand_dims(bias, 0)
         out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
-        rows = (m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
+        rows = (m * TILE_M + ROW0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
         cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         slot = gl.load(sorted_ptr + rows)
         ptrs = y_ptr + gl.expand_dims(gl.where(slot >= 0, slot, 0).to(gl.int64) * H, 1) + gl.expand_dims(cols, 0)
@@ -336,6 +341,8 @@ if GLUON:
                 GROUP,
                 W_SCALE,
                 row_layout,
+                BM,
+                0,
             )
             for u in gl.static_range(UNROLL):
                 g = g0 + u  # the step whose product is finished in this round
@@ -366,6 +373,8 @@ if GLUON:
                         GROUP,
                         W_SCALE,
                         row_layout,
+                        BM,
+                        0,
                     )
                     done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
                 else:
@@ -413,6 +422,8 @@ if GLUON:
                         W_SCALE,
                         HAS_BIAS,
                         out_layout,
+                        BM,
+                        0,
                     )
                     acc = zero
                 if u + 1 < UNROLL:
@@ -532,10 +543,14 @@ if GLUON:
         W_SCALE: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         out_layout: gl.constexpr,
+        TILE_M: gl.constexpr,
+        ROW0: gl.constexpr,
     ):
         """The finished item of step ``g``: its [BM, 2 BN] sums split into gate and up through shared memory, the
         per-expert weight scale, biases, ``act(gate) * up``, and the intermediate written in e4m3 with one scale
-        (amax / 448 over the real columns) per row into ``isc`` [P_MAX, I / BN], as moe_prefill._fc1_kernel does."""
+        (amax / 448 over the real columns) per row into ``isc`` [P_MAX, I / BN], as moe_prefill._fc1_kernel does.
+        Its BM rows start ROW0 rows into the TILE_M-row M tile; the barriers are the executing warps' (a
+        warp-specialized kernel's partition)."""
         m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
         e = gl.load(tile_expert_ptr + m)
         if W_SCALE == 1:  # the per-expert weight scale, on the sums where they are (the same product per element)
@@ -545,7 +560,7 @@ if GLUON:
         _cta_barrier()
         gate = scratch.slice(0, BN, dim=1).load(out_layout)
         up = scratch.slice(BN, BN, dim=1).load(out_layout)
-        rows = (m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
+        rows = (m * TILE_M + ROW0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
         cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         real = gl.expand_dims(cols < I, 0)
         if HAS_BIAS:
@@ -786,6 +801,8 @@ if GLUON:
                         W_SCALE,
                         HAS_BIAS,
                         out_layout,
+                        BM,
+                        0,
                     )
                     acc = zero
                 if u + 1 < UNROLL:

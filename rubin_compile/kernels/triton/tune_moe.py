@@ -359,6 +359,12 @@ _JOIN = {"join": True}
 # (``unroll``: 4 K steps per loop iteration instead of 2, so a quarter of the steps' scaling waits for its MMA alone)
 _GLUON2 = {"gluon": (False, True)}
 _GLUON = {"gluon": (True, True)}
+# The Gluon kernels' warp-specialized form (``ws``; moe_prefill_ws.py): 128-row tiles as two consumer warpgroups of
+# 64 rows on the same weight tiles, a producer warp for the TMA loads, one program per SM (``num_warps`` 4: one
+# consumer warpgroup's); twice the FLOPs per byte read of the 64-row tiles. FC2 alone (after the Triton FC1's 8-warp
+# joined tile) and both.
+_WS2 = {"gluon": (False, True), "ws": (False, True)}
+_WS = {"gluon": (True, True), "ws": (True, True)}
 PERSISTENT_VARIANTS = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
     (64, (128, 64, 8, 2), (128, 64, 8, 4), _OCC2),
@@ -388,6 +394,11 @@ PERSISTENT_VARIANTS_FP8 = (
     (128, (64, 64, 8, 4), (128, 64, 8, 6), {**_JOIN, **_GLUON}),
     (64, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_GLUON2, "unroll": (2, 4)}),
     (128, (64, 128, 8, 3), (128, 64, 8, 6), {**_JOIN, **_GLUON, "unroll": (4, 4)}),
+    (128, (64, 128, 8, 4), (128, 64, 4, 6), {**_JOIN, **_WS2}),
+    (128, (64, 128, 8, 4), (128, 64, 4, 8), {**_JOIN, **_WS2}),
+    (128, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_WS}),
+    (128, (64, 128, 4, 3), (128, 64, 4, 8), {**_JOIN, **_WS}),
+    (128, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_WS, "unroll": (4, 4)}),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),
@@ -418,6 +429,7 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
     (o1, o2), (f1, f2) = opts.get("occupancy", (1, 1)), opts.get("flatten", (False, False))
     g1, g2 = opts.get("gluon", (False, False))
     u1, u2 = opts.get("unroll", (2, 2))
+    ws1, ws2 = opts.get("ws", (False, False))
     G = moe.GemmConfig
     return moe.MoEConfig(
         mode="persistent",
@@ -433,8 +445,20 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
             join=opts.get("join", False),
             gluon=g1,
             unroll=u1,
+            ws=ws1,
         ),
-        fc2=G(BM=bm, BN=bn2, BK=bk2, num_warps=w2, num_stages=s2, occupancy=o2, flatten=f2, gluon=g2, unroll=u2),
+        fc2=G(
+            BM=bm,
+            BN=bn2,
+            BK=bk2,
+            num_warps=w2,
+            num_stages=s2,
+            occupancy=o2,
+            flatten=f2,
+            gluon=g2,
+            unroll=u2,
+            ws=ws2,
+        ),
     )
 
 
@@ -527,7 +551,8 @@ def describe(cfg) -> str:
             + (f"/occ{c.occupancy}" if c.occupancy > 1 else "")
             + ("/flat" if c.flatten else "")
             + ("/join" if c.join else "")
-            + ("/gluon" if c.gluon else "")
+            + ("/gluon" if c.gluon and not c.ws else "")
+            + ("/ws" if c.ws else "")
             + (f"/u{c.unroll}" if c.unroll != 2 else "")
         )
 

@@ -31,7 +31,8 @@ def gluon_fc2():
 def _gluon_variants():
     from rubin_compile.kernels.triton import tune_moe as tm
 
-    return [t for t in tm.PERSISTENT_VARIANTS_FP8 if any(t[-1].get("gluon", ()))]
+    # (the warp-specialized ones, ``ws``: test_triton_moe_prefill_ws.py)
+    return [t for t in tm.PERSISTENT_VARIANTS_FP8 if any(t[-1].get("gluon", ())) and not any(t[-1].get("ws", ()))]
 
 
 # Qwen3-30B-A3B at T = 4096 (E 128, H 2048, I 768, k 8) with 128 x 128 block scales over w13 [128, 1536, 2048] and
