@@ -23,7 +23,7 @@ mkdir -p "$OUT/moe_configs"
   --log "$OUT/tune-detail.log" ; } > "$OUT/tune.log" 2>&1
 echo "tune exit $?"; grep -E "T=|WRONG|Error|^real" "$OUT/tune.log" | cut -c1-260
 grep -E "^ +[0-9.]+ us .*persistent.*a_fp8" "$OUT/tune-detail.log" | sort -n | head -12 | cut -c1-200
-echo "gluon candidates:"; grep -E "gluon" "$OUT/tune-detail.log" | cut -c1-200
+echo "gluon candidates:"; grep -E "gluon|/ws" "$OUT/tune-detail.log" | cut -c1-200
 mkdir -p /tmp/rubin-tuned && cp "$OUT/moe_configs/$TABLE" /tmp/rubin-tuned/
 [ "${PROFILE:-1}" = 0 ] && { archive_out results.tgz; exit 0; }
 CASES=$(echo "$SHAPES" | tr ',' '\n' | sed 's/$/:fp8_block:4096/' | paste -sd,)
