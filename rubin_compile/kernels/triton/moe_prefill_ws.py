@@ -109,12 +109,14 @@ if _g.GLUON:
         stage, once both consumers have released the stage's previous step. The weights are seen as [E * W_ROWS, K];
         ``JOINED`` (FC1): the gate tile and the up tile (UP rows further) into the two halves of the stage."""
         num_m, num_n, num_k, total = _ws_steps(ntiles_ptr, N, K, BN, BK)
+        e = gl.to_tensor(0)
         for g in range(total):
             s = g % NUM_STAGES
+            m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
+            if kk == 0:  # an item's expert, loaded once per item (a load's latency on every step would pace the loads)
+                e = gl.load(tile_expert_ptr + m)
             # a stage's first use passes at once: a fresh mbarrier counts its phase before the first as completed
             mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
-            m, n, kk = _item(g, num_k, num_m, num_n, GROUP)
-            e = gl.load(tile_expert_ptr + m)
             bar = ready.index(s)
             wrow = e * W_ROWS + n * BN
             if JOINED:
