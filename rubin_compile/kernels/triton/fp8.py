@@ -86,12 +86,10 @@ def quantise_rows(
 def gather_quant_rows_kernel(
     x_ptr,
     sorted_ptr,
-    ntiles_ptr,
     q_ptr,
     s_ptr,
     H,
     K_TOP,
-    TILE_M,
     stride_xt,
     stride_qp,
     stride_sp,
@@ -101,42 +99,35 @@ def gather_quant_rows_kernel(
 ):
     """The persistent path's sorted rows in e4m3, in tile order: q[p, j] = e4m3(x[tok, j] / s[p, j // G]) with
     tok = sorted[p] // K_TOP and s = max(amax of the G-wide group, 1e-12) / 448 -- the numbers quant_rows_kernel
-    gives token tok -- and zeros (scale 1e-12 / 448) for padding rows (sorted[p] = -1). Program (p, b) does groups
-    [b * NG, (b + 1) * NG) of row p; rows past the tiles in use (ntiles x TILE_M) are left alone."""
+    gives token tok. Program (p, b) does groups [b * NG, (b + 1) * NG) of row p. Rows without a slot (sorted[p] = -1:
+    an expert run's padding, and every row past the tiles in use) are not written: an MMA's output row depends on
+    its own input row only, and no padding row's output is stored (their bytes would be a third of the writes at
+    DeepSeek-V3's 128-row tiles)."""
     p = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1) * NG + tl.arange(0, NG)
     offs = gi[:, None] * G + tl.arange(0, G)[None, :]
     if GDC:
-        gdc_wait()  # the hidden states, the sorted slots and the tile count are earlier kernels' outputs
-    used = p < tl.load(ntiles_ptr).to(tl.int64) * TILE_M
+        gdc_wait()  # the hidden states and the sorted slots are earlier kernels' outputs
     slot = tl.load(sorted_ptr + p)
     tok = tl.where(slot >= 0, slot // K_TOP, 0).to(tl.int64)
-    # the columns to read (a real row's H, a padding row's none) and to write (H, in the tiles in use): as bounds,
-    # not scalar masks (Triton's interpreter refuses a scalar boolean joined to a tensor mask)
-    h_read = tl.where(used & (slot >= 0), H, 0)
-    h_write = tl.where(used, H, 0)
-    x = tl.load(x_ptr + tok * stride_xt + offs, mask=offs < h_read, other=0.0).to(tl.float32)
+    # the columns to read and write: a real row's H, none for a row without a slot (a bound, not a scalar mask:
+    # Triton's interpreter refuses a scalar boolean joined to a tensor mask)
+    h = tl.where(slot >= 0, H, 0)
+    x = tl.load(x_ptr + tok * stride_xt + offs, mask=offs < h, other=0.0).to(tl.float32)
     if GDC:
         gdc_launch_dependents()
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    tl.store(q_ptr + p * stride_qp + offs, (x / s[:, None]).to(q_ptr.dtype.element_ty), mask=offs < h_write)
-    tl.store(s_ptr + p * stride_sp + gi, s, mask=gi * G < h_write)
+    tl.store(q_ptr + p * stride_qp + offs, (x / s[:, None]).to(q_ptr.dtype.element_ty), mask=offs < h)
+    tl.store(s_ptr + p * stride_sp + gi, s, mask=gi * G < h)
 
 
 def gather_quantise_rows(
-    x: torch.Tensor,
-    sorted_slots: torch.Tensor,
-    ntiles: torch.Tensor,
-    tile_m: int,
-    k: int,
-    G: int,
-    gdc: bool,
-    launch_kwargs: dict[str, Any],
+    x: torch.Tensor, sorted_slots: torch.Tensor, k: int, G: int, gdc: bool, launch_kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows of the persistent path's M tiles in e4m3 [P_MAX, H], their scales [P_MAX, cdiv(H, G)]): row p is
-    token ``sorted_slots[p] // k`` quantised as ``quantise_rows`` quantises it (one scale per G-wide group), a
-    padding row zeros; the rows past ``ntiles`` x ``tile_m`` are not written. One kernel, sized by P_MAX
-    (``sorted_slots``' length), so that a CUDA graph replays it at any routing."""
+    """(the sorted rows in e4m3 [P_MAX, H], their scales [P_MAX, cdiv(H, G)]): row p is token
+    ``sorted_slots[p] // k`` quantised as ``quantise_rows`` quantises it (one scale per G-wide group); rows without
+    a slot (-1) are left unwritten. One kernel over P_MAX rows (``sorted_slots``' length), so that a CUDA graph
+    replays it at any routing."""
     T, H = x.shape
     P = sorted_slots.numel()
     ng = max(1, 2048 // G)
@@ -145,12 +136,10 @@ def gather_quantise_rows(
     launcher(gather_quant_rows_kernel)[(P, cdiv(cdiv(H, G), ng))](
         x,
         sorted_slots,
-        ntiles,
         q,
         xs,
         H,
         k,
-        tile_m,
         x.stride(0),
         q.stride(0),
         xs.stride(0),

@@ -615,7 +615,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     occ1, occ2 = tiles.occupancy
     grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
     if ws1:
-        xq, xsq = gather_quantise_rows(x, sorted_slots, ntiles, BM, k, bk1, gdc, chain)
+        xq, xsq = gather_quantise_rows(x, sorted_slots, k, bk1, gdc, chain)
         a_desc, w_desc = ws_k.fc1_descriptors(xq, args.w13, E, H, I, BM, bn1, bk1)
         launcher(ws_k._fc1_ws_kernel)[grid1](
             a_desc,

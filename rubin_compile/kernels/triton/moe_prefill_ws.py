@@ -19,8 +19,9 @@ next K step's MMA in flight while it scales the last (``UNROLL`` steps an iterat
   host-side TMA descriptors (a [128, BK] box, each warpgroup's MMA reading its half); rows scattered to their slots of
   ``y`` [T k, H] as ``moe_prefill_gluon._fc2_w8a8_kernel`` does.
 - ``_fc1_ws_kernel``: the rows read through TMA as well: the activations are quantised into the sorted rows' order
-  after the alignment, by ``fp8.gather_quantise_rows`` ([P_MAX, H] e4m3 with one scale per (row, K tile), zeros in
-  padding rows: the same numbers ``fp8.quantise_rows`` gives each row's token), so FC1 needs no gather of its own
+  after the alignment, by ``fp8.gather_quantise_rows`` ([P_MAX, H] e4m3 with one scale per (row, K tile): the same
+  numbers ``fp8.quantise_rows`` gives each row's token; padding rows unwritten, their outputs never stored), so FC1
+  needs no gather of its own
   (the 8-warp Gluon FC1 gathers with cp.async and a CTA barrier per K step). The gate and up tiles of ``w13`` are two
   TMA boxes into the halves of a [2 BN, BK] buffer, one MMA of 2 BN columns; the epilogue is
   ``moe_prefill_gluon._store_fc1``'s, each warpgroup through its own shared scratch.
