@@ -356,7 +356,8 @@ if _g.GLUON:
         if GDC:  # the partitions start after this (the workers wait while the first warps run the code before)
             gdc_wait()  # the intermediate, its scales and the tile table are earlier kernels'
             gdc_launch_dependents()
-        # each partition's arguments spelled out: a tuple kept in a variable turns its constexprs into tensors
+        # each partition's arguments spelled out: a tuple kept in a variable turns its constexprs into tensors, and one
+        # joined to the constexprs fails on the bools (Triton 3.6 and 3.9)
         gl.warp_specialize(
             [
                 (
@@ -658,7 +659,8 @@ if _g.GLUON:
         if GDC:  # the partitions start after this (the workers wait while the first warps run the code before)
             gdc_wait()  # the quantised rows, their scales and the tile table are earlier kernels'
             gdc_launch_dependents()
-        # w13 seen as [E * 2 I, H]: the gate tile at e * 2 I + n * BN, its up tile I rows further
+        # w13 seen as [E * 2 I, H]: the gate tile at e * 2 I + n * BN, its up tile I rows further (the partitions'
+        # arguments spelled out, as in _fc2_ws_kernel)
         gl.warp_specialize(
             [
                 (
