@@ -5,7 +5,7 @@
 # tuning; a: both 8-warp Gluon GEMMs; b: the Triton FC1 and the 8-warp Gluon FC2); then Nsight Compute's
 # SpeedOfLight / WarpStateStats / ComputeWorkload / MemoryWorkload / Occupancy sections and stall reasons of their FC1
 # and FC2 kernels on Qwen3-30B-A3B (ncu's CSV in $OUT; a failing ncu is reported and the rest still runs).
-# carry [".whl", ".vllm-src"].   [SKIP_TESTS=1] [CONFIGS="a b c d"] bash benchmarks/h200/moe14-8-split.sh
+# carry [".whl", ".vllm-src"].   [SKIP_TESTS=1] [CONFIGS="a b c d"] [NCU=0] bash benchmarks/h200/moe14-8-split.sh
 . "$(dirname "$0")/common.sh"
 export RUBIN_VLLM_SRC=$PWD/.vllm-src
 R=benchmarks/results/moe-h100-2026-12-05-s9
@@ -18,6 +18,7 @@ for t in ${CONFIGS:-c d}; do
     --cases qwen3-30b-a3b:fp8_block:4096,deepseek-v3-tp8:fp8_block:4096 ; } > "$OUT/split-$t.log" 2>&1
   echo "split $t exit $?"; grep -vE "^\s*$|Warning|warn" "$OUT/split-$t.log" | tail -24 | cut -c1-200
 done
+[ "${NCU:-1}" = 0 ] && { archive_out results.tgz; exit 0; }  # NCU=0: the splits only
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 # the stall reasons (per issued instruction) and the tensor pipes' busy share, by regex: a name this ncu lacks would
 # fail the run, so on a failure it runs again with the sections only
