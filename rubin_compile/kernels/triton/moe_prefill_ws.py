@@ -26,6 +26,13 @@ next K step's MMA in flight while it scales the last (``UNROLL`` steps an iterat
   TMA boxes into the halves of a [2 BN, BK] buffer, one MMA of 2 BN columns; the epilogue is
   ``moe_prefill_gluon._store_fc1``'s, each warpgroup through its own shared scratch.
 
+Measured (H100, FP8 block, T = 4096; benchmarks/results/moe-h100-2026-12-06/): correct, and slower than the 64-row
+Triton tiles at two programs per SM (Qwen3-30B-A3B FC1 478 against 368 us, FC2 345 against 332; DeepSeek-V3 TP8
+FC1 628 against 460, FC2 580 against 684): the Triton tiles turned out not to be bound by L2 (Nsight Compute: 51-62%
+of its peak, tensor pipes 18-34% busy) but by the latency of each K step's wait, which two programs per SM cover
+better than two warpgroups here; ``mbarrier.arrive`` adds a warpgroup barrier every K step. They stay tuner candidates,
+chosen only where measured faster.
+
 Registers: the kernel runs 4 (the first consumer) + 4 + 1 warps; the second consumer gets ``WS_REGS`` registers a
 thread and the producer 24 (``setmaxnreg``), within the SM's 64 K. Scope (``problem``): as the Gluon kernels', with
 BM = 128 at 4 warps (a consumer warpgroup's). Gluon has no interpreter: the CPU tests compile both kernels for sm_90
