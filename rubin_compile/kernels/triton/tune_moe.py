@@ -362,7 +362,8 @@ _GLUON = {"gluon": (True, True)}
 # The Gluon kernels' warp-specialized form (``ws``; moe_prefill_ws.py): 128-row tiles as two consumer warpgroups of
 # 64 rows on the same weight tiles, a producer warp for the TMA loads, one program per SM (``num_warps`` 4: one
 # consumer warpgroup's); twice the FLOPs per byte read of the 64-row tiles. FC2 alone (after the Triton FC1's 8-warp
-# joined tile) and both.
+# joined tile) and both. (On the H100 at T = 4096 both-ws calls were 1.2x slower than the best Triton tiles, and FC2
+# alone won only on DeepSeek-V3: benchmarks/results/moe-h100-2026-12-06/; so one both-ws candidate is kept.)
 _WS2 = {"gluon": (False, True), "ws": (False, True)}
 _WS = {"gluon": (True, True), "ws": (True, True)}
 PERSISTENT_VARIANTS = (
@@ -397,8 +398,6 @@ PERSISTENT_VARIANTS_FP8 = (
     (128, (64, 128, 8, 4), (128, 64, 4, 6), {**_JOIN, **_WS2}),
     (128, (64, 128, 8, 4), (128, 64, 4, 8), {**_JOIN, **_WS2}),
     (128, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_WS}),
-    (128, (64, 128, 4, 3), (128, 64, 4, 8), {**_JOIN, **_WS}),
-    (128, (64, 128, 4, 4), (128, 64, 4, 6), {**_JOIN, **_WS, "unroll": (4, 4)}),
 )
 PERSISTENT_VARIANTS_W8A16 = (
     (64, (64, 64, 4, 4), (128, 64, 4, 4), _OCC2),

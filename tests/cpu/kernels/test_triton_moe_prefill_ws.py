@@ -90,7 +90,7 @@ def _compile(fc1: bool, g, w_scale: int, bias: bool):
 
 def test_the_tuner_tries_warp_specialized_tiles_of_both_gemms():
     vs = _ws_variants()
-    assert sum(t[-1]["ws"][1] for t in vs) >= 3 and sum(t[-1]["ws"][0] for t in vs) >= 2
+    assert sum(t[-1]["ws"][1] for t in vs) >= 2 and sum(t[-1]["ws"][0] for t in vs) >= 1
     for t in vs:  # a warp-specialized GEMM is a Gluon one, 128 rows at 4 warps
         assert all(g for g, w in zip(t[-1]["gluon"], t[-1]["ws"]) if w) and t[0] == 128
 
