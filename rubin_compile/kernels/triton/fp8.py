@@ -52,23 +52,29 @@ def quant_rows_kernel(
     tl.store(s_ptr + t * stride_st + gi, s, mask=gi * G < H)
 
 
+def _e4m3_rows(rows: int, H: int, G: int, device) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], int]:
+    """The quantisation kernels' outputs and launch: e4m3 rows [rows, H], their scales [rows, cdiv(H, G)], the grid
+    (a program per row and 2048 columns) and the groups a program does."""
+    ng = max(1, 2048 // G)
+    q = torch.empty((rows, H), dtype=torch.float8_e4m3fn, device=device)
+    xs = torch.empty((rows, cdiv(H, G)), dtype=torch.float32, device=device)
+    return q, xs, (rows, cdiv(cdiv(H, G), ng)), ng
+
+
 def quantise_rows(
     x: torch.Tensor, G: int, gdc: bool, launch_kwargs: dict[str, Any], tick: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` [T, H] in e4m3, its scales [T, cdiv(H, G)]): one scale (amax / 448) per row and G-wide group, by one
     small kernel (which also zeroes ``tick``, a K-split FC1's arrival tickets, when given). ``launch_kwargs``:
     ``launch_pdl`` when PDL-launched."""
-    T, H = x.shape
-    ng = max(1, 2048 // G)
-    q = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((T, cdiv(H, G)), dtype=torch.float32, device=x.device)
-    launcher(quant_rows_kernel)[(T, cdiv(cdiv(H, G), ng))](
+    q, xs, grid, ng = _e4m3_rows(x.shape[0], x.shape[1], G, x.device)
+    launcher(quant_rows_kernel)[grid](
         x,
         q,
         xs,
         tick if tick is not None else xs,
         tick.numel() if tick is not None else 0,
-        H,
+        x.shape[1],
         x.stride(0),
         x.stride(1),
         q.stride(0),
@@ -128,17 +134,13 @@ def gather_quantise_rows(
     ``sorted_slots[p] // k`` quantised as ``quantise_rows`` quantises it (one scale per G-wide group); rows without
     a slot (-1) are left unwritten. One kernel over P_MAX rows (``sorted_slots``' length), so that a CUDA graph
     replays it at any routing."""
-    T, H = x.shape
-    P = sorted_slots.numel()
-    ng = max(1, 2048 // G)
-    q = torch.empty((P, H), dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((P, cdiv(H, G)), dtype=torch.float32, device=x.device)
-    launcher(gather_quant_rows_kernel)[(P, cdiv(cdiv(H, G), ng))](
+    q, xs, grid, ng = _e4m3_rows(sorted_slots.numel(), x.shape[1], G, x.device)
+    launcher(gather_quant_rows_kernel)[grid](
         x,
         sorted_slots,
         q,
         xs,
-        H,
+        x.shape[1],
         k,
         x.stride(0),
         q.stride(0),
