@@ -191,15 +191,17 @@ class MoEConfig:
         if self.fc2.join:
             return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
         for name, g, widest in (("fc1", self.fc1, 64), ("fc2", self.fc2, 128)):
-            if g.ws and not (g.BM == 128 and g.num_warps == 4):
+            ws_bm, ws_warps = moe_prefill.ws_k.WS_BM, moe_prefill.ws_k.WS_WARPS
+            if g.ws and not (g.BM == ws_bm and g.num_warps == ws_warps):
                 return (
-                    f"mode='persistent': {name}.ws takes BM = 128 at num_warps = 4 (two consumer warpgroups of 64 "
-                    f"rows), not {g.BM} rows at {g.num_warps} warps"
+                    f"mode='persistent': {name}.ws takes BM = {ws_bm} at num_warps = {ws_warps} (two consumer "
+                    f"warpgroups of 64 rows), not {g.BM} rows at {g.num_warps} warps"
                 )
             rows_ok = g.ws or (g.num_warps in (4, 8) and g.BM == 16 * g.num_warps)
             if g.gluon and not (self.a_fp8 and rows_ok and g.BN <= widest):
+                rows = f"BM = {ws_bm} at {ws_warps} warps (ws)" if g.ws else "BM = 16 x num_warps"
                 return (
-                    f"mode='persistent': {name}.gluon takes a_fp8=True (the W8A8 kernels), BM = 16 x num_warps and "
+                    f"mode='persistent': {name}.gluon takes a_fp8=True (the W8A8 kernels), {rows} and "
                     f"BN <= {widest}, not a_fp8={self.a_fp8} with {g.BM}x{g.BN} at {g.num_warps} warps"
                 )
         if self.fc1.gluon and not self.fc1.join:

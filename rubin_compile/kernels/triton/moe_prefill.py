@@ -614,6 +614,11 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     s2, s2e, s2n, s2k = scale_args(args.w2_scale, block) if fp8 else (x, 0, 0, 0)
     occ1, occ2 = tiles.occupancy
     grid1 = (max(1, min(occ1 * num_sms, tiles_max * cdiv(I, bn1))),)
+    # the constexprs and launch options every FC1 kernel (warp-specialized, Gluon, Triton) takes, and every FC2 one
+    fc1_kw = dict(ACT=_ACT[args.activation], HAS_BIAS=b13 is not None, W_SCALE=w_scale, BM=BM, BN=bn1, BK=bk1)
+    fc1_kw.update(GROUP=GROUP_M, NUM_STAGES=ns1, GDC=gdc, num_warps=nw1, **chain)
+    fc2_kw = dict(HAS_BIAS=b2 is not None, W_SCALE=w_scale, BM=BM, BN=bn2, BK=bk2, GROUP=GROUP_M, NUM_STAGES=ns2)
+    fc2_kw.update(GDC=gdc, num_warps=nw2, **chain)
     if ws1:
         xq, xsq = gather_quantise_rows(x, sorted_slots, k, bk1, gdc, chain)
         a_desc, w_desc = ws_k.fc1_descriptors(xq, args.w13, E, H, I, BM, bn1, bk1)
@@ -637,18 +642,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             sbk,
             b13.stride(0) if b13 is not None else 0,
             isc.stride(0),
-            ACT=_ACT[args.activation],
-            HAS_BIAS=b13 is not None,
-            W_SCALE=w_scale,
-            BM=BM,
-            BN=bn1,
-            BK=bk1,
-            GROUP=GROUP_M,
-            NUM_STAGES=ns1,
-            GDC=gdc,
             UNROLL=tiles.unroll[0],
-            num_warps=nw1,
-            **chain,
+            **fc1_kw,
         )
     elif gl1:
         launcher(gluon_k._fc1_w8a8_kernel)[grid1](
@@ -674,18 +669,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             sbk,
             b13.stride(0) if b13 is not None else 0,
             isc.stride(0),
-            ACT=_ACT[args.activation],
-            HAS_BIAS=b13 is not None,
-            W_SCALE=w_scale,
-            BM=BM,
-            BN=bn1,
-            BK=bk1,
-            GROUP=GROUP_M,
-            NUM_STAGES=ns1,
-            GDC=gdc,
             UNROLL=tiles.unroll[0],
-            num_warps=nw1,
-            **chain,
+            **fc1_kw,
         )
     else:
         launcher(_fc1_kernel)[grid1](
@@ -713,22 +698,12 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             sbk,
             b13.stride(0) if b13 is not None else 0,
             isc.stride(0),
-            ACT=_ACT[args.activation],
-            HAS_BIAS=b13 is not None,
             A_FP8=a8,
-            W_SCALE=w_scale,
-            BM=BM,
-            BN=bn1,
-            BK=bk1,
-            GROUP=GROUP_M,
-            NUM_STAGES=ns1,
             DOT_PREC=dot_prec,
-            GDC=gdc,
             FLATTEN=tiles.flatten[0],
             JOIN=tiles.join,
             SCALAR_SW=scalar1,
-            num_warps=nw1,
-            **chain,
+            **fc1_kw,
         )
     grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
     if ws2 or gl2:  # the two Gluon FC2s take the same arguments
@@ -752,17 +727,8 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             sbn,
             sbk,
             b2.stride(0) if b2 is not None else 0,
-            HAS_BIAS=b2 is not None,
-            W_SCALE=w_scale,
-            BM=BM,
-            BN=bn2,
-            BK=bk2,
-            GROUP=GROUP_M,
-            NUM_STAGES=ns2,
-            GDC=gdc,
             UNROLL=tiles.unroll[1],
-            num_warps=nw2,
-            **chain,
+            **fc2_kw,
         )
     else:
         launcher(_fc2_kernel)[grid2](
@@ -786,20 +752,11 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             sbn,
             sbk,
             b2.stride(0) if b2 is not None else 0,
-            HAS_BIAS=b2 is not None,
             A_FP8=a8,
-            W_SCALE=w_scale,
-            BM=BM,
-            BN=bn2,
-            BK=bk2,
-            GROUP=GROUP_M,
-            NUM_STAGES=ns2,
             DOT_PREC=dot_prec,
-            GDC=gdc,
             FLATTEN=tiles.flatten[1],
             SCALAR_SW=scalar2,
-            num_warps=nw2,
-            **chain,
+            **fc2_kw,
         )
     width = min(1024, next_power_of_2(H))
     launcher(_sum_kernel)[(T, cdiv(H, width))](

@@ -48,7 +48,6 @@ from rubin_compile.kernels.triton import moe_prefill_gluon as _g
 WS_BM = 128  # rows per M tile: two consumer warpgroups of 64
 WS_WARPS = 4  # the kernel's num_warps: the first consumer warpgroup (the default partition)
 WS_REGS = 232  # registers a thread of the second consumer warpgroup (the first gets the kernel's maxnreg)
-WS_MAXNREG = 168  # the launch's registers a thread: 12 warps x 32 x 168 fits the SM's 65536, setmaxnreg moves them
 
 if _g.GLUON:
     from triton.experimental import gluon
