@@ -33,26 +33,14 @@ def _ws_variants():
     return [t for t in tm.PERSISTENT_VARIANTS_FP8 if any(t[-1].get("ws", ()))]
 
 
-# Qwen3-30B-A3B at T = 4096 (E 128, H 2048, I 768, k 8) with 128 x 128 block scales
-E, H, I, K_TOP, T = 128, 2048, 768, 8, 4096  # noqa: E741
-PTRS = dict(
-    xs_ptr="*fp32",
-    isc_ptr="*fp32",
-    ws_ptr="*fp32",
-    b_ptr="*bf16",
-    sorted_ptr="*i32",
-    tile_expert_ptr="*i32",
-    ntiles_ptr="*i32",
-    inter_ptr="*fp8e4nv",
-    y_ptr="*bf16",
-)
-
-
 def _compile(fc1: bool, g, w_scale: int, bias: bool):
     """The warp-specialized FC1 (``fc1``) or FC2 of GemmConfig ``g`` compiled for sm_90 as a launch on Qwen3's shapes
     specialises it: (PTX, resource usage with the dynamic shared memory, the compiled kernel's warps)."""
     from rubin_compile.kernels.triton import moe_prefill_gluon as mg
     from rubin_compile.kernels.triton import moe_prefill_ws as ws
+
+    # the Gluon kernels' test case: Qwen3-30B-A3B at T = 4096, 128 x 128 block scales, its pointer types
+    from tests.cpu.kernels.test_triton_moe_prefill_gluon import E, H, I, K_TOP, PTRS, T  # noqa: E741
 
     BM, BN, BK = g.BM, g.BN, g.BK
     P = T * K_TOP + E * (BM - 1)
