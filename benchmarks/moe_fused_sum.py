@@ -12,6 +12,15 @@ replays of 4 back-to-back calls on 2 weight copies with fresh routing per replay
 median of the rounds' medians is reported, with the spread of the rounds. Cases not compared are listed with the reason.
 Writes ``moe-fused-sum-<gpu>.{md,json}`` under ``--out``. ``--configs FILE`` runs another table's configs (a tuner's
 output) instead of this GPU's.
+
+Then, on any machine, a run's JSON sets ``epilogue_sum`` in the tuned table where it measured faster:
+
+    python benchmarks/moe_fused_sum.py --apply RUN.json --write-configs \
+        rubin_compile/kernels/triton/moe_configs/NVIDIA_H200.json --commit <hash the run measured>
+
+only for rows whose config was that table's entry at exactly that T, measured on the table's GPU, bitwise equal, and
+faster in every round by ``--min-speedup`` (default 1.02) at the median; the entry's ``us`` becomes the fused time of
+the run (the same method as the tuner's) and ``measured_by`` says so. Every other row is printed with why it was left.
 """
 
 from __future__ import annotations
@@ -101,6 +110,41 @@ def compare(shape: str, wfmt: str, T: int, table, rounds: int, reps: int, gen) -
     return row
 
 
+def apply(run: dict, table_path: Path, min_speedup: float, commit: str) -> list[str]:
+    """Set FC2's ``epilogue_sum`` in the table's entries where ``run`` measured it faster (module docstring); returns
+    one line per row: what was done or why not."""
+    table = json.loads(table_path.read_text())
+    said = []
+    for r in run["rows"]:
+        case = f"{r['shape']} {r['format']} T={r['T']}"
+        src = r.get("source", "")
+        why = None
+        if "skipped" in r:
+            why = f"not compared ({r['skipped']})"
+        elif run["device"] != table.get("device"):
+            why = f"measured on {run['device']}, the table is {table.get('device')}'s"
+        elif not src.startswith("table:") or " of " in src or not src.endswith(f"@T={r['T']}"):
+            why = f"its config was not the table's entry at T={r['T']} ({src})"
+        elif not r["bitwise_equal"]:
+            why = "the two forms' outputs differ"
+        elif not (r["fused_wins_every_round"] and r["speedup"] >= min_speedup):
+            why = f"not faster in every round by {min_speedup}x (median {r['speedup']:.3f}x)"
+        if why is not None:
+            said.append(f"{case}: left as it is: {why}")
+            continue
+        key = src[len("table:") : src.rindex("@T=")]
+        entry = table["configs"][key][str(r["T"])]
+        entry["fc2"]["epilogue_sum"] = True
+        entry["us"] = r["fused_us"]
+        entry["measured_by"] = (
+            f"benchmarks/moe_fused_sum.py, {run['device']}, commit {commit}: the top-k sum in FC2's epilogue "
+            f"{r['fused_us']} us against {r['unfused_us']} us with the sum kernel ({r['speedup']:.3f}x)"
+        )
+        said.append(f"{case}: epilogue_sum set ({r['unfused_us']} -> {r['fused_us']} us)")
+    table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return said
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3-tp8,mixtral-8x7b")
@@ -110,7 +154,17 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--configs", default=None, help="a moe_configs JSON to run instead of this GPU's table")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--apply", default=None, help="a run's JSON: set epilogue_sum in --write-configs where it won")
+    ap.add_argument("--write-configs", default=None, help="the tuned table (moe_configs/<GPU>.json) --apply edits")
+    ap.add_argument("--min-speedup", type=float, default=1.02)
+    ap.add_argument("--commit", default="unknown", help="the commit the run measured (for measured_by)")
     args = ap.parse_args(argv)
+    if args.apply:
+        if not args.write_configs:
+            ap.error("--apply needs --write-configs (the table to edit)")
+        run = json.loads(Path(args.apply).read_text())
+        print("\n".join(apply(run, Path(args.write_configs), args.min_speedup, args.commit)))
+        return
     table = json.load(open(args.configs)) if args.configs else None
     name = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(1234)
