@@ -28,6 +28,10 @@ CONF=rubin_compile/kernels/triton/moe_configs/$TABLE
 cp "$CONF" "$OUT/before-$TABLE"
 python3 benchmarks/moe_fused_sum.py --apply /tmp/fused-sum.json --write-configs "$CONF" \
   --commit "${RUBIN_COMMIT:-unknown}" | tee "$OUT/apply.log"
+# where the call's time goes, per kernel (torch.profiler, PDL off), with the table as it now is
+{ time timeout 90 python3 benchmarks/moe_profile.py --torch-profiler --cases \
+  qwen3-30b-a3b:bf16:1024,qwen3-30b-a3b:bf16:4096,deepseek-v3-tp8:bf16:1024,deepseek-v3-tp8:bf16:4096 ; } > "$OUT/split.log" 2>&1
+echo "split exit $?"; grep -vE "^\s*$|Warning|warn" "$OUT/split.log" | tail -40 | cut -c1-200
 cmp -s "$CONF" "$OUT/before-$TABLE" && { echo "no entry changed"; archive_out results.tgz; exit 0; }
 cp "$CONF" "$OUT/configs-$TABLE"
 BASE=rubin_compile/kernels/triton/moe_baselines/$TABLE
