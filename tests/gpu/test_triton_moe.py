@@ -614,47 +614,6 @@ def test_persistent_path_gluon(tmoe, tile, wfmt, shape):
     assert torch.equal(out, got)
 
 
-FUSED_SUM_CASES = [
-    *(("bf16", False, i) for i in range(len(PERSISTENT_TILES))),
-    *(("bf16", True, i) for i in (0, 3)),  # two programs per SM; FC2's item loop flattened
-    *(("fp8", False, i) for i in (0, 4)),
-    ("fp8", True, 0),
-    ("w8a16", False, 0),
-]
-
-
-@pytest.mark.parametrize(
-    "kind,variant,tile", FUSED_SUM_CASES, ids=[f"{k}-{'v' if v else 't'}{i}" for k, v, i in FUSED_SUM_CASES]
-)
-@pytest.mark.parametrize("route", ["random", "skewed"])
-def test_persistent_path_epilogue_sum_bitwise(tmoe, kind, variant, tile, route):
-    """The top-k sum in FC2's epilogue (``fc2.epilogue_sum``: the program that takes a token's last slot sums its k rows)
-    computes bitwise what the sum kernel does: with PDL off and on, 8 calls back to back (the arrival counters
-    zeroed per call), and a CUDA graph replayed with new routing (H not a multiple of the 256-wide FC2 tiles)."""
-    T, E, H, I, k = 1500, 64, 1152, 768, 8
-    wfmt = "16" if kind == "bf16" else "fp8_block"
-    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt, route=route)
-    cfg = _persistent_cfg(tmoe, tile, fp8=kind == "fp8", w8a16=kind == "w8a16", variant=variant)
-    assert not cfg.fc2.gluon
-    unfused = dataclasses.replace(cfg, fc2=dataclasses.replace(cfg.fc2, epilogue_sum=False))
-    fused = dataclasses.replace(cfg, fc2=dataclasses.replace(cfg.fc2, epilogue_sum=True))
-    args = (x, kw["w13"], kw["w2"], tw, ids, "silu", None, None, kw.get("w13_scale"), kw.get("w2_scale"))
-    args += (kw.get("block_shape"),)
-    want = tmoe.fused_moe(*args, config=unfused, pdl=False)
-    tol = TOL[torch.bfloat16] if kind == "bf16" else TOL["fp8_a8"] if kind == "fp8" else TOL["fp8"]
-    _check(want, _reference(x, tw, ids, kw), tol)
-    assert torch.equal(tmoe.fused_moe(*args, config=fused, pdl=False), want)
-    outs = [tmoe.fused_moe(*args, config=fused, pdl=True) for _ in range(8)]
-    torch.cuda.synchronize()
-    assert all(torch.equal(o, want) for o in outs)
-    g, out = _captured(lambda: tmoe.fused_moe(*args, config=fused, pdl=True))
-    x2, tw2, ids2, _ = _inputs(T, E, H, I, k, torch.bfloat16, wfmt=wfmt, seed=3, route="skewed")
-    x.copy_(x2), tw.copy_(tw2), ids.copy_(ids2)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, tmoe.fused_moe(*args, config=unfused, pdl=False))
-
-
 def test_persistent_path_takes_other_modes_where_it_cannot_run(tmoe):
     """Rows that are not whole 16 bytes for TMA (FP8 with I = 200; bf16 with H = 324): the call runs another mode,
     still right."""

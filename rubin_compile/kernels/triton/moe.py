@@ -108,10 +108,6 @@ class GemmConfig:
     # the TMA loads (FC1's rows quantised in tile order first, so they load by TMA too); BM = 128 at num_warps = 4
     # (one consumer warpgroup: the kernel runs 9 warps), one program per SM
     ws: bool = False
-    # the persistent path's Triton FC2 only: the top-k sum in its epilogue (moe_prefill._sum_last: the program that
-    # stores a token's last slot row sums its k rows, bitwise what the sum kernel computes) instead of the sum kernel
-    # after FC2. (The decode modes' FC2 fuses the sum by MoEConfig.fused_sum; the Gluon FC2s leave it to the kernel)
-    epilogue_sum: bool = False
 
     def problem(self) -> Optional[str]:
         """Why this tile cannot run (None: it can)."""
@@ -179,11 +175,6 @@ class MoEConfig:
             return f"join is the persistent path's FC1 tile; mode={self.mode!r} takes join=False"
         if self.fc1.gluon or self.fc2.gluon:
             return f"gluon picks the persistent path's Gluon kernels; mode={self.mode!r} takes gluon=False"
-        if self.fc1.epilogue_sum or self.fc2.epilogue_sum:
-            return (
-                f"epilogue_sum is the persistent path's FC2 option; mode={self.mode!r} fuses the top-k sum by "
-                "MoEConfig.fused_sum (keep epilogue_sum=False)"
-            )
         return None
 
     def _persistent_problem(self) -> Optional[str]:
@@ -215,13 +206,6 @@ class MoEConfig:
                 )
         if self.fc1.gluon and not self.fc1.join:
             return "mode='persistent': fc1.gluon multiplies the gate and up tiles in one MMA: set fc1.join=True"
-        if self.fc1.epilogue_sum:
-            return "mode='persistent': epilogue_sum is FC2's (the top-k sum of its rows): set it on fc2, not fc1"
-        if self.fc2.epilogue_sum and self.fc2.gluon:
-            return (
-                "mode='persistent': fc2.epilogue_sum is the Triton FC2's epilogue; the Gluon FC2 (fc2.gluon) leaves "
-                "the top-k sum to the sum kernel: set epilogue_sum=False or gluon=False"
-            )
         return None
 
     def to_json(self) -> dict[str, Any]:

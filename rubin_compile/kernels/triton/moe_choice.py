@@ -46,7 +46,7 @@ CONFIG_DIR = Path(__file__).with_name("moe_configs")  # the tuned configs (moe.p
 MEASUREMENT_FIELDS = frozenset({"us", "rel_err", "heuristic_us", "measured_by"})
 # GemmConfig fields added after rows were first recorded, at their defaults: an fc1 / fc2 without them is the same
 # tile (the tables hold configs as JSON, read here without Triton; a CPU test checks these against GemmConfig)
-LATER_GEMM_DEFAULTS = {"occupancy": 1, "flatten": False, "join": False, "epilogue_sum": False}
+LATER_GEMM_DEFAULTS = {"occupancy": 1, "flatten": False, "join": False}
 
 # What each baseline is, for plans and messages.
 BASELINES: dict[str, str] = {

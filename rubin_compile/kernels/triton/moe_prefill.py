@@ -1,6 +1,6 @@
 """The prefill path of ``rubin.moe``'s Triton kernels: slots sorted by expert into M tiles on the GPU, then two
-persistent grouped GEMMs on TMA tensor descriptors and wgmma, and the top-k sum, in FC2's epilogue or its own kernel
-(``MoEConfig.mode == "persistent"``).
+persistent grouped GEMMs on TMA tensor descriptors and wgmma, then the top-k sum (``MoEConfig.mode ==
+"persistent"``).
 
 Contract: ``run(args, launch, tiles, num_sms)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 activations with
 weights in their dtype (fp32 under Triton's interpreter, for the CPU tests) or in e4m3 with 128 x 128 block or
@@ -29,12 +29,7 @@ around them costs more than it must:
 3. ``_fc2_kernel``: the same walk; both operands through TMA (the intermediate's rows are already in tile order;
    ``w2`` seen as ``[E * H, I]``); each row rounded to the activations' dtype, as the reference rounds its expert
    output, and scattered to its slot's row of ``[T k, H]``.
-4. ``_sum_kernel``: each token's k slot rows, times their routing weights, summed in float32 in slot order. Or,
-   with FC2's ``GemmConfig.epilogue_sum`` (the Triton FC2 only), no fourth kernel: FC2's epilogue counts each row's
-   arrival on an integer counter per (token, N tile) (``_sum_last``; the counters zeroed by the call's one memset),
-   and the program that stores a token's last slot row sums the k rows the same way, bitwise the same values. The
-   rows it reads back were written by other programs of the same kernel (from L2 or DRAM, while other programs'
-   MMAs run), instead of a launch that streams all ``T k`` rows after FC2 ends.
+4. ``_sum_kernel``: each token's k slot rows, times their routing weights, summed in float32 in slot order.
 
 FP8 weights run W8A8 (``MoEConfig.a_fp8``): the hidden states in e4m3 once per call (``fp8.quantise_rows``: one
 scale per token and FC1 K tile), each K step's e4m3 product scaled by its rows' and columns' scales (a per-expert
@@ -350,15 +345,10 @@ def _fc2_kernel(
     tile_expert_ptr,
     ntiles_ptr,
     y_ptr,
-    tw_ptr,
-    out_ptr,
-    cnt_ptr,
     E,
     H,
     I,
     P_MAX,
-    K_TOP,
-    stride_ot,
     stride_ist,
     stride_se,
     stride_sn,
@@ -378,18 +368,9 @@ def _fc2_kernel(
     GDC: tl.constexpr,
     FLATTEN: tl.constexpr = False,
     SCALAR_SW: tl.constexpr = False,
-    FUSED_SUM: tl.constexpr = False,
-    TOPK: tl.constexpr = 0,
 ):
     """y[slot, n] = inter[p] . w2[e, n] + b, rounded to y's dtype (the activations'), for every real row p. FP8
-    (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK].
-
-    ``FUSED_SUM``: then the top-k sum of ``_sum_kernel`` for the tokens this tile completes. A program publishes its
-    rows (a CTA barrier, then an acquire-release integer atomic per row on the arrival counter of its (token, N
-    tile), ``cnt`` [T, cdiv(H, BN)], zeroed by the caller); the program whose atomic returns k - 1 took the token's
-    last slot, so all k rows of that token's columns are in ``y``: it sums them times their routing weights in
-    float32 in slot order, as ``_sum_kernel`` does (the same values, bitwise), and writes ``out``. No float atomics:
-    which program sums a token varies, what it computes does not."""
+    (``A_FP8``): the intermediate is e4m3 with FC1's scales ``isc`` [P_MAX, I / BK]."""
     W8A16: tl.constexpr = W_SCALE != 0 and not A_FP8  # as in _fc1_kernel
     SCALAR: tl.constexpr = A_FP8 and W_SCALE == 2 and SCALAR_SW  # as in _fc1_kernel
     if GDC:
@@ -435,50 +416,6 @@ def _fc2_kernel(
         slot = tl.load(sorted_ptr + rows)
         ptrs = y_ptr + tl.where(slot >= 0, slot, 0).to(tl.int64)[:, None] * H + cols[None, :]
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None] & (cols < H)[None, :])
-        if FUSED_SUM:
-            _sum_last(y_ptr, tw_ptr, out_ptr, cnt_ptr, slot, n, num_n, H, stride_ot, TOPK, BM, BN)
-
-
-@triton.jit
-def _sum_last(
-    y_ptr,
-    tw_ptr,
-    out_ptr,
-    cnt_ptr,
-    slot,
-    n,
-    num_n,
-    H,
-    stride_ot,
-    K_TOP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """FC2's fused top-k sum (``_fc2_kernel``'s ``FUSED_SUM``), after the tile's rows are stored to ``y``."""
-    # every thread's stores of this tile before any of its rows is counted: the barrier orders them before the
-    # release of the atomics below (the pattern of moe.py's decode FC2). No branch skips the sum where no row is a
-    # token's last: at k = 8 nearly every 64-row tile has one, and Triton 3.6 fails to compile a flattened item loop
-    # (GemmConfig.flatten) holding that branch (TritonGPUFuseNestedLoops); rows that are not last load nothing
-    tl.debug_barrier()
-    valid = slot >= 0
-    tok = tl.where(valid, slot, 0) // K_TOP
-    old = tl.atomic_add(cnt_ptr + tok.to(tl.int64) * num_n + n, 1, mask=valid, sem="acq_rel", scope="gpu")
-    last = valid & (old == K_TOP - 1)
-    tl.debug_barrier()  # the acquiring threads' view to the whole CTA, before the other programs' rows are read
-    # 2048 elements at a time (SUM_COLS columns): a [BM, BN] float32 sum with its [BM, BN] row pointers would take more
-    # registers than the K loop (sm_90 AOT compiles: spills at 8 warps and 256 columns; 32 columns of 128 rows: 130
-    # registers where the K loop of a W8A16 tile takes 128, so one program per SM where two fit)
-    SUM_COLS: tl.constexpr = BN if BN * BM <= 2048 else 2048 // BM
-    row = tok.to(tl.int64) * K_TOP
-    for c0 in tl.static_range(0, BN, SUM_COLS):
-        c = (n * BN + c0 + tl.arange(0, SUM_COLS))[None, :]
-        mask = last[:, None] & (c < H)
-        tot = tl.zeros([BM, SUM_COLS], tl.float32)
-        for j in tl.static_range(K_TOP):
-            w = tl.load(tw_ptr + row + j, mask=last, other=0.0).to(tl.float32)
-            v = tl.load(y_ptr + (row + j)[:, None] * H + c, mask=mask, other=0.0, cache_modifier=".cg")
-            tot += w[:, None] * v.to(tl.float32)
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + c, tot.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -518,7 +455,6 @@ class Tiles:
     gluon: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the Gluon kernels where they can run (GemmConfig.gluon)
     unroll: tuple[int, int] = (2, 2)  # the Gluon FC1's and FC2's K steps per loop iteration (GemmConfig.unroll)
     ws: tuple[bool, bool] = (False, False)  # FC1 / FC2 by the warp-specialized Gluon kernels (GemmConfig.ws)
-    epilogue_sum: bool = False  # the Triton FC2 sums each token's k rows (GemmConfig.epilogue_sum), else _sum_kernel
 
     @staticmethod
     def of(config) -> "Tiles":
@@ -536,7 +472,6 @@ class Tiles:
             (f1.gluon, f2.gluon),
             (f1.unroll, f2.unroll),
             (f1.ws, f2.ws),
-            f2.epilogue_sum,
         )
 
 
@@ -644,11 +579,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
         pdl = chain
     else:
         xa, xs = x, x
-    # the top-k sum in the Triton FC2's epilogue (the Gluon FC2s leave it to _sum_kernel)
-    fused = tiles.epilogue_sum and not (ws2 or gl2)
-    num_n2 = cdiv(H, bn2)
-    # counts, then cursors, then (fused) FC2's arrival counters per (token, N tile): one memset
-    counters = torch.zeros(2 * E + (T * num_n2 if fused else 0), dtype=i32, device=dev)
+    counters = torch.zeros(2 * E, dtype=i32, device=dev)  # counts, then cursors
     sorted_slots = torch.empty(p_max, dtype=i32, device=dev)
     tile_expert = torch.empty(tiles_max, dtype=i32, device=dev)
     ntiles = torch.empty(1, dtype=i32, device=dev)
@@ -774,7 +705,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             SCALAR_SW=scalar1,
             **fc1_kw,
         )
-    grid2 = (max(1, min(occ2 * num_sms, tiles_max * num_n2)),)
+    grid2 = (max(1, min(occ2 * num_sms, tiles_max * cdiv(H, bn2))),)
     if ws2 or gl2:  # the two Gluon FC2s take the same arguments
         a_desc, w_desc = gluon_k.descriptors(inter, args.w2, E, H, I, BM, bn2, bk2)
         launcher(ws_k._fc2_ws_kernel if ws2 else gluon_k._fc2_w8a8_kernel)[grid2](
@@ -810,15 +741,10 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             tile_expert,
             ntiles,
             y,
-            tw,
-            out,
-            counters[2 * E :],
             E,
             H,
             I,
             p_max,
-            k,
-            out.stride(0),
             isc.stride(0),
             s2e,
             s2n,
@@ -830,13 +756,10 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
             DOT_PREC=dot_prec,
             FLATTEN=tiles.flatten[1],
             SCALAR_SW=scalar2,
-            FUSED_SUM=fused,
-            TOPK=k if fused else 0,
             **fc2_kw,
         )
-    if not fused:
-        width = min(1024, next_power_of_2(H))
-        launcher(_sum_kernel)[(T, cdiv(H, width))](
-            y, tw, out, H, k, out.stride(0), BLOCK=width, GDC=gdc, num_warps=4, **chain
-        )
+    width = min(1024, next_power_of_2(H))
+    launcher(_sum_kernel)[(T, cdiv(H, width))](
+        y, tw, out, H, k, out.stride(0), BLOCK=width, GDC=gdc, num_warps=4, **chain
+    )
     return out

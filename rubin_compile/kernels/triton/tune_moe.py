@@ -512,8 +512,7 @@ def _all_candidates(moe, base, T, E, H, I, k, wfmt) -> list:
 
 def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
     """Round 2: the best FC1 (of the configs that kept the heuristic FC2) with the best FC2 (of those that
-    kept the heuristic FC1), and the round-1 winner, each with every kernel-boundary option (a persistent config with
-    the Triton FC2: also with the top-k sum moved into or out of that FC2's epilogue, ``GemmConfig.epilogue_sum``)."""
+    kept the heuristic FC1), and the round-1 winner, each with every kernel-boundary option."""
 
     def best_with(pred):
         rs = [c for t, c in sorted(results, key=lambda r: r[0]) if pred(c)]
@@ -534,8 +533,6 @@ def round_two(moe, results: list, base, H: int, I: int, wfmt: str) -> list:
     for c in seeds:
         c = replace(c, **plain)
         out += [c] + _overlap_variants(moe, c, H, I, wfmt)
-        if c.mode == "persistent" and not c.fc2.gluon:  # the top-k sum in the Triton FC2's epilogue, or not
-            out.append(replace(c, fc2=replace(c.fc2, epilogue_sum=not c.fc2.epilogue_sum)))
     tried = {c for _, c in results}
     return [c for c in dict.fromkeys(out) if c not in tried]
 
@@ -556,7 +553,6 @@ def describe(cfg) -> str:
             + ("/gluon" if c.gluon and not c.ws else "")
             + ("/ws" if c.ws else "")
             + (f"/u{c.unroll}" if c.unroll != 2 else "")
-            + ("/sum" if c.epilogue_sum else "")
         )
 
     return (

@@ -276,32 +276,6 @@ def test_tuner_second_round_joins_best_fc1_and_fc2_with_boundary_options(tmoe):
     assert not {c for _, c in results} & set(r2)  # nothing timed twice
 
 
-def test_tuner_second_round_weighs_the_persistent_winners_top_k_sum_in_fc2(tmoe):
-    """The persistent candidates run the sum kernel (``fc2.epilogue_sum=False``, what the tables measured); round two
-    times the winner with the sum in its Triton FC2's epilogue as well, and not where its FC2 is a Gluon kernel
-    (which has no such epilogue: MoEConfig refuses that pairing, naming the fix)."""
-    from dataclasses import replace
-
-    from rubin_compile.kernels.triton import tune_moe as tm
-
-    cands = tm.persistent_candidates(tmoe, 4096, "fp8_block")
-    assert cands and not any(c.fc1.epilogue_sum or c.fc2.epilogue_sum for c in cands)
-    triton_fc2 = next(c for c in cands if not c.fc2.gluon)
-    gluon_fc2 = next(c for c in cands if c.fc2.gluon)
-    base = tmoe.heuristic_config(4096, 128, 2048, 768, 8, torch.float8_e4m3fn, [128, 128])
-    r2 = tm.round_two(tmoe, [(100.0, triton_fc2), (120.0, base)], base, 2048, 768, "fp8_block")
-    summed = replace(triton_fc2, fc2=replace(triton_fc2.fc2, epilogue_sum=True))
-    assert summed in r2 and "/sum" in tm.describe(summed).split("fc2=")[1]
-    r2 = tm.round_two(tmoe, [(100.0, gluon_fc2), (120.0, base)], base, 2048, 768, "fp8_block")
-    assert not any(c.fc2.epilogue_sum for c in r2)
-    with pytest.raises(ValueError, match="the Gluon FC2 .fc2.gluon. leaves the top-k sum to the sum kernel"):
-        replace(gluon_fc2, fc2=replace(gluon_fc2.fc2, epilogue_sum=True))
-    with pytest.raises(ValueError, match="set it on fc2, not fc1"):
-        replace(triton_fc2, fc1=replace(triton_fc2.fc1, epilogue_sum=True))
-    with pytest.raises(ValueError, match="mode='grouped' fuses the top-k sum by MoEConfig.fused_sum"):
-        replace(base, mode="grouped", fc2=replace(base.fc2, epilogue_sum=True))
-
-
 def test_gemv_configs_that_cannot_run_are_refused_with_the_fix(tmoe):
     """The reduction (GEMV) form's limits, named with the fix when a config is built (a table entry, a tuner
     candidate, a hand-written config): no swapped tile, at most GEMV_MAX_BM rows per chunk, no FP8 activations,
@@ -611,10 +585,6 @@ def _interp_case(
     if join:  # joining the gate and up tiles must not change a value: bitwise the unjoined run
         apart = dataclasses.replace(cfg, fc1=dataclasses.replace(cfg.fc1, join=False))
         if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=apart, **quant), out):
-            return float("inf"), False, float("inf")
-    if mode == "persistent":  # the top-k sum in FC2's epilogue (epilogue_sum) or its own kernel: bitwise the same
-        other = dataclasses.replace(cfg, fc2=dataclasses.replace(cfg.fc2, epilogue_sum=not cfg.fc2.epilogue_sum))
-        if not torch.equal(tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=other, **quant), out):
             return float("inf"), False, float("inf")
     if split_n:  # the placement must not change a result: bitwise the whole call's
         whole = tmoe.fused_moe(x, w13, w2, tw, ids, act, b13, b2, config=cfg, **quant)

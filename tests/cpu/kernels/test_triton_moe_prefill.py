@@ -44,7 +44,7 @@ TILE_IDS = [f"{'fp8' if f else 'bf16'}-{i}" for f, i in TILES]
 WGMMA = {False: r"m64n\d+k16\.f32\.bf16\.bf16", True: r"m64n\d+k32\.f32\.e4m3\.e4m3"}
 
 # A Qwen3-30B-A3B prefill call (H = 2048, I = 768, k = 8) at T = 1024 with 128-row tiles
-QWEN3 = dict(E=128, H=2048, I=768, P_MAX=8192 + 128 * 127, K_TOP=8, stride_xt=2048, stride_be=0, stride_ot=2048)
+QWEN3 = dict(E=128, H=2048, I=768, P_MAX=8192 + 128 * 127, K_TOP=8, stride_xt=2048, stride_be=0)
 PTRS = dict(
     sorted_ptr="*i32",
     tile_expert_ptr="*i32",
@@ -53,9 +53,6 @@ PTRS = dict(
     ws_ptr="*fp32",
     xs_ptr="*fp32",
     isc_ptr="*fp32",
-    tw_ptr="*fp32",
-    out_ptr=BF,
-    cnt_ptr="*i32",
 )
 F8 = "*fp8e4nv"
 # the scale strides of 128 x 128 blocks over Qwen3's w13 [128, 1536, 2048] and w2 [128, 2048, 768]
@@ -190,53 +187,6 @@ def test_tile_variants_fit_their_occupancy_and_flatten_their_loops(prefill, i):
         assert fits >= g.occupancy, (name, g, use)
         stores_in_loop = any(re.search(STORES[name], ln) for body in loop_bodies(ptx) for ln in body)
         assert stores_in_loop == g.flatten, (name, g)
-
-
-def _fused_sum_fc2s():
-    """Each distinct Triton FC2 among the tuner's persistent candidates (the Gluon FC2s leave the sum to its kernel),
-    with the config it came from: (kind, config)."""
-    from rubin_compile.kernels.triton import tune_moe as tm
-
-    seen = {}
-    for kind, tiles in (
-        ("bf16", tm.PERSISTENT_TILES + tm.PERSISTENT_VARIANTS),
-        ("fp8", tm.PERSISTENT_TILES_FP8 + tm.PERSISTENT_VARIANTS_FP8),
-        ("w8a16", tm.PERSISTENT_TILES_W8A16 + tm.PERSISTENT_VARIANTS_W8A16),
-    ):
-        for t in tiles:
-            opts = t[3] if len(t) > 3 else {}
-            if opts.get("gluon", (False, False))[1]:
-                continue
-            fc2 = (t[0], t[2], opts.get("occupancy", (1, 1))[1], opts.get("flatten", (False, False))[1])
-            seen.setdefault((kind, fc2), t)
-    return [(kind, t) for (kind, _), t in seen.items()]
-
-
-@pytest.mark.parametrize(
-    "i", range(len(_fused_sum_fc2s())), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_fused_sum_fc2s())]
-)
-def test_fc2_with_the_fused_top_k_sum_keeps_its_registers_and_orders_its_arrivals(prefill, i):
-    """FC2 with the top-k sum in its epilogue (``FUSED_SUM``, k = 8), each distinct Triton FC2 the tuner tries: no
-    spill, still ``occupancy`` programs per SM; the arrival counters are integer atomics with acquire-release at GPU
-    scope, after a CTA barrier that follows the tile's stores, and a barrier between them and the reads of the other
-    programs' rows, which bypass L1 (``ld.global.cg``: L1 is not coherent across SMs)."""
-    from rubin_compile.kernels.triton import moe as tmoe
-    from rubin_compile.kernels.triton.tune_moe import persistent_config
-
-    kind, tile = _fused_sum_fc2s()[i]
-    cfg = persistent_config(tmoe, tile, a_fp8=kind == "fp8")
-    name, g, fn, consts, ptrs = _gemms(prefill, kind, cfg)[1]
-    ptx, use = _compile(fn, dict(consts, FUSED_SUM=True, TOPK=8), ptrs, g.num_warps, g.num_stages)
-    assert use["LOCAL"] == 0 and use["STACK"] == 0, use
-    assert resident_per_sm(use["REG"], use["DYNAMIC_SHARED"] + use.get("SHARED", 0), g.num_warps) >= g.occupancy, use
-    assert set(re.findall(r"\batom\.[\w.]+", ptx)) == {"atom.global.gpu.acq_rel.add.u32"}
-    assert not re.search(r"\bred\.", ptx), "a reduction atomic"
-    lines = ptx.splitlines()
-    first_atom = next(n for n, ln in enumerate(lines) if "atom.global.gpu.acq_rel" in ln)
-    last_store = max(n for n, ln in enumerate(lines[:first_atom]) if re.search(r"\bst\.global\.", ln))
-    assert any("bar.sync" in ln for ln in lines[last_store:first_atom]), "no barrier between the stores and the atomics"
-    first_read = next(n for n, ln in enumerate(lines) if n > first_atom and "ld.global.cg" in ln)
-    assert any("bar.sync" in ln for ln in lines[first_atom:first_read]), "no barrier between the atomics and the reads"
 
 
 @pytest.mark.parametrize("join", [False, True], ids=["apart", "joined"])
