@@ -190,8 +190,8 @@ class MoEConfig:
             return "mode='persistent': w2_l2, early_launch and fused_sum=False are decode-path options"
         if self.fc2.join:
             return "mode='persistent': join joins FC1's gate and up tiles; FC2 has none (set fc2.join=False)"
+        ws_bm, ws_warps = moe_prefill.ws_k.WS_BM, moe_prefill.ws_k.WS_WARPS
         for name, g, widest in (("fc1", self.fc1, 64), ("fc2", self.fc2, 128)):
-            ws_bm, ws_warps = moe_prefill.ws_k.WS_BM, moe_prefill.ws_k.WS_WARPS
             if g.ws and not (g.BM == ws_bm and g.num_warps == ws_warps):
                 return (
                     f"mode='persistent': {name}.ws takes BM = {ws_bm} at num_warps = {ws_warps} (two consumer "

@@ -185,7 +185,7 @@ def test_gather_quant_moves_rows_in_16_byte_vectors():
 def _gather_case() -> dict:
     """(In the interpreter subprocess.) Rows of 3 M tiles of 4 over 5 tokens, k = 2, padding rows (-1) among them and
     past them: the tile-order rows against ``quantise_rows``' rows of their tokens; which rows were written (the
-    buffers filled with a marker first: the kernel's ``q`` and ``xs`` come from torch.empty, which is patched)."""
+    buffers ``fp8._e4m3_rows`` makes for the kernel filled with a marker first)."""
     from rubin_compile.kernels.triton import fp8
 
     g = torch.Generator().manual_seed(0)
@@ -193,17 +193,18 @@ def _gather_case() -> dict:
     x = (torch.randn(Tn, Hn, generator=g) * 3).bfloat16()
     x[2, :16] = 0  # a group of zeros: the smallest scale
     sorted_slots = torch.tensor([0, 3, 5, -1, 1, 2, 4, 6, 9, 8, 7, -1] + [-1] * 8, dtype=torch.int32)
-    real_empty = torch.empty
+    buffers = fp8._e4m3_rows
 
-    def marked(*shape, dtype=None, device=None):
-        t = real_empty(*shape, dtype=dtype, device=device)
-        return t.view(torch.uint8).fill_(0x5A).view(dtype) if dtype == torch.float8_e4m3fn else t.fill_(-7.0)
+    def marked(*args):
+        q, xs, grid, ng = buffers(*args)
+        q.view(torch.uint8).fill_(0x5A)
+        return q, xs.fill_(-7.0), grid, ng
 
-    fp8.torch.empty = marked
+    fp8._e4m3_rows = marked
     try:
         q, s = fp8.gather_quantise_rows(x, sorted_slots, k, G, False, {})
     finally:
-        fp8.torch.empty = real_empty
+        fp8._e4m3_rows = buffers
     qt, st = fp8.quantise_rows(x, G, False, {})
     real = [p for p in range(len(sorted_slots)) if sorted_slots[p] >= 0]
     toks = [int(sorted_slots[p]) // k for p in real]
