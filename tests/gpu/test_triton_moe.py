@@ -656,3 +656,82 @@ def test_persistent_path_back_to_back_with_pdl_at_prefill_size(tmoe):
         torch.cuda.synchronize()
         assert all(torch.equal(o, outs[0]) for o in outs), tile
     _check(outs[0], _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+# ------------------------------------------------------------------ the fused decode path (moe_decode.py)
+
+
+def _fused_cfg(tmoe, fc1=(8, 512), fc2=(16, 256), grid=(4, 1), prefetch=0):
+    G = tmoe.GemmConfig
+    (bn1, bk1), (bn2, bk2), (w, o) = fc1, fc2, grid
+    return tmoe.MoEConfig(
+        mode="fused",
+        fc1=G(BM=1, BN=bn1, BK=bk1, num_warps=w, num_stages=1, occupancy=o),
+        fc2=G(BM=1, BN=bn2, BK=bk2, num_warps=w, num_stages=1, occupancy=o, prefetch=prefetch),
+    )
+
+
+def _fused_tuner_cfgs(tmoe):
+    """Every config the tuner tries for the fused path."""
+    from rubin_compile.kernels.triton.tune_moe import fused_candidates
+
+    return fused_candidates(tmoe, 1, "bf16")
+
+
+@pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (256, 7168, 256, 8)], ids=["qwen3", "deepseek-v3-tp8"])
+def test_fused_decode_path_every_tuner_config(tmoe, shape):
+    """Each config the tuner tries, at Qwen3-30B-A3B / DeepSeek-V3 TP8 sizes, T = 1 and 4: right, and the workspace's
+    counters left zero."""
+    from rubin_compile.kernels.triton import moe_decode
+
+    E, H, I, k = shape
+    for T in (1, 4):
+        x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
+        ref = _reference(x, tw, ids, kw)
+        for cfg in _fused_tuner_cfgs(tmoe):
+            _check(_run(tmoe, x, tw, ids, kw, config=cfg, pdl=True), ref, TOL[torch.bfloat16])
+            assert int(moe_decode.workspace(x.device).abs().sum()) == 0, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("route", ["random", "one_expert", "skewed"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_fused_decode_path_routings_dtypes_ragged_tiles(tmoe, dtype, route, act):
+    """H = 320, I = 200: no tile divides them (masked rows and K steps in both GEMMs); T = 1, 3, 8, 64 (MAX_T)."""
+    for T in (1, 3, 8, 64):
+        x, tw, ids, kw = _inputs(T, 16, 320, 200, 4, dtype, act=act, route=route)
+        cfg = _fused_cfg(tmoe, fc1=(16, 256), fc2=(32, 128), grid=(4, 2), prefetch=32768)
+        _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[dtype])
+
+
+def test_fused_decode_path_deterministic_pdl_bitwise_and_replayed_with_new_routing(tmoe):
+    """Bitwise the same run to run, with PDL on and off, back to back with one sync at the end (each call resets the
+    counters the next one reads), and in a CUDA graph replayed with new routing written into its inputs."""
+    T, E, H, I, k = 2, 128, 2048, 768, 8
+    x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
+    cfg = _fused_cfg(tmoe, grid=(4, 2), prefetch=32768)
+    args = (x, kw["w13"], kw["w2"], tw, ids, "silu")
+    first = tmoe.fused_moe(*args, config=cfg, pdl=False)
+    outs = [tmoe.fused_moe(*args, config=cfg, pdl=pdl) for pdl in (True, False) * 8]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for o in outs)
+    g, outs = _captured(lambda: [tmoe.fused_moe(*args, config=cfg, pdl=True) for _ in range(3)])
+    for seed in (1, 2):
+        x2, tw2, ids2, _ = _inputs(T, E, H, I, k, torch.bfloat16, seed=seed, route="skewed" if seed == 2 else "random")
+        x.copy_(x2), tw.copy_(tw2), ids.copy_(ids2)
+        g.replay()
+        torch.cuda.synchronize()
+        eager = tmoe.fused_moe(*args, config=cfg, pdl=False)
+        assert all(torch.equal(o, eager) for o in outs), seed
+        _check(eager, _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+
+
+def test_fused_decode_path_takes_slot_mode_where_it_cannot_run(tmoe):
+    """FP8 weights, biases, more than MAX_T tokens: the call runs the slot / grouped kernels, still right."""
+    cfg = _fused_cfg(tmoe)
+    x, tw, ids, kw = _inputs(2, 16, 512, 384, 4, torch.bfloat16, wfmt="fp8_block")
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL["fp8_a8"])
+    x, tw, ids, kw = _inputs(2, 16, 512, 384, 4, torch.bfloat16, bias=True)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[torch.bfloat16])
+    x, tw, ids, kw = _inputs(70, 16, 512, 384, 2, torch.bfloat16)
+    _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[torch.bfloat16])

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton import moe_prefill
+from rubin_compile.kernels.triton import moe_decode, moe_prefill
 from rubin_compile.kernels.triton.activations import CODES as _ACT_CODES
 
 # Imported under their own names: Inductor rebuilds a traced kernel's source from the helpers' definitions
@@ -134,8 +134,10 @@ class GemmConfig:
 class MoEConfig:
     """How one MoE call is run: routing mode, the two GEMMs' tiles, and the top-k reduction."""
 
-    # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert), "prefill" (BM-row blocks of sorted slots), or
-    # "persistent" (moe_prefill.py: slots aligned on the GPU, persistent TMA + wgmma grouped GEMMs; fc1.BM rows)
+    # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert), "prefill" (BM-row blocks of sorted slots),
+    # "persistent" (moe_prefill.py: slots aligned on the GPU, persistent TMA + wgmma grouped GEMMs; fc1.BM rows), or
+    # "fused" (moe_decode.py, decode: FC1, FC2 and the top-k sum in one persistent launch; BM = 1, fc1.BN / BK and
+    # fc2.BN / BK its items' tiles, fc1.num_warps / occupancy the grid's, fc2.prefetch the L2 requests of FC2 items)
     mode: str = "slot"
     fc1: GemmConfig = field(default_factory=GemmConfig)
     fc2: GemmConfig = field(default_factory=GemmConfig)
@@ -167,6 +169,8 @@ class MoEConfig:
             return "fc2.gemv=True after a K-split FC1 (fc1.split_k > 1) is not implemented; set fc1.split_k=1"
         if self.mode == "persistent":
             return self._persistent_problem()
+        if self.mode == "fused":
+            return moe_decode.config_problem(self)
         if self.fc1.occupancy != 1 or self.fc2.occupancy != 1:
             return f"occupancy sizes the persistent path's grids; mode={self.mode!r} takes occupancy=1"
         if self.fc1.flatten or self.fc2.flatten:
@@ -1860,6 +1864,12 @@ def run(
         block = tuple(args.block_shape) if args.block_shape is not None else None
         config = _tuned_config(T, E, H, I, k, args.w13.dtype, block, name, num_sms, is_sm90(dev))
     placed = launch.placement is not None and launch.placement.applies(T)
+    if config.mode == "fused":
+        why = moe_decode.problem(args, placed)
+        if why is None:
+            return moe_decode.run(args, launch, moe_decode.Tiles.of(config), num_sms, out)
+        # a call the fused decode kernel does not take (FP8, biases, split-N, tracing): the slot-mode kernels
+        config = heuristic_config(T, E, H, I, k, args.w13.dtype, args.block_shape, num_sms)
     if config.mode == "persistent":
         tiles = moe_prefill.Tiles.of(config)
         why = moe_prefill.problem(args, tiles) or ("a split-N placement (decode sizes)" if placed else None)

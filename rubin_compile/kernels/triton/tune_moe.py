@@ -303,7 +303,7 @@ def _overlap_variants(moe, cfg, H: int, I: int, wfmt: str) -> list:
     """The FC1 -> FC2 boundary options of a decode config: FC1 pulls w2 into L2; FC1 lets FC2 start early
     and FC2 prefetches its whole weight slice before its wait; both. (The tuner times every call with
     pdl=True, so PDL joins our kernels in all of them; ``chain`` matters only for calls with pdl=False.)"""
-    if cfg.mode in ("prefill", "persistent"):
+    if cfg.mode in ("prefill", "persistent", "fused"):  # fused: one kernel, no boundary
         return []
     elt = 2 if wfmt == "bf16" else 1
     slice2 = min(cfg.fc2.BN, H) * I * elt
@@ -461,6 +461,28 @@ def persistent_config(moe, tile: tuple, a_fp8: bool = False):
     )
 
 
+FUSED_MAX_T = 8  # above this many tokens the tuner does not try the fused decode path
+
+
+def fused_candidates(moe, T: int, wfmt: str) -> list:
+    """The fused decode path's configs at T <= FUSED_MAX_T (bf16 weights: the path's only format): its tiles
+    (moe_decode.TUNE_*) paired every way, on each grid, with and without the FC2 items' L2 requests."""
+    if T > FUSED_MAX_T or wfmt != "bf16":
+        return []
+    G, dec = moe.GemmConfig, moe.moe_decode
+    return [
+        moe.MoEConfig(
+            mode="fused",
+            fc1=G(BM=1, BN=bn1, BK=bk1, num_warps=w, num_stages=1, occupancy=o),
+            fc2=G(BM=1, BN=bn2, BK=bk2, num_warps=w, num_stages=1, occupancy=o, prefetch=pf),
+        )
+        for w, o in dec.TUNE_GRIDS
+        for bn1, bk1 in dec.TUNE_FC1
+        for bn2, bk2 in dec.TUNE_FC2
+        for pf in dec.TUNE_PREFETCH
+    ]
+
+
 def candidate_configs(moe, T, E, H, I, k, wfmt, table_entry=None, modes=None) -> list:
     """Round 1: FC1 tiles paired with the heuristic FC2, FC2 tiles paired with the heuristic FC1, FC1 split
     over K, the kernel-boundary options of the heuristic, the persistent path's tiles at prefill sizes, and the
@@ -497,6 +519,7 @@ def _all_candidates(moe, base, T, E, H, I, k, wfmt) -> list:
         cands += _split_candidates(moe, base, T, E, H, I, k)
         cands += _overlap_variants(moe, base, H, I, wfmt)
     cands += persistent_candidates(moe, T, wfmt)
+    cands += fused_candidates(moe, T, wfmt)
     if base.mode == "grouped" and T >= 64:  # also try splitting experts into 64-row blocks
         p = replace(
             base,

@@ -20,6 +20,7 @@ from tests.cpu.kernels.triton_aot import (
     compile_sm90,
     load_plain,
     loop_bodies,
+    resident_per_sm,
     resource_usage,
 )
 
@@ -343,3 +344,71 @@ def test_every_gemv_tuner_tile_compiles_without_spills(kernels, which, ptr):
         seen[(bm, bn, bk, warps)] = resource_usage(asm["cubin"])
     assert {bm for bm, *_ in seen} == {1, 2, 4} and len(seen) >= 10, seen
     assert all(r["LOCAL"] == 0 and r["STACK"] <= 16 for r in seen.values()), seen
+
+
+# ------------------------------------------------------------------ the fused decode kernel (moe_decode.py)
+
+
+QWEN3 = dict(H=2048, I=768, k=8)
+DEEPSEEK = dict(H=7168, I=256, k=8)
+
+
+def _compile_fused(shape, cfg, asm):
+    dec = sys.modules["rubin_moe_decode_aot"]
+    bn1, bk1, bn2, bk2, w, pf = cfg
+    H, I, k = shape["H"], shape["I"], shape["k"]  # noqa: E741
+    n1 = k * (I // bn1)
+    ints = dict(T=1, H=H, I=I, K_TOP=k, NT1=I // bn1, NT2=H // bn2, N1=n1, N_ALL=n1 + H // bn2)
+    ints.update(stride_xt=H, stride_w13e=2 * I * H, stride_w13n=H, stride_w2e=H * I, stride_w2n=I, stride_ot=H)
+    ptrs = dict(x_ptr="*bf16", w13_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", inter_ptr="*bf16")
+    ptrs.update(out_ptr="*bf16", ws_ptr="*i32")
+    consts = dict(ACT=0, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, EVEN_N1=True, EVEN_K1=True, EVEN_N2=True)
+    consts.update(EVEN_K2=True, PREFETCH=pf, GDC=True, MAX_TOKENS=dec.MAX_T)
+    return compile_like_a_launch(dec._moe_decode_kernel, consts, ptrs, ints, num_stages=1, asm=asm, num_warps=w)
+
+
+@pytest.fixture(scope="module")
+def decode_kernels():
+    """kernels/triton/moe_decode.py loaded as a plain module."""
+    yield load_plain("moe_decode", "rubin_moe_decode_aot")
+    del sys.modules["rubin_moe_decode_aot"]
+
+
+def _fused_cases():
+    """The tuner's tiles of the fused path (moe_decode.TUNE_*), paired, on each grid; and one with L2 requests."""
+    tiles = load_plain("moe_decode", "rubin_moe_decode_tiles")
+    del sys.modules["rubin_moe_decode_tiles"]
+    out = []
+    for (bn1, bk1), (bn2, bk2) in zip(tiles.TUNE_FC1, tiles.TUNE_FC2):
+        for w, o in tiles.TUNE_GRIDS:
+            out.append(((bn1, bk1, bn2, bk2, w, o, 0), QWEN3 if bn1 != 4 else DEEPSEEK))
+    out.append(((8, 512, 16, 256, 4, 2, 32768), QWEN3))  # with the FC2 items' L2 requests
+    return out
+
+
+@pytest.mark.parametrize(
+    "tiles,shape", _fused_cases(), ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else ""
+)
+def test_fused_decode_k_loops_stream_without_barriers_and_nothing_spills(decode_kernels, tiles, shape):
+    """The fused decode kernel (moe_decode.py) with the tuner's tiles: its two K loops are 16-byte loads and FMAs,
+    no barrier, shuffle or shared memory (the activations loaded in the weights' layout); no local memory; the
+    occupancy it is tuned at fits (registers); one griddepcontrol.wait and one launch_dependents; the L2 requests
+    only where fc2.prefetch asks for them."""
+    bn1, bk1, bn2, bk2, w, o, pf = tiles
+    asm = {}
+    ptx = _compile_fused(shape, (bn1, bk1, bn2, bk2, w, pf), asm)
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(pf)
+    # the K loops of FC1 and FC2: the innermost loops with FMAs (the others: the queue's waits, the L2 requests)
+    k_loops = [b for b in loop_bodies(ptx) if any("fma.rn.f32" in line for line in b)]
+    assert len(k_loops) == 2, f"{len(k_loops)} loops with FMAs"
+    for body in k_loops:
+        text = "\n".join(body)
+        assert "bar.sync" not in text and "shfl" not in text and ".shared" not in text, text[:2000]
+        loads = re.findall(r"ld\.global[^\n]*", text)
+        # the tiles in 16-byte loads; besides them at most FC2's expert id and routing weight of the next step
+        scalar = [ld for ld in loads if ".v4" not in ld]
+        assert len(loads) - len(scalar) >= 4 and len(scalar) <= 2, loads
+    use = resource_usage(asm["cubin"])
+    assert use["LOCAL"] == 0, use
+    assert resident_per_sm(use["REG"], use["SHARED"], w) >= o, f"occupancy {o} does not fit: {use}"

@@ -1,0 +1,353 @@
+"""The fused decode path of ``rubin.moe``'s Triton kernels: FC1, the activation, FC2 and the top-k sum in one
+persistent launch with no kernel boundary (``MoEConfig.mode == "fused"``, decode sizes: ``T <= MAX_T``).
+
+Contract: ``run(args, launch, tiles, num_sms)`` computes ``rubin.moe`` (ops/moe.py) for bf16 / fp16 / fp32
+activations with weights in the activations' dtype, SiLU or GELU-tanh, no biases, ``T <= MAX_T`` tokens, within the
+tolerances of the slot-mode kernels (the intermediate rounded to the activations' dtype, as they round it; the
+output summed in float32); no host synchronisation (capturable in a CUDA graph); deterministic and bitwise the same
+with PDL on and off and whatever order the GPU runs the programs in. ``problem`` names what it does not take;
+moe.run then runs the slot-mode kernels.
+
+Why this shape. At T = 1 a routed MoE is a few dozen MB of expert weights (Qwen3-30B-A3B: 75 MB, DeepSeek-V3 TP8:
+88 MB) and almost no arithmetic, so a call is bound by HBM, and what it loses against the byte floor is time when
+the memory system is not streaming: each kernel's ramp-up and tail, the FC1 -> FC2 boundary, and SMs without work
+when a GEMM has fewer programs than SMs (Qwen3's FC1 at T = 1: 96 programs on 132 SMs; Nsight Compute, 2026-12-01:
+FC1 at 2.8 TB/s, FC2 with its fused top-k sum at 2.0 TB/s). Here one launch of ``num_sms x occupancy`` programs
+takes small work items from one queue until it is empty:
+
+- FC1 items (slot ``s``, BN1 columns of I): the expert's BN1 gate rows and BN1 up rows over all of K = H against
+  the token's hidden states, reduced in float32, ``act(gate) * up`` rounded to the activations' dtype into the
+  ``[T k, I]`` intermediate; then one release increment of the token's counter.
+- FC2 items (token ``t``, BN2 columns of H): for each of the token's k slots in slot order, the expert's BN2 rows of
+  ``w2`` against that slot's intermediate row times its routing weight, all summed in one float32 accumulator; the
+  output row written once. No per-slot rows, no arrival counters per output tile, no sum kernel, no float atomics.
+  An FC2 item first asks L2 for its weight tiles (``fc2.prefetch``; weights never depend on FC1), then waits
+  (acquire loads of the token's counter) until all of its token's FC1 items are done: only the first FC2 items
+  taken, while the last FC1 items finish, ever wait, and their L2 requests keep HBM busy meanwhile.
+
+Items are taken in queue order through one integer atomic per item (the next one claimed while the current one
+runs), FC1 items before FC2 items. That is what makes the wait safe: a program holding an FC2 item knows every FC1
+item was already taken by a program that is running and never waits itself, so the FC1 items finish whatever the
+GPU's scheduling, residency or occupancy (the argument of CUB's decoupled look-back, which takes its tile ids from a
+counter for the same reason). Each item's weight stream is a GEMV (one token row): float32 products accumulated per
+element over K and reduced once at the end, both operands loaded as 2-D tiles with K contiguous (vector loads and
+FMAs, no shared memory or barrier), the next K step's tiles loaded before this one's products (two steps in
+flight per program).
+
+The queue's counters live in a per-device workspace of int32 (``workspace``, zeroed once, when first needed): the
+claim counter, an exit counter and one counter per token. The last program to exit zeroes them, so the next call
+finds them zero; with PDL a call waits (``gdc_wait``) before it touches them. Two consequences: calls on one device
+must not run this kernel concurrently on two streams (a split-N placement over locality domains does: ``problem``
+sends such calls to the slot-mode kernels), and the workspace is process state, so ``passes/inline_kernels.py``
+cannot trace these launches into a graph (the node stays an op call; its report says why).
+
+PDL: every program waits before it reads the routing or the hidden states (the previous kernel's outputs; the expert
+of an item is not known before, so no weight can be requested earlier), and lets the next kernel launch once the
+queue is empty for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.kernels.triton import launch as _launch
+from rubin_compile.kernels.triton.activations import CODES as _ACT
+from rubin_compile.kernels.triton.activations import gated
+from rubin_compile.kernels.triton.launch import cdiv, launcher
+from rubin_compile.kernels.triton.pdl import INTERPRET, PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc
+from rubin_compile.kernels.triton.pdl import l2_prefetch
+from rubin_compile.ops.moe import MoEArgs
+from rubin_compile.ops.registry import Launch
+
+MAX_T = 64  # tokens per call: one counter each in the workspace
+WS_CLAIM, WS_EXIT, WS_TOKENS = 0, 1, 2  # the workspace's int32 words: claim counter, exit counter, per-token counters
+WS_WORDS = WS_TOKENS + MAX_T
+_CHUNK = tl.constexpr(PREFETCH_CHUNK)  # pdl.PREFETCH_CHUNK, as a constant the kernels can read
+MAX_TILE = 8192  # elements of one weight tile (BN x BK): its float32 accumulator is 64 registers a thread at 4 warps
+
+# The tiles the tuner tries (tune_moe.fused_candidates): FC1 items (BN1 gate + BN1 up rows, K step), FC2 items (BN2
+# output columns, K step), 4096-element tiles; at 4 warps one or two programs per SM (their 170-230 registers a thread
+# fit two: tests/cpu/kernels/test_triton_moe_sm90_compile.py), at 8 warps one; FC2 items with and without L2 requests
+TUNE_FC1 = ((4, 1024), (8, 512), (16, 256))
+TUNE_FC2 = ((8, 512), (16, 256), (32, 128))
+TUNE_GRIDS = ((4, 1), (4, 2), (8, 1))  # (num_warps, occupancy)
+TUNE_PREFETCH = (0, 32768)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The fused path's tiles, from a ``MoEConfig`` of mode "fused": FC1 items of ``bn1`` gate (and as many up)
+    columns over K steps of ``bk1``, FC2 items of ``bn2`` output columns over K steps of ``bk2``; ``num_warps`` per
+    program, ``occupancy`` programs per SM, ``prefetch``: bytes of each of an FC2 item's slot tiles asked of L2
+    before it waits (0: none)."""
+
+    bn1: int
+    bk1: int
+    bn2: int
+    bk2: int
+    num_warps: int
+    occupancy: int
+    prefetch: int
+
+    @staticmethod
+    def of(config) -> "Tiles":
+        f1, f2 = config.fc1, config.fc2
+        return Tiles(f1.BN, f1.BK, f2.BN, f2.BK, f1.num_warps, f1.occupancy, f2.prefetch)
+
+
+def config_problem(config) -> Optional[str]:
+    """Why a ``MoEConfig`` of mode "fused" is not one (None: it is); ``MoEConfig.problem`` calls it."""
+    f1, f2 = config.fc1, config.fc2
+    if f1.num_warps != f2.num_warps or f1.occupancy != f2.occupancy:
+        return (
+            "mode='fused' runs FC1 and FC2 in one kernel: fc1 and fc2 take the same num_warps and occupancy, not "
+            f"{f1.num_warps} / {f2.num_warps} warps and occupancy {f1.occupancy} / {f2.occupancy}"
+        )
+    for name, g in (("fc1", f1), ("fc2", f2)):
+        if g.BM != 1:
+            return f"mode='fused': {name}.BM is 1 (an item is one token row), not {g.BM}"
+        if g.swap or g.gemv or g.split_k != 1 or g.flatten or g.join or g.gluon or g.ws:
+            return f"mode='fused': {name} takes none of swap, gemv, split_k, flatten, join, gluon, ws (its own GEMV)"
+        for what, v in (("BN", g.BN), ("BK", g.BK)):
+            if v < 1 or v & (v - 1):
+                return f"mode='fused': {name}.{what}={v} must be a power of two"
+        if g.BK < 16 or g.BN * g.BK > MAX_TILE:
+            return f"mode='fused': {name} tile {g.BN}x{g.BK}: BK >= 16 and BN x BK <= {MAX_TILE} elements"
+    pf = f2.prefetch
+    if pf and (pf % PREFETCH_CHUNK or (pf // PREFETCH_CHUNK) & (pf // PREFETCH_CHUNK - 1)):
+        return f"mode='fused': fc2.prefetch={pf} bytes: 0 or {PREFETCH_CHUNK} times a power of two"
+    if f1.prefetch:
+        return "mode='fused': fc1.prefetch is not used (FC1's expert is known only after the wait); set it to 0"
+    if config.a_fp8 or not config.fused_sum or config.w2_l2 or config.early_launch or config.chain:
+        return "mode='fused' takes a_fp8=False, fused_sum=True and none of w2_l2, early_launch, chain"
+    return None
+
+
+def problem(args: MoEArgs, placed: bool = False) -> Optional[str]:
+    """Why this path cannot run the call (None: it can); ``placed``: the call runs split-N over locality domains."""
+    x = args.hidden_states
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{x.dtype} activations (the fused decode kernel takes bf16 / fp16 / fp32)"
+    if args.w13.dtype != x.dtype or args.w2.dtype != x.dtype:
+        return f"weights in {args.w13.dtype} / {args.w2.dtype} (the fused decode kernel takes the activations' dtype)"
+    if args.T > MAX_T:
+        return f"T={args.T} tokens (the fused decode kernel takes up to {MAX_T})"
+    if args.activation not in _ACT:
+        return f"activation {args.activation} (the fused decode kernel has {', '.join(_ACT)})"
+    if args.w13_bias is not None or args.w2_bias is not None:
+        return "expert biases"
+    if args.apply_router_weight_on_input or args.activation_constants is not None:
+        return "the router weight on the input / runtime activation constants"
+    if args.w13.stride(2) != 1 or args.w2.stride(2) != 1 or x.stride(1) != 1:
+        return "weights or hidden states whose rows are not contiguous"
+    if placed:
+        return "a split-N placement over locality domains (its calls run on several streams at once)"
+    if _launch._recording is not None:
+        return (
+            "tracing into a graph (inline_kernels): the kernel's queue counters are a per-device workspace, process "
+            "state a traced graph cannot own"
+        )
+    return None
+
+
+_WORKSPACES: dict[str, torch.Tensor] = {}
+
+
+def workspace(dev: torch.device) -> torch.Tensor:
+    """The device's queue counters (zeroed when made; each call leaves them zero)."""
+    key = str(dev)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = torch.zeros(WS_WORDS, dtype=torch.int32, device=dev)
+    return ws
+
+
+@triton.jit
+def _below(offs, k0, K, EVEN: tl.constexpr):
+    """``offs + k0 < K``; with ``EVEN`` (K a multiple of the tile) a splat of ``k0 < K``, whose constancy keeps the
+    masked loads vectorized."""
+    if EVEN:
+        return (tl.zeros_like(offs) + k0) < K
+    return offs < K - k0
+
+
+@triton.jit
+def _fc1_item(
+    x_ptr, w13_ptr, ids_ptr, inter_ptr, ws_ptr, item, H, I, K_TOP, NT1, stride_xt, stride_we, stride_wn,
+    ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """FC1 item ``item``: slot ``item // NT1``, gate / up columns [j BN1, (j + 1) BN1) of its expert."""
+    s = item // NT1
+    j = item - s * NT1
+    t = s // K_TOP
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    offs_n = j * BN1 + tl.arange(0, BN1)
+    offs_k = tl.arange(0, BK1)
+    n_ok = _below(offs_n, 0, I, EVEN_N)
+    g_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    # the token's hidden states as a [BN1, BK1] tile, each row the same addresses (one transaction a warp, L1 hits):
+    # the weights' layout, so the products need no layout conversion (no shared memory, no barrier in the loop)
+    x_ptrs = x_ptr + t * stride_xt + (tl.zeros([BN1, 1], tl.int32) + offs_k[None, :])
+    acc_g = tl.zeros([BN1, BK1], tl.float32)
+    acc_u = tl.zeros([BN1, BK1], tl.float32)
+    # two K steps in flight: step k0 + BK1's tiles are requested before step k0's products (past the end: nothing)
+    mask = n_ok[:, None] & _below(offs_k, 0, H, EVEN_K)[None, :]
+    xn = tl.load(x_ptrs, mask=mask, other=0.0)
+    gn = tl.load(g_ptrs, mask=mask, other=0.0)
+    un = tl.load(u_ptrs, mask=mask, other=0.0)
+    for k0 in range(0, H, BK1):
+        xk, gk, uk = xn, gn, un
+        k1 = k0 + BK1
+        mask = n_ok[:, None] & _below(offs_k, k1, H, EVEN_K)[None, :]
+        xn = tl.load(x_ptrs + k1, mask=mask, other=0.0)
+        gn = tl.load(g_ptrs + k1, mask=mask, other=0.0)
+        un = tl.load(u_ptrs + k1, mask=mask, other=0.0)
+        xf = xk.to(tl.float32)
+        acc_g += gk.to(tl.float32) * xf
+        acc_u += uk.to(tl.float32) * xf
+    h = gated(tl.sum(acc_g, axis=1), ACT) * tl.sum(acc_u, axis=1)
+    tl.store(inter_ptr + s * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
+    # publish: every thread's stores, then one release increment of the token's counter
+    tl.debug_barrier()
+    tl.atomic_add(ws_ptr + 2 + t, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _fc2_item(
+    w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, r, H, I, K_TOP, NT1, NT2, stride_we, stride_wn, stride_ot,
+    BN2: tl.constexpr, BK2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """FC2 item ``r``: token ``r // NT2``, output columns [m BN2, (m + 1) BN2), summed over the token's k slots."""
+    t = r // NT2
+    m = r - t * NT2
+    offs_n = m * BN2 + tl.arange(0, BN2)
+    offs_k = tl.arange(0, BK2)
+    n_ok = _below(offs_n, 0, H, EVEN_N)
+    s0 = t * K_TOP
+    if PREFETCH > 0:  # the weights never depend on FC1: ask L2 for this item's tiles before waiting
+        nbytes = tl.minimum(H - m * BN2, BN2) * I * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        nbytes = tl.minimum(nbytes, PREFETCH)
+        NCH: tl.constexpr = (PREFETCH + _CHUNK - 1) // _CHUNK
+        offs_c = tl.arange(0, NCH) * _CHUNK
+        sizes = ((tl.minimum(tl.maximum(nbytes - offs_c, 0), _CHUNK) // 16) * 16).to(tl.int32)
+        for jj in range(0, K_TOP):
+            e = tl.load(ids_ptr + s0 + jj).to(tl.int64)
+            base = (w2_ptr + e * stride_we + m * BN2 * stride_wn).to(tl.pointer_type(tl.int8))
+            l2_prefetch(base + offs_c, sizes)
+    # wait until every FC1 item of this token is done (acquire: their intermediate stores are visible after it)
+    target = K_TOP * NT1
+    done = tl.atomic_add(ws_ptr + 2 + t, 0, sem="acquire", scope="gpu")
+    while done < target:
+        done = tl.atomic_add(ws_ptr + 2 + t, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    nk = tl.cdiv(I, BK2)
+    steps = K_TOP * nk
+    acc = tl.zeros([BN2, BK2], tl.float32)
+    # the token's k slots' K steps as one loop, two steps in flight (the next step's tiles, maybe the next slot's); the
+    # intermediate row as a [BN2, BK2] tile of repeated addresses (the weights' layout, as FC1's hidden states)
+    cols = tl.zeros([BN2, 1], tl.int32) + offs_k[None, :]
+    w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]
+    e = tl.load(ids_ptr + s0).to(tl.int64)
+    wt = tl.load(tw_ptr + s0).to(tl.float32)
+    mask = n_ok[:, None] & _below(offs_k, 0, I, EVEN_K)[None, :]
+    an = tl.load(inter_ptr + s0 * I + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    wn = tl.load(w2_ptr + e * stride_we + w_rows, mask=mask, other=0.0)
+    for step in range(0, steps):
+        a = an.to(tl.float32) * wt
+        w = wn
+        nxt = step + 1
+        jn = nxt // nk
+        k1 = (nxt - jn * nk) * BK2
+        sn = s0 + tl.minimum(jn, K_TOP - 1)
+        e = tl.load(ids_ptr + sn).to(tl.int64)
+        wt_n = tl.load(tw_ptr + sn).to(tl.float32)
+        # past the last step: nothing
+        k_ok = _below(offs_k, k1, I, EVEN_K) & _below(offs_k, nxt, steps, True)
+        mask = n_ok[:, None] & k_ok[None, :]
+        an = tl.load(inter_ptr + sn * I + k1 + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        wn = tl.load(w2_ptr + e * stride_we + k1 + w_rows, mask=mask, other=0.0)
+        acc += w.to(tl.float32) * a
+        wt = wt_n
+    tl.store(out_ptr + t * stride_ot + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["T", "K_TOP", "NT1", "NT2", "N1", "N_ALL"])
+def _moe_decode_kernel(
+    x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr,
+    T, H, I, K_TOP, NT1, NT2, N1, N_ALL,
+    stride_xt, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_ot,
+    ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+    EVEN_N1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N2: tl.constexpr, EVEN_K2: tl.constexpr,
+    PREFETCH: tl.constexpr, GDC: tl.constexpr, MAX_TOKENS: tl.constexpr,
+):  # fmt: skip
+    """The queue walk (module docstring): items [0, N1) are FC1's, [N1, N_ALL) FC2's."""
+    if GDC:
+        gdc_wait()  # the routing and hidden states are the previous kernel's; so is the workspace's reset
+    item = tl.atomic_add(ws_ptr + 0, 1, sem="relaxed", scope="gpu")
+    while item < N_ALL:
+        nxt = tl.atomic_add(ws_ptr + 0, 1, sem="relaxed", scope="gpu")  # claimed now, its latency under this item
+        if item < N1:
+            _fc1_item(
+                x_ptr, w13_ptr, ids_ptr, inter_ptr, ws_ptr, item, H, I, K_TOP, NT1, stride_xt, stride_w13e,
+                stride_w13n, ACT, BN1, BK1, EVEN_N1, EVEN_K1,
+            )  # fmt: skip
+        else:
+            _fc2_item(
+                w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, item - N1, H, I, K_TOP, NT1, NT2, stride_w2e,
+                stride_w2n, stride_ot, BN2, BK2, EVEN_N2, EVEN_K2, PREFETCH,
+            )  # fmt: skip
+        item = nxt
+    if GDC:
+        gdc_launch_dependents()  # the queue is empty for this program
+    # the last program out leaves the counters zero for the next call (every other program has taken its last claim)
+    tl.debug_barrier()
+    left = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == tl.num_programs(0) - 1:
+        tl.store(ws_ptr + 0, 0)
+        tl.store(ws_ptr + 1, 0)
+        offs = tl.arange(0, MAX_TOKENS)
+        tl.store(ws_ptr + 2 + offs, tl.zeros([MAX_TOKENS], tl.int32), mask=offs < T)
+
+
+def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``rubin.moe`` through the fused decode kernel (module docstring). ``num_sms`` times ``tiles.occupancy`` is
+    the grid's size at most; ``out`` ([T, H], contiguous rows) receives the result."""
+    why = problem(args)
+    if why is not None:
+        raise NotImplementedError(f"rubin.moe[triton, fused]: {why}")
+    x = args.hidden_states
+    T, H, I, k = args.T, args.H, args.I, args.k
+    dev, dtype = x.device, x.dtype
+    out = torch.empty((T, H), dtype=dtype, device=dev) if out is None else out
+    S = T * k
+    if S == 0:
+        return out.zero_()
+    ids = args.topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    tw = args.topk_weights.reshape(-1)
+    tw = tw if tw.is_contiguous() else tw.contiguous()
+    inter = torch.empty((S, I), dtype=dtype, device=dev)
+    nt1, nt2 = cdiv(I, tiles.bn1), cdiv(H, tiles.bn2)
+    n1 = S * nt1
+    n_all = n1 + T * nt2
+    grid = max(1, min(num_sms * tiles.occupancy, n_all))
+    gdc = has_gdc()
+    w13, w2 = args.w13, args.w2
+    prefetch = 0 if INTERPRET else tiles.prefetch
+    launcher(_moe_decode_kernel)[(grid,)](
+        x, w13, w2, ids, tw, inter, out, workspace(dev),
+        T, H, I, k, nt1, nt2, n1, n_all,
+        x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
+        ACT=_ACT[args.activation], BN1=tiles.bn1, BK1=tiles.bk1, BN2=tiles.bn2, BK2=tiles.bk2,
+        EVEN_N1=I % tiles.bn1 == 0, EVEN_K1=H % tiles.bk1 == 0, EVEN_N2=H % tiles.bn2 == 0,
+        EVEN_K2=I % tiles.bk2 == 0, PREFETCH=prefetch, GDC=gdc, MAX_TOKENS=MAX_T,
+        num_warps=tiles.num_warps, num_stages=1,
+        **({"launch_pdl": True} if gdc and launch.pdl else {}),
+    )  # fmt: skip
+    return out
