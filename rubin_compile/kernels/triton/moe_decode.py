@@ -65,31 +65,33 @@ from rubin_compile.ops.moe import MoEArgs
 from rubin_compile.ops.registry import Launch
 
 MAX_T = 64  # tokens per call: one counter each in the workspace
-WS_CLAIM, WS_EXIT, WS_TOKENS = 0, 1, 2  # the workspace's int32 words: claim counter, exit counter, per-token counters
-WS_WORDS = WS_TOKENS + MAX_T
+# the workspace's int32 words: the claim counter, the exit counter, a counter per token, then a ticket per (slot, FC1
+# tile) for K-split FC1 items
+WS_CLAIM, WS_EXIT, WS_TOKENS = 0, 1, 2
+_MAX_T, _WS_CLAIM, _WS_EXIT, _WS_TOKENS = (tl.constexpr(v) for v in (MAX_T, WS_CLAIM, WS_EXIT, WS_TOKENS))
 _CHUNK = tl.constexpr(PREFETCH_CHUNK)  # pdl.PREFETCH_CHUNK, as a constant the kernels can read
-MAX_TILE = 8192  # elements of one weight tile (BN x BK): its float32 accumulator is 64 registers a thread at 4 warps
-
-# The tiles the tuner tries (tune_moe.fused_candidates): FC1 items (BN1 gate + BN1 up rows, K step), FC2 items (BN2
-# output columns, K step), 4096-element tiles; at 4 warps one or two programs per SM (their 170-230 registers a thread
-# fit two: tests/cpu/kernels/test_triton_moe_sm90_compile.py), at 8 warps one; FC2 items with and without L2 requests
-TUNE_FC1 = ((4, 1024), (8, 512), (16, 256))
-TUNE_FC2 = ((8, 512), (16, 256), (32, 128))
-TUNE_GRIDS = ((4, 1), (4, 2), (8, 1))  # (num_warps, occupancy)
-TUNE_PREFETCH = (0, 32768)
+# The tiles the tuner tries (tune_moe.fused_candidates). FC1 items (BN1 gate and BN1 up rows, K step, pipeline stages,
+# K ranges): 16 to 64 columns, and split over K where I / BN1 alone gives too few items for the SMs (DeepSeek-V3 TP8's
+# I = 256); FC2 items (BN2 output columns, K step, stages); programs of 4 warps, one or two per SM
+TUNE_FC1 = ((32, 128, 4, 1), (64, 128, 4, 1), (16, 128, 4, 2), (16, 128, 4, 4), (32, 128, 4, 4))
+TUNE_FC2 = ((16, 128, 4), (32, 128, 4), (16, 256, 3))
+TUNE_GRIDS = ((4, 1), (4, 2))  # (num_warps, occupancy)
 
 
 @dataclass(frozen=True)
 class Tiles:
     """The fused path's tiles, from a ``MoEConfig`` of mode "fused": FC1 items of ``bn1`` gate (and as many up)
-    columns over K steps of ``bk1``, FC2 items of ``bn2`` output columns over K steps of ``bk2``; ``num_warps`` per
-    program, ``occupancy`` programs per SM, ``prefetch``: bytes of each of an FC2 item's slot tiles asked of L2
-    before it waits (0: none)."""
+    columns over K steps of ``bk1`` in ``ns1`` pipeline stages, K split into ``split`` ranges; FC2 items of ``bn2``
+    output columns over K steps of ``bk2`` in ``ns2`` stages; ``num_warps`` per program, ``occupancy`` programs per
+    SM; ``prefetch``: bytes of each of an FC2 item's slot tiles asked of L2 before it waits (0: none)."""
 
     bn1: int
     bk1: int
+    ns1: int
+    split: int
     bn2: int
     bk2: int
+    ns2: int
     num_warps: int
     occupancy: int
     prefetch: int
@@ -97,7 +99,18 @@ class Tiles:
     @staticmethod
     def of(config) -> "Tiles":
         f1, f2 = config.fc1, config.fc2
-        return Tiles(f1.BN, f1.BK, f2.BN, f2.BK, f1.num_warps, f1.occupancy, f2.prefetch)
+        return Tiles(
+            f1.BN,
+            f1.BK,
+            f1.num_stages,
+            f1.split_k,
+            f2.BN,
+            f2.BK,
+            f2.num_stages,
+            f1.num_warps,
+            f1.occupancy,
+            f2.prefetch,
+        )
 
 
 def config_problem(config) -> Optional[str]:
@@ -109,15 +122,15 @@ def config_problem(config) -> Optional[str]:
             f"{f1.num_warps} / {f2.num_warps} warps and occupancy {f1.occupancy} / {f2.occupancy}"
         )
     for name, g in (("fc1", f1), ("fc2", f2)):
-        if g.BM != 1:
-            return f"mode='fused': {name}.BM is 1 (an item is one token row), not {g.BM}"
-        if g.swap or g.gemv or g.split_k != 1 or g.flatten or g.join or g.gluon or g.ws:
-            return f"mode='fused': {name} takes none of swap, gemv, split_k, flatten, join, gluon, ws (its own GEMV)"
+        if g.BM != 16:
+            return f"mode='fused': {name}.BM is 16 (the MMA's rows, one of them the token's), not {g.BM}"
+        if g.swap or g.gemv or g.flatten or g.join or g.gluon or g.ws:
+            return f"mode='fused': {name} takes none of swap, gemv, flatten, join, gluon, ws"
         for what, v in (("BN", g.BN), ("BK", g.BK)):
-            if v < 1 or v & (v - 1):
-                return f"mode='fused': {name}.{what}={v} must be a power of two"
-        if g.BK < 16 or g.BN * g.BK > MAX_TILE:
-            return f"mode='fused': {name} tile {g.BN}x{g.BK}: BK >= 16 and BN x BK <= {MAX_TILE} elements"
+            if v < 16 or v & (v - 1):
+                return f"mode='fused': {name}.{what}={v} must be a power of two >= 16 (tl.dot's smallest)"
+    if f2.split_k != 1:
+        return "mode='fused': fc2.split_k is 1 (FC2 items sum their token's slots whole)"
     pf = f2.prefetch
     if pf and (pf % PREFETCH_CHUNK or (pf // PREFETCH_CHUNK) & (pf // PREFETCH_CHUNK - 1)):
         return f"mode='fused': fc2.prefetch={pf} bytes: 0 or {PREFETCH_CHUNK} times a power of two"
@@ -158,12 +171,14 @@ def problem(args: MoEArgs, placed: bool = False) -> Optional[str]:
 _WORKSPACES: dict[str, torch.Tensor] = {}
 
 
-def workspace(dev: torch.device) -> torch.Tensor:
-    """The device's queue counters (zeroed when made; each call leaves them zero)."""
+def workspace(dev: torch.device, tickets: int = 0) -> torch.Tensor:
+    """The device's queue counters and at least ``tickets`` K-split tickets (zeroed when made, each call leaves them
+    zero; made again, larger, when a call needs more)."""
     key = str(dev)
+    words = WS_TOKENS + MAX_T + tickets
     ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = torch.zeros(WS_WORDS, dtype=torch.int32, device=dev)
+    if ws is None or ws.numel() < words:
+        ws = _WORKSPACES[key] = torch.zeros(max(words, 1024), dtype=torch.int32, device=dev)
     return ws
 
 
@@ -178,50 +193,66 @@ def _below(offs, k0, K, EVEN: tl.constexpr):
 
 @triton.jit
 def _fc1_item(
-    x_ptr, w13_ptr, ids_ptr, inter_ptr, ws_ptr, item, H, I, K_TOP, NT1, stride_xt, stride_we, stride_wn,
-    ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w13_ptr, ids_ptr, inter_ptr, part_ptr, ws_ptr, item, H, I, K_TOP, NT1, SPLIT, KCH, stride_xt, stride_we,
+    stride_wn, ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, NS1: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """FC1 item ``item``: slot ``item // NT1``, gate / up columns [j BN1, (j + 1) BN1) of its expert."""
-    s = item // NT1
-    j = item - s * NT1
+    """FC1 item ``item``: slot ``s``, gate / up columns [j BN1, (j + 1) BN1) of its expert, K range ``r`` of SPLIT."""
+    per_slot = NT1 * SPLIT
+    s = item // per_slot
+    j = (item - s * per_slot) // SPLIT
+    r = item - s * per_slot - j * SPLIT
     t = s // K_TOP
     e = tl.load(ids_ptr + s).to(tl.int64)
+    row0 = tl.arange(0, 16) == 0  # the token's row of the MMA's 16 (the others are masked: no bytes move)
     offs_n = j * BN1 + tl.arange(0, BN1)
     offs_k = tl.arange(0, BK1)
     n_ok = _below(offs_n, 0, I, EVEN_N)
-    g_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    k_lo = r * KCH
+    k_end = tl.minimum(k_lo + KCH, H)
+    x_ptrs = x_ptr + t * stride_xt + k_lo + (tl.zeros([16, 1], tl.int32) + offs_k[None, :])
+    g_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + k_lo + offs_k[None, :]
     u_ptrs = g_ptrs + I * stride_wn
-    # the token's hidden states as a [BN1, BK1] tile, each row the same addresses (one transaction a warp, L1 hits):
-    # the weights' layout, so the products need no layout conversion (no shared memory, no barrier in the loop)
-    x_ptrs = x_ptr + t * stride_xt + (tl.zeros([BN1, 1], tl.int32) + offs_k[None, :])
-    acc_g = tl.zeros([BN1, BK1], tl.float32)
-    acc_u = tl.zeros([BN1, BK1], tl.float32)
-    # two K steps in flight: step k0 + BK1's tiles are requested before step k0's products (past the end: nothing)
-    mask = n_ok[:, None] & _below(offs_k, 0, H, EVEN_K)[None, :]
-    xn = tl.load(x_ptrs, mask=mask, other=0.0)
-    gn = tl.load(g_ptrs, mask=mask, other=0.0)
-    un = tl.load(u_ptrs, mask=mask, other=0.0)
-    for k0 in range(0, H, BK1):
-        xk, gk, uk = xn, gn, un
-        k1 = k0 + BK1
-        mask = n_ok[:, None] & _below(offs_k, k1, H, EVEN_K)[None, :]
-        xn = tl.load(x_ptrs + k1, mask=mask, other=0.0)
-        gn = tl.load(g_ptrs + k1, mask=mask, other=0.0)
-        un = tl.load(u_ptrs + k1, mask=mask, other=0.0)
-        xf = xk.to(tl.float32)
-        acc_g += gk.to(tl.float32) * xf
-        acc_u += uk.to(tl.float32) * xf
-    h = gated(tl.sum(acc_g, axis=1), ACT) * tl.sum(acc_u, axis=1)
-    tl.store(inter_ptr + s * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
-    # publish: every thread's stores, then one release increment of the token's counter
-    tl.debug_barrier()
-    tl.atomic_add(ws_ptr + 2 + t, 1, sem="release", scope="gpu")
+    acc_g = tl.zeros([16, BN1], tl.float32)
+    acc_u = tl.zeros([16, BN1], tl.float32)
+    for k0 in tl.range(0, k_end - k_lo, BK1, num_stages=NS1):  # Triton's cp.async pipeline, NS1 stages
+        k_ok = _below(offs_k, k_lo + k0, H, EVEN_K)
+        x = tl.load(x_ptrs + k0, mask=row0[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PREC)
+    out_mask = row0[:, None] & n_ok[None, :]
+    cols = tl.zeros([16, 1], tl.int32) + offs_n[None, :]
+    last = True
+    if SPLIT > 1:
+        # float32 partials of this K range; the last range of (slot, tile) to arrive sums them in range order
+        p_ptrs = part_ptr + (s * SPLIT) * 2 * I + cols
+        tl.store(p_ptrs + r * 2 * I, acc_g, mask=out_mask)
+        tl.store(p_ptrs + r * 2 * I + I, acc_u, mask=out_mask)
+        tl.debug_barrier()
+        tick = ws_ptr + _WS_TOKENS + _MAX_T + s * NT1 + j
+        last = tl.atomic_add(tick, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc_g = tl.zeros([16, BN1], tl.float32)
+            acc_u = tl.zeros([16, BN1], tl.float32)
+            for rr in range(0, SPLIT):
+                acc_g += tl.load(p_ptrs + rr * 2 * I, mask=out_mask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(p_ptrs + rr * 2 * I + I, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(tick, 0)  # zero for the next call
+    if last:
+        h = gated(acc_g, ACT) * acc_u
+        tl.store(inter_ptr + s * I + cols, h.to(inter_ptr.dtype.element_ty), mask=out_mask)
+        # publish: every thread's stores, then one release increment of the token's counter
+        tl.debug_barrier()
+        tl.atomic_add(ws_ptr + _WS_TOKENS + t, 1, sem="release", scope="gpu")
 
 
 @triton.jit
 def _fc2_item(
     w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, r, H, I, K_TOP, NT1, NT2, stride_we, stride_wn, stride_ot,
-    BN2: tl.constexpr, BK2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BN2: tl.constexpr, BK2: tl.constexpr, NS2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """FC2 item ``r``: token ``r // NT2``, output columns [m BN2, (m + 1) BN2), summed over the token's k slots."""
     t = r // NT2
@@ -242,77 +273,66 @@ def _fc2_item(
             l2_prefetch(base + offs_c, sizes)
     # wait until every FC1 item of this token is done (acquire: their intermediate stores are visible after it)
     target = K_TOP * NT1
-    done = tl.atomic_add(ws_ptr + 2 + t, 0, sem="acquire", scope="gpu")
+    done = tl.atomic_add(ws_ptr + _WS_TOKENS + t, 0, sem="acquire", scope="gpu")
     while done < target:
-        done = tl.atomic_add(ws_ptr + 2 + t, 0, sem="acquire", scope="gpu")
+        done = tl.atomic_add(ws_ptr + _WS_TOKENS + t, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-    nk = tl.cdiv(I, BK2)
-    steps = K_TOP * nk
-    acc = tl.zeros([BN2, BK2], tl.float32)
-    # the token's k slots' K steps as one loop, two steps in flight (the next step's tiles, maybe the next slot's); the
-    # intermediate row as a [BN2, BK2] tile of repeated addresses (the weights' layout, as FC1's hidden states)
-    cols = tl.zeros([BN2, 1], tl.int32) + offs_k[None, :]
+    row0 = tl.arange(0, 16) == 0
+    cols = tl.zeros([16, 1], tl.int32) + offs_k[None, :]
     w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]
-    e = tl.load(ids_ptr + s0).to(tl.int64)
-    wt = tl.load(tw_ptr + s0).to(tl.float32)
-    mask = n_ok[:, None] & _below(offs_k, 0, I, EVEN_K)[None, :]
-    an = tl.load(inter_ptr + s0 * I + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    wn = tl.load(w2_ptr + e * stride_we + w_rows, mask=mask, other=0.0)
-    for step in range(0, steps):
-        a = an.to(tl.float32) * wt
-        w = wn
-        nxt = step + 1
-        jn = nxt // nk
-        k1 = (nxt - jn * nk) * BK2
-        sn = s0 + tl.minimum(jn, K_TOP - 1)
-        e = tl.load(ids_ptr + sn).to(tl.int64)
-        wt_n = tl.load(tw_ptr + sn).to(tl.float32)
-        # past the last step: nothing
-        k_ok = _below(offs_k, k1, I, EVEN_K) & _below(offs_k, nxt, steps, True)
-        mask = n_ok[:, None] & k_ok[None, :]
-        an = tl.load(inter_ptr + sn * I + k1 + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        wn = tl.load(w2_ptr + e * stride_we + k1 + w_rows, mask=mask, other=0.0)
-        acc += w.to(tl.float32) * a
-        wt = wt_n
-    tl.store(out_ptr + t * stride_ot + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    nk = tl.cdiv(I, BK2)
+    acc = tl.zeros([16, BN2], tl.float32)
+    # the token's k slots' K steps as one pipelined loop (the next slot's first tiles load during this one's last)
+    for step in tl.range(0, K_TOP * nk, num_stages=NS2):
+        jj = step // nk
+        k0 = (step - jj * nk) * BK2
+        s = s0 + jj
+        e = tl.load(ids_ptr + s).to(tl.int64)
+        wt = tl.load(tw_ptr + s).to(tl.float32)
+        k_ok = _below(offs_k, k0, I, EVEN_K)
+        a = tl.load(inter_ptr + s * I + k0 + cols, mask=row0[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w2_ptr + e * stride_we + k0 + w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * wt
+    out_cols = tl.zeros([16, 1], tl.int32) + offs_n[None, :]
+    tl.store(out_ptr + t * stride_ot + out_cols, acc.to(out_ptr.dtype.element_ty), mask=row0[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "K_TOP", "NT1", "NT2", "N1", "N_ALL"])
+@triton.jit(do_not_specialize=["T", "K_TOP", "NT1", "NT2", "N1", "N_ALL", "SPLIT"])
 def _moe_decode_kernel(
-    x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr,
-    T, H, I, K_TOP, NT1, NT2, N1, N_ALL,
+    x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, inter_ptr, part_ptr, out_ptr, ws_ptr,
+    T, H, I, K_TOP, NT1, NT2, N1, N_ALL, SPLIT, KCH,
     stride_xt, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_ot,
-    ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-    EVEN_N1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N2: tl.constexpr, EVEN_K2: tl.constexpr,
-    PREFETCH: tl.constexpr, GDC: tl.constexpr, MAX_TOKENS: tl.constexpr,
+    ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, NS1: tl.constexpr, BN2: tl.constexpr,
+    BK2: tl.constexpr, NS2: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N2: tl.constexpr,
+    EVEN_K2: tl.constexpr, PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """The queue walk (module docstring): items [0, N1) are FC1's, [N1, N_ALL) FC2's."""
     if GDC:
         gdc_wait()  # the routing and hidden states are the previous kernel's; so is the workspace's reset
-    item = tl.atomic_add(ws_ptr + 0, 1, sem="relaxed", scope="gpu")
+    item = tl.atomic_add(ws_ptr + _WS_CLAIM, 1, sem="relaxed", scope="gpu")
     while item < N_ALL:
-        nxt = tl.atomic_add(ws_ptr + 0, 1, sem="relaxed", scope="gpu")  # claimed now, its latency under this item
+        nxt = tl.atomic_add(ws_ptr + _WS_CLAIM, 1, sem="relaxed", scope="gpu")  # claimed now, its latency hidden
         if item < N1:
             _fc1_item(
-                x_ptr, w13_ptr, ids_ptr, inter_ptr, ws_ptr, item, H, I, K_TOP, NT1, stride_xt, stride_w13e,
-                stride_w13n, ACT, BN1, BK1, EVEN_N1, EVEN_K1,
+                x_ptr, w13_ptr, ids_ptr, inter_ptr, part_ptr, ws_ptr, item, H, I, K_TOP, NT1, SPLIT, KCH, stride_xt,
+                stride_w13e, stride_w13n, ACT, BN1, BK1, NS1, EVEN_N1, EVEN_K1, DOT_PREC,
             )  # fmt: skip
         else:
             _fc2_item(
                 w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, item - N1, H, I, K_TOP, NT1, NT2, stride_w2e,
-                stride_w2n, stride_ot, BN2, BK2, EVEN_N2, EVEN_K2, PREFETCH,
+                stride_w2n, stride_ot, BN2, BK2, NS2, EVEN_N2, EVEN_K2, PREFETCH, DOT_PREC,
             )  # fmt: skip
         item = nxt
     if GDC:
         gdc_launch_dependents()  # the queue is empty for this program
     # the last program out leaves the counters zero for the next call (every other program has taken its last claim)
     tl.debug_barrier()
-    left = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    left = tl.atomic_add(ws_ptr + _WS_EXIT, 1, sem="acq_rel", scope="gpu")
     if left == tl.num_programs(0) - 1:
-        tl.store(ws_ptr + 0, 0)
-        tl.store(ws_ptr + 1, 0)
-        offs = tl.arange(0, MAX_TOKENS)
-        tl.store(ws_ptr + 2 + offs, tl.zeros([MAX_TOKENS], tl.int32), mask=offs < T)
+        tl.store(ws_ptr + _WS_CLAIM, 0)
+        tl.store(ws_ptr + _WS_EXIT, 0)
+        offs = tl.arange(0, _MAX_T)
+        tl.store(ws_ptr + _WS_TOKENS + offs, tl.zeros([_MAX_T], tl.int32), mask=offs < T)
 
 
 def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -333,21 +353,25 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     tw = args.topk_weights.reshape(-1)
     tw = tw if tw.is_contiguous() else tw.contiguous()
     inter = torch.empty((S, I), dtype=dtype, device=dev)
+    # K ranges of whole BK1 steps, none empty
+    kch = cdiv(cdiv(H, max(1, tiles.split)), tiles.bk1) * tiles.bk1
+    split = cdiv(H, kch)
+    part = torch.empty((S, split, 2 * I) if split > 1 else (1,), dtype=torch.float32, device=dev)
     nt1, nt2 = cdiv(I, tiles.bn1), cdiv(H, tiles.bn2)
-    n1 = S * nt1
+    n1 = S * nt1 * split
     n_all = n1 + T * nt2
     grid = max(1, min(num_sms * tiles.occupancy, n_all))
     gdc = has_gdc()
     w13, w2 = args.w13, args.w2
-    prefetch = 0 if INTERPRET else tiles.prefetch
     launcher(_moe_decode_kernel)[(grid,)](
-        x, w13, w2, ids, tw, inter, out, workspace(dev),
-        T, H, I, k, nt1, nt2, n1, n_all,
+        x, w13, w2, ids, tw, inter, part, out, workspace(dev, S * nt1 if split > 1 else 0),
+        T, H, I, k, nt1, nt2, n1, n_all, split, kch,
         x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
-        ACT=_ACT[args.activation], BN1=tiles.bn1, BK1=tiles.bk1, BN2=tiles.bn2, BK2=tiles.bk2,
-        EVEN_N1=I % tiles.bn1 == 0, EVEN_K1=H % tiles.bk1 == 0, EVEN_N2=H % tiles.bn2 == 0,
-        EVEN_K2=I % tiles.bk2 == 0, PREFETCH=prefetch, GDC=gdc, MAX_TOKENS=MAX_T,
-        num_warps=tiles.num_warps, num_stages=1,
+        ACT=_ACT[args.activation], BN1=tiles.bn1, BK1=tiles.bk1, NS1=tiles.ns1, BN2=tiles.bn2, BK2=tiles.bk2,
+        NS2=tiles.ns2, EVEN_N1=I % tiles.bn1 == 0, EVEN_K1=H % tiles.bk1 == 0, EVEN_N2=H % tiles.bn2 == 0,
+        EVEN_K2=I % tiles.bk2 == 0, PREFETCH=0 if INTERPRET else tiles.prefetch,
+        DOT_PREC="ieee" if dtype == torch.float32 else "tf32", GDC=gdc,
+        num_warps=tiles.num_warps, num_stages=max(tiles.ns1, tiles.ns2),
         **({"launch_pdl": True} if gdc and launch.pdl else {}),
     )  # fmt: skip
     return out

@@ -465,21 +465,22 @@ FUSED_MAX_T = 8  # above this many tokens the tuner does not try the fused decod
 
 
 def fused_candidates(moe, T: int, wfmt: str) -> list:
-    """The fused decode path's configs at T <= FUSED_MAX_T (bf16 weights: the path's only format): its tiles
-    (moe_decode.TUNE_*) paired every way, on each grid, with and without the FC2 items' L2 requests."""
+    """The fused decode path's configs at T <= FUSED_MAX_T (bf16 weights: the path's only format): its FC1 and FC2
+    tiles (moe_decode.TUNE_*) paired every way on each grid; with two programs per SM also with the FC2 items' L2
+    requests before their wait."""
     if T > FUSED_MAX_T or wfmt != "bf16":
         return []
     G, dec = moe.GemmConfig, moe.moe_decode
     return [
         moe.MoEConfig(
             mode="fused",
-            fc1=G(BM=1, BN=bn1, BK=bk1, num_warps=w, num_stages=1, occupancy=o),
-            fc2=G(BM=1, BN=bn2, BK=bk2, num_warps=w, num_stages=1, occupancy=o, prefetch=pf),
+            fc1=G(BM=16, BN=bn1, BK=bk1, num_warps=w, num_stages=ns1, occupancy=o, split_k=sp),
+            fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=w, num_stages=ns2, occupancy=o, prefetch=pf),
         )
         for w, o in dec.TUNE_GRIDS
-        for bn1, bk1 in dec.TUNE_FC1
-        for bn2, bk2 in dec.TUNE_FC2
-        for pf in dec.TUNE_PREFETCH
+        for bn1, bk1, ns1, sp in dec.TUNE_FC1
+        for bn2, bk2, ns2 in dec.TUNE_FC2
+        for pf in ((0, 32768) if o > 1 else (0,))
     ]
 
 
@@ -643,6 +644,11 @@ def warm_compile(jobs: list, workers: int, worker: Callable[[object], Optional[s
     return {j: e for j, e in zip(jobs, errs) if e}
 
 
+def _fused_divides(sh: dict, cfg) -> tuple:
+    """Whether a fused config's tiles divide a shape's H and I (what its kernel specialises on besides the tiles)."""
+    return (sh["I"] % cfg.fc1.BN == 0, sh["H"] % cfg.fc1.BK == 0, sh["H"] % cfg.fc2.BN == 0, sh["I"] % cfg.fc2.BK == 0)
+
+
 def _warm_key(H, I, k, T, wfmt, cfg, pdl):
     # kernels specialise on tiles, routing mode and format, and (w2 -> L2 shares, K split) on H and I
     mode_T = 2 if cfg.mode == "slot" else 64
@@ -699,7 +705,10 @@ def tune(
         for (s, wf, T), cfg in pairs:
             sh = shapes[s]
             key = _warm_key(sh["H"], sh["I"], sh["k"], T, wf, cfg, True)
-            jobs.setdefault((key[0], key[1], key[4], key[5], key[3]), key)
+            # the fused kernel specialises on its tiles and on whether they divide H and I, not on H and I: one
+            # compile serves every shape they divide
+            shape = ("fused", _fused_divides(sh, cfg)) if cfg.mode == "fused" else (key[0], key[1])
+            jobs.setdefault((*shape, key[4], key[5], key[3]), key)
         t0 = time.time()
         errs = warm_compile(list(jobs.values()), workers)
         log(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({len(errs)} failed)")

@@ -355,16 +355,19 @@ DEEPSEEK = dict(H=7168, I=256, k=8)
 
 def _compile_fused(shape, cfg, asm):
     dec = sys.modules["rubin_moe_decode_aot"]
-    bn1, bk1, bn2, bk2, w, pf = cfg
+    (bn1, bk1, ns1, split), (bn2, bk2, ns2), w, pf = cfg
     H, I, k = shape["H"], shape["I"], shape["k"]  # noqa: E741
-    n1 = k * (I // bn1)
-    ints = dict(T=1, H=H, I=I, K_TOP=k, NT1=I // bn1, NT2=H // bn2, N1=n1, N_ALL=n1 + H // bn2)
+    n1 = k * (I // bn1) * split
+    kch = -(-H // split)
+    ints = dict(T=1, H=H, I=I, K_TOP=k, NT1=I // bn1, NT2=H // bn2, N1=n1, N_ALL=n1 + H // bn2, SPLIT=split, KCH=kch)
     ints.update(stride_xt=H, stride_w13e=2 * I * H, stride_w13n=H, stride_w2e=H * I, stride_w2n=I, stride_ot=H)
     ptrs = dict(x_ptr="*bf16", w13_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", inter_ptr="*bf16")
-    ptrs.update(out_ptr="*bf16", ws_ptr="*i32")
-    consts = dict(ACT=0, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, EVEN_N1=True, EVEN_K1=True, EVEN_N2=True)
-    consts.update(EVEN_K2=True, PREFETCH=pf, GDC=True, MAX_TOKENS=dec.MAX_T)
-    return compile_like_a_launch(dec._moe_decode_kernel, consts, ptrs, ints, num_stages=1, asm=asm, num_warps=w)
+    ptrs.update(part_ptr="*fp32", out_ptr="*bf16", ws_ptr="*i32")
+    consts = dict(ACT=0, BN1=bn1, BK1=bk1, NS1=ns1, BN2=bn2, BK2=bk2, NS2=ns2, EVEN_N1=True, EVEN_K1=True)
+    consts.update(EVEN_N2=True, EVEN_K2=True, PREFETCH=pf, DOT_PREC="tf32", GDC=True)
+    return compile_like_a_launch(
+        dec._moe_decode_kernel, consts, ptrs, ints, num_stages=max(ns1, ns2), asm=asm, num_warps=w
+    )
 
 
 @pytest.fixture(scope="module")
@@ -375,40 +378,37 @@ def decode_kernels():
 
 
 def _fused_cases():
-    """The tuner's tiles of the fused path (moe_decode.TUNE_*), paired, on each grid; and one with L2 requests."""
+    """The tuner's FC1 tiles of the fused path (moe_decode.TUNE_*), each with one of its FC2 tiles, on each grid (the
+    K-split ones at DeepSeek-V3 TP8 sizes, the others at Qwen3-30B-A3B's); and one with the FC2 items' L2 requests."""
     tiles = load_plain("moe_decode", "rubin_moe_decode_tiles")
     del sys.modules["rubin_moe_decode_tiles"]
     out = []
-    for (bn1, bk1), (bn2, bk2) in zip(tiles.TUNE_FC1, tiles.TUNE_FC2):
+    for i, fc1 in enumerate(tiles.TUNE_FC1):
+        fc2 = tiles.TUNE_FC2[i % len(tiles.TUNE_FC2)]
         for w, o in tiles.TUNE_GRIDS:
-            out.append(((bn1, bk1, bn2, bk2, w, o, 0), QWEN3 if bn1 != 4 else DEEPSEEK))
-    out.append(((8, 512, 16, 256, 4, 2, 32768), QWEN3))  # with the FC2 items' L2 requests
+            out.append(((fc1, fc2, w, o, 0), DEEPSEEK if fc1[3] > 1 else QWEN3))
+    out.append(((tiles.TUNE_FC1[0], tiles.TUNE_FC2[0], 4, 2, 32768), QWEN3))
     return out
 
 
-@pytest.mark.parametrize(
-    "tiles,shape", _fused_cases(), ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else ""
-)
-def test_fused_decode_k_loops_stream_without_barriers_and_nothing_spills(decode_kernels, tiles, shape):
-    """The fused decode kernel (moe_decode.py) with the tuner's tiles: its two K loops are 16-byte loads and FMAs,
-    no barrier, shuffle or shared memory (the activations loaded in the weights' layout); no local memory; the
-    occupancy it is tuned at fits (registers); one griddepcontrol.wait and one launch_dependents; the L2 requests
-    only where fc2.prefetch asks for them."""
-    bn1, bk1, bn2, bk2, w, o, pf = tiles
+@pytest.mark.parametrize("tiles,shape", _fused_cases(), ids=lambda v: str(v) if isinstance(v, tuple) else "")
+def test_fused_decode_k_loops_pipeline_16_byte_copies_and_nothing_spills(decode_kernels, tiles, shape):
+    """The fused decode kernel (moe_decode.py) with the tuner's tiles: its two K loops (FC1's, FC2's over the
+    token's slots) are Triton's software pipelines of 16-byte cp.async copies into shared memory feeding the MMAs;
+    no local memory; the occupancy it is tuned at fits (registers and shared memory); one griddepcontrol.wait and
+    one launch_dependents; the L2 requests only where fc2.prefetch asks for them."""
+    fc1, fc2, w, o, pf = tiles
     asm = {}
-    ptx = _compile_fused(shape, (bn1, bk1, bn2, bk2, w, pf), asm)
+    ptx = _compile_fused(shape, (fc1, fc2, w, pf), asm)
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(pf)
-    # the K loops of FC1 and FC2: the innermost loops with FMAs (the others: the queue's waits, the L2 requests)
-    k_loops = [b for b in loop_bodies(ptx) if any("fma.rn.f32" in line for line in b)]
-    assert len(k_loops) == 2, f"{len(k_loops)} loops with FMAs"
-    for body in k_loops:
-        text = "\n".join(body)
-        assert "bar.sync" not in text and "shfl" not in text and ".shared" not in text, text[:2000]
-        loads = re.findall(r"ld\.global[^\n]*", text)
-        # the tiles in 16-byte loads; besides them at most FC2's expert id and routing weight of the next step
-        scalar = [ld for ld in loads if ".v4" not in ld]
-        assert len(loads) - len(scalar) >= 4 and len(scalar) <= 2, loads
+    k_loops = [b for b in loop_bodies(ptx) if any("mma.sync" in line for line in b)]
+    assert len(k_loops) == 2, f"{len(k_loops)} loops with MMAs"
+    fc1_loop, fc2_loop = ("\n".join(b) for b in k_loops)
+    # the tiles: 16-byte copies; FC2's loop also pipelines its next step's expert id and routing weight (4 bytes)
+    assert async_copy_sizes(fc1_loop) == {"0x10"}, async_copy_sizes(fc1_loop)
+    assert async_copy_sizes(fc2_loop) == {"0x10", "0x4"}, async_copy_sizes(fc2_loop)
     use = resource_usage(asm["cubin"])
     assert use["LOCAL"] == 0, use
-    assert resident_per_sm(use["REG"], use["SHARED"], w) >= o, f"occupancy {o} does not fit: {use}"
+    shared = asm["metadata"].shared
+    assert resident_per_sm(use["REG"], shared, w) >= o, f"occupancy {o} does not fit: {use}, {shared} B shared"
