@@ -661,13 +661,13 @@ def test_persistent_path_back_to_back_with_pdl_at_prefill_size(tmoe):
 # ------------------------------------------------------------------ the fused decode path (moe_decode.py)
 
 
-def _fused_cfg(tmoe, fc1=(32, 128, 4, 1), fc2=(16, 128, 4), grid=(4, 1), prefetch=0):
+def _fused_cfg(tmoe, fc1=(32, 128, 4, 1), fc2=(16, 128, 4, 1), grid=(4, 1), prefetch=0):
     G = tmoe.GemmConfig
-    (bn1, bk1, ns1, split), (bn2, bk2, ns2), (w, o) = fc1, fc2, grid
+    (bn1, bk1, ns1, split), (bn2, bk2, ns2, groups), (w, o) = fc1, fc2, grid
     return tmoe.MoEConfig(
         mode="fused",
         fc1=G(BM=16, BN=bn1, BK=bk1, num_warps=w, num_stages=ns1, occupancy=o, split_k=split),
-        fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=w, num_stages=ns2, occupancy=o, prefetch=prefetch),
+        fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=w, num_stages=ns2, occupancy=o, prefetch=prefetch, split_k=groups),
     )
 
 
@@ -701,7 +701,7 @@ def test_fused_decode_path_routings_dtypes_ragged_tiles(tmoe, dtype, route, act)
     (the last one short); T = 1, 3, 8, 64 (MAX_T)."""
     for T in (1, 3, 8, 64):
         x, tw, ids, kw = _inputs(T, 16, 328, 200, 4, dtype, act=act, route=route)
-        cfg = _fused_cfg(tmoe, fc1=(16, 64, 3, 3), fc2=(32, 128, 2), grid=(4, 2), prefetch=32768)
+        cfg = _fused_cfg(tmoe, fc1=(16, 64, 3, 3), fc2=(32, 128, 2, 3), grid=(4, 2), prefetch=32768)
         _check(_run(tmoe, x, tw, ids, kw, config=cfg), _reference(x, tw, ids, kw), TOL[dtype])
 
 
@@ -710,7 +710,7 @@ def test_fused_decode_path_deterministic_pdl_bitwise_and_replayed_with_new_routi
     counters the next one reads), and in a CUDA graph replayed with new routing written into its inputs."""
     T, E, H, I, k = 2, 128, 2048, 768, 8
     x, tw, ids, kw = _inputs(T, E, H, I, k, torch.bfloat16)
-    cfg = _fused_cfg(tmoe, fc1=(16, 128, 4, 4), grid=(4, 2), prefetch=32768)
+    cfg = _fused_cfg(tmoe, fc1=(16, 128, 4, 4), fc2=(32, 128, 4, 4), grid=(4, 2), prefetch=32768)
     args = (x, kw["w13"], kw["w2"], tw, ids, "silu")
     first = tmoe.fused_moe(*args, config=cfg, pdl=False)
     outs = [tmoe.fused_moe(*args, config=cfg, pdl=pdl) for pdl in (True, False) * 8]

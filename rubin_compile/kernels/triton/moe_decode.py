@@ -66,24 +66,26 @@ from rubin_compile.ops.registry import Launch
 
 MAX_T = 64  # tokens per call: one counter each in the workspace
 # the workspace's int32 words: the claim counter, the exit counter, a counter per token, then a ticket per (slot, FC1
-# tile) for K-split FC1 items
+# tile) for K-split FC1 items and one per (token, FC2 tile) for FC2 items split into slot groups
 WS_CLAIM, WS_EXIT, WS_TOKENS = 0, 1, 2
 _MAX_T, _WS_CLAIM, _WS_EXIT, _WS_TOKENS = (tl.constexpr(v) for v in (MAX_T, WS_CLAIM, WS_EXIT, WS_TOKENS))
 _CHUNK = tl.constexpr(PREFETCH_CHUNK)  # pdl.PREFETCH_CHUNK, as a constant the kernels can read
 # The tiles the tuner tries (tune_moe.fused_candidates). FC1 items (BN1 gate and BN1 up rows, K step, pipeline stages,
 # K ranges): 16 to 64 columns, and split over K where I / BN1 alone gives too few items for the SMs (DeepSeek-V3 TP8's
-# I = 256); FC2 items (BN2 output columns, K step, stages); programs of 4 warps, one or two per SM
-TUNE_FC1 = ((32, 128, 4, 1), (64, 128, 4, 1), (16, 128, 4, 2), (16, 128, 4, 4), (32, 128, 4, 4))
-TUNE_FC2 = ((16, 128, 4), (32, 128, 4), (16, 256, 3))
-TUNE_GRIDS = ((4, 1), (4, 2))  # (num_warps, occupancy)
+# I = 256); FC2 items (BN2 output columns, K step, stages, slot groups): the slots split into groups where H / BN2 alone
+# gives too few (Qwen3-30B-A3B's H = 2048 at T = 1: 64 items of 32 columns); programs of 4 warps, two per SM
+TUNE_FC1 = ((32, 128, 4, 1), (64, 128, 4, 1), (16, 128, 4, 2), (32, 128, 4, 4))
+TUNE_FC2 = ((16, 256, 3, 1), (32, 128, 4, 1), (32, 128, 4, 2), (32, 128, 4, 4), (16, 256, 3, 4), (64, 128, 4, 8))
+TUNE_GRIDS = ((4, 2),)  # (num_warps, occupancy): one program per SM lost every entry on the H100 (2026-12-06)
 
 
 @dataclass(frozen=True)
 class Tiles:
     """The fused path's tiles, from a ``MoEConfig`` of mode "fused": FC1 items of ``bn1`` gate (and as many up)
-    columns over K steps of ``bk1`` in ``ns1`` pipeline stages, K split into ``split`` ranges; FC2 items of ``bn2``
-    output columns over K steps of ``bk2`` in ``ns2`` stages; ``num_warps`` per program, ``occupancy`` programs per
-    SM; ``prefetch``: bytes of each of an FC2 item's slot tiles asked of L2 before it waits (0: none)."""
+    columns over K steps of ``bk1`` in ``ns1`` pipeline stages, K split into ``split`` ranges (``fc1.split_k``); FC2
+    items of ``bn2`` output columns over K steps of ``bk2`` in ``ns2`` stages, the token's k slots split into
+    ``groups`` (``fc2.split_k``); ``num_warps`` per program, ``occupancy`` programs per SM; ``prefetch``: bytes of each
+    of an FC2 item's slot tiles asked of L2 before it waits (0: none)."""
 
     bn1: int
     bk1: int
@@ -92,6 +94,7 @@ class Tiles:
     bn2: int
     bk2: int
     ns2: int
+    groups: int
     num_warps: int
     occupancy: int
     prefetch: int
@@ -100,17 +103,9 @@ class Tiles:
     def of(config) -> "Tiles":
         f1, f2 = config.fc1, config.fc2
         return Tiles(
-            f1.BN,
-            f1.BK,
-            f1.num_stages,
-            f1.split_k,
-            f2.BN,
-            f2.BK,
-            f2.num_stages,
-            f1.num_warps,
-            f1.occupancy,
-            f2.prefetch,
-        )
+            bn1=f1.BN, bk1=f1.BK, ns1=f1.num_stages, split=f1.split_k, bn2=f2.BN, bk2=f2.BK, ns2=f2.num_stages,
+            groups=f2.split_k, num_warps=f1.num_warps, occupancy=f1.occupancy, prefetch=f2.prefetch,
+        )  # fmt: skip
 
 
 def config_problem(config) -> Optional[str]:
@@ -129,8 +124,6 @@ def config_problem(config) -> Optional[str]:
         for what, v in (("BN", g.BN), ("BK", g.BK)):
             if v < 16 or v & (v - 1):
                 return f"mode='fused': {name}.{what}={v} must be a power of two >= 16 (tl.dot's smallest)"
-    if f2.split_k != 1:
-        return "mode='fused': fc2.split_k is 1 (FC2 items sum their token's slots whole)"
     pf = f2.prefetch
     if pf and (pf % PREFETCH_CHUNK or (pf // PREFETCH_CHUNK) & (pf // PREFETCH_CHUNK - 1)):
         return f"mode='fused': fc2.prefetch={pf} bytes: 0 or {PREFETCH_CHUNK} times a power of two"
@@ -250,24 +243,32 @@ def _fc1_item(
 
 @triton.jit
 def _fc2_item(
-    w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, r, H, I, K_TOP, NT1, NT2, stride_we, stride_wn, stride_ot,
-    BN2: tl.constexpr, BK2: tl.constexpr, NS2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr,
+    w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, part2_ptr, ws_ptr, r, H, I, K_TOP, NT1, NT2, GROUPS, TICK2, stride_we,
+    stride_wn, stride_ot, BN2: tl.constexpr, BK2: tl.constexpr, NS2: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """FC2 item ``r``: token ``r // NT2``, output columns [m BN2, (m + 1) BN2), summed over the token's k slots."""
-    t = r // NT2
-    m = r - t * NT2
+    """FC2 item ``r``: token ``t``, output columns [m BN2, (m + 1) BN2), summed over the slots of group ``g`` of the
+    token's k slots (GROUPS groups of cdiv(k, GROUPS) slots; with more than one, the last group of (token, tile) to
+    arrive adds the groups' float32 sums in group order and writes the output)."""
+    per_t = NT2 * GROUPS
+    t = r // per_t
+    tile = r - t * per_t  # (m, g) of token t
+    m = tile // GROUPS
+    g = tile - m * GROUPS
+    spg = tl.cdiv(K_TOP, GROUPS)
+    j_lo = g * spg
+    j_n = tl.minimum(K_TOP - j_lo, spg)
     offs_n = m * BN2 + tl.arange(0, BN2)
     offs_k = tl.arange(0, BK2)
     n_ok = _below(offs_n, 0, H, EVEN_N)
-    s0 = t * K_TOP
+    s0 = t * K_TOP + j_lo
     if PREFETCH > 0:  # the weights never depend on FC1: ask L2 for this item's tiles before waiting
         nbytes = tl.minimum(H - m * BN2, BN2) * I * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8)
         nbytes = tl.minimum(nbytes, PREFETCH)
         NCH: tl.constexpr = (PREFETCH + _CHUNK - 1) // _CHUNK
         offs_c = tl.arange(0, NCH) * _CHUNK
         sizes = ((tl.minimum(tl.maximum(nbytes - offs_c, 0), _CHUNK) // 16) * 16).to(tl.int32)
-        for jj in range(0, K_TOP):
+        for jj in range(0, j_n):
             e = tl.load(ids_ptr + s0 + jj).to(tl.int64)
             base = (w2_ptr + e * stride_we + m * BN2 * stride_wn).to(tl.pointer_type(tl.int8))
             l2_prefetch(base + offs_c, sizes)
@@ -282,8 +283,8 @@ def _fc2_item(
     w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]
     nk = tl.cdiv(I, BK2)
     acc = tl.zeros([16, BN2], tl.float32)
-    # the token's k slots' K steps as one pipelined loop (the next slot's first tiles load during this one's last)
-    for step in tl.range(0, K_TOP * nk, num_stages=NS2):
+    # the group's slots' K steps as one pipelined loop (the next slot's first tiles load during this one's last)
+    for step in tl.range(0, j_n * nk, num_stages=NS2):
         jj = step // nk
         k0 = (step - jj * nk) * BK2
         s = s0 + jj
@@ -294,13 +295,27 @@ def _fc2_item(
         w = tl.load(w2_ptr + e * stride_we + k0 + w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * wt
     out_cols = tl.zeros([16, 1], tl.int32) + offs_n[None, :]
-    tl.store(out_ptr + t * stride_ot + out_cols, acc.to(out_ptr.dtype.element_ty), mask=row0[:, None] & n_ok[None, :])
+    out_mask = row0[:, None] & n_ok[None, :]
+    last = True
+    if GROUPS > 1:
+        p_ptrs = part2_ptr + ((t * NT2 + m) * GROUPS) * BN2 + (tl.zeros([16, 1], tl.int32) + tl.arange(0, BN2)[None, :])
+        tl.store(p_ptrs + g * BN2, acc, mask=out_mask)
+        tl.debug_barrier()
+        tick = ws_ptr + TICK2 + t * NT2 + m
+        last = tl.atomic_add(tick, 1, sem="acq_rel", scope="gpu") == GROUPS - 1
+        if last:
+            acc = tl.zeros([16, BN2], tl.float32)
+            for gg in range(0, GROUPS):  # in group order: deterministic
+                acc += tl.load(p_ptrs + gg * BN2, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(tick, 0)  # zero for the next call
+    if last:
+        tl.store(out_ptr + t * stride_ot + out_cols, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["T", "K_TOP", "NT1", "NT2", "N1", "N_ALL", "SPLIT"])
+@triton.jit(do_not_specialize=["T", "K_TOP", "NT1", "NT2", "N1", "N_ALL", "SPLIT", "GROUPS", "TICK2"])
 def _moe_decode_kernel(
-    x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, inter_ptr, part_ptr, out_ptr, ws_ptr,
-    T, H, I, K_TOP, NT1, NT2, N1, N_ALL, SPLIT, KCH,
+    x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, inter_ptr, part_ptr, part2_ptr, out_ptr, ws_ptr,
+    T, H, I, K_TOP, NT1, NT2, N1, N_ALL, SPLIT, KCH, GROUPS, TICK2,
     stride_xt, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_ot,
     ACT: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, NS1: tl.constexpr, BN2: tl.constexpr,
     BK2: tl.constexpr, NS2: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N2: tl.constexpr,
@@ -319,8 +334,8 @@ def _moe_decode_kernel(
             )  # fmt: skip
         else:
             _fc2_item(
-                w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, ws_ptr, item - N1, H, I, K_TOP, NT1, NT2, stride_w2e,
-                stride_w2n, stride_ot, BN2, BK2, NS2, EVEN_N2, EVEN_K2, PREFETCH, DOT_PREC,
+                w2_ptr, ids_ptr, tw_ptr, inter_ptr, out_ptr, part2_ptr, ws_ptr, item - N1, H, I, K_TOP, NT1, NT2,
+                GROUPS, TICK2, stride_w2e, stride_w2n, stride_ot, BN2, BK2, NS2, EVEN_N2, EVEN_K2, PREFETCH, DOT_PREC,
             )  # fmt: skip
         item = nxt
     if GDC:
@@ -358,14 +373,17 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     split = cdiv(H, kch)
     part = torch.empty((S, split, 2 * I) if split > 1 else (1,), dtype=torch.float32, device=dev)
     nt1, nt2 = cdiv(I, tiles.bn1), cdiv(H, tiles.bn2)
+    groups = cdiv(k, cdiv(k, max(1, tiles.groups)))  # FC2's slot groups, none empty
+    part2 = torch.empty((T * nt2 * groups, tiles.bn2) if groups > 1 else (1,), dtype=torch.float32, device=dev)
     n1 = S * nt1 * split
-    n_all = n1 + T * nt2
+    n_all = n1 + T * nt2 * groups
+    tick2 = WS_TOKENS + MAX_T + S * nt1  # the FC2 tickets after FC1's
     grid = max(1, min(num_sms * tiles.occupancy, n_all))
     gdc = has_gdc()
     w13, w2 = args.w13, args.w2
     launcher(_moe_decode_kernel)[(grid,)](
-        x, w13, w2, ids, tw, inter, part, out, workspace(dev, S * nt1 if split > 1 else 0),
-        T, H, I, k, nt1, nt2, n1, n_all, split, kch,
+        x, w13, w2, ids, tw, inter, part, part2, out, workspace(dev, S * nt1 + T * nt2),
+        T, H, I, k, nt1, nt2, n1, n_all, split, kch, groups, tick2,
         x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         ACT=_ACT[args.activation], BN1=tiles.bn1, BK1=tiles.bk1, NS1=tiles.ns1, BN2=tiles.bn2, BK2=tiles.bk2,
         NS2=tiles.ns2, EVEN_N1=I % tiles.bn1 == 0, EVEN_K1=H % tiles.bk1 == 0, EVEN_N2=H % tiles.bn2 == 0,

@@ -466,8 +466,8 @@ FUSED_MAX_T = 8  # above this many tokens the tuner does not try the fused decod
 
 def fused_candidates(moe, T: int, wfmt: str) -> list:
     """The fused decode path's configs at T <= FUSED_MAX_T (bf16 weights: the path's only format): its FC1 and FC2
-    tiles (moe_decode.TUNE_*) paired every way on each grid; with two programs per SM also with the FC2 items' L2
-    requests before their wait."""
+    tiles (moe_decode.TUNE_*) paired every way on each grid. (The FC2 items' L2 requests before their wait, fc2.prefetch,
+    lost every entry they were tried on, on the H100, 2026-12-06: not tried.)"""
     if T > FUSED_MAX_T or wfmt != "bf16":
         return []
     G, dec = moe.GemmConfig, moe.moe_decode
@@ -475,12 +475,11 @@ def fused_candidates(moe, T: int, wfmt: str) -> list:
         moe.MoEConfig(
             mode="fused",
             fc1=G(BM=16, BN=bn1, BK=bk1, num_warps=w, num_stages=ns1, occupancy=o, split_k=sp),
-            fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=w, num_stages=ns2, occupancy=o, prefetch=pf),
+            fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=w, num_stages=ns2, occupancy=o, split_k=g2),
         )
         for w, o in dec.TUNE_GRIDS
         for bn1, bk1, ns1, sp in dec.TUNE_FC1
-        for bn2, bk2, ns2 in dec.TUNE_FC2
-        for pf in ((0, 32768) if o > 1 else (0,))
+        for bn2, bk2, ns2, g2 in dec.TUNE_FC2
     ]
 
 

@@ -6,7 +6,7 @@
   slot-mode kernels.
 - The kernel under Triton's interpreter (a subprocess: Triton must see TRITON_INTERPRET=1 before it is first
   imported) against a float64 reference, float32 within 1e-5 (the interpreter's bf16 ``tl.dot`` is wrong; tests/gpu
-  checks bf16 and fp16): tiles that do not divide H or I, FC1 split over K, GELU, duplicate experts within a token's
+  checks bf16 and fp16): tiles that do not divide H or I, FC1 split over K, FC2 over slot groups, GELU, duplicate experts within a token's
   slots, T = MAX_T, grids of fewer programs than items (each program takes several from the queue) and of more; the
   workspace's counters and tickets zero after every call; two calls back to back.
 - (Its sm_90 compile: tests/cpu/kernels/test_triton_moe_sm90_compile.py.)
@@ -34,12 +34,12 @@ PKG = "rubin_compile.kernels.triton"
 pytest.importorskip("triton", reason="the Triton provider needs the triton package")
 
 
-def _fused(tmoe, bn1=16, bk1=32, bn2=16, bk2=32, warps=4, occ=1, prefetch=0, split=1, **kw):  # noqa: F811
+def _fused(tmoe, bn1=16, bk1=32, bn2=16, bk2=32, warps=4, occ=1, prefetch=0, split=1, groups=1, **kw):  # noqa: F811
     G = tmoe.GemmConfig
     return tmoe.MoEConfig(
         mode="fused",
         fc1=G(BM=16, BN=bn1, BK=bk1, num_warps=warps, num_stages=2, occupancy=occ, split_k=split),
-        fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=warps, num_stages=2, occupancy=occ, prefetch=prefetch),
+        fc2=G(BM=16, BN=bn2, BK=bk2, num_warps=warps, num_stages=2, occupancy=occ, prefetch=prefetch, split_k=groups),
         **kw,
     )
 
@@ -56,7 +56,6 @@ def test_fused_configs_that_cannot_run_are_refused_with_the_fix(tmoe):  # noqa: 
         "BM is 16": dict(fc1=G(BM=1, BN=16, BK=32)),
         "takes none of swap": dict(fc2=G(BM=16, BN=16, BK=32, swap=True)),
         "a power of two >= 16": dict(fc1=G(BM=16, BN=8, BK=32)),
-        "fc2.split_k is 1": dict(fc2=G(BM=16, BN=16, BK=32, split_k=2)),
         "fc1.prefetch is not used": dict(fc1=G(BM=16, BN=16, BK=32, prefetch=4096)),
         "4096 times a power of two": dict(fc2=G(BM=16, BN=16, BK=32, prefetch=3 * 4096)),
         "a_fp8=False": dict(a_fp8=True),
@@ -98,8 +97,7 @@ def test_tuner_tries_the_fused_path_at_decode_sizes_in_bf16(tmoe):  # noqa: F811
     tune = importlib.import_module(PKG + ".tune_moe")
     cands = tune.fused_candidates(tmoe, 1, "bf16")
     dec = tmoe.moe_decode
-    pairs = len(dec.TUNE_FC1) * len(dec.TUNE_FC2)
-    assert len(cands) == sum(pairs * (2 if occ > 1 else 1) for _, occ in dec.TUNE_GRIDS)  # occupancy 2: L2 requests too
+    assert len(cands) == len(dec.TUNE_FC1) * len(dec.TUNE_FC2) * len(dec.TUNE_GRIDS)
     assert all(c.mode == "fused" and c.problem() is None for c in cands)
     assert tune.fused_candidates(tmoe, tune.FUSED_MAX_T + 1, "bf16") == []
     assert tune.fused_candidates(tmoe, 1, "fp8_block") == []
@@ -118,6 +116,9 @@ INTERP_CASES = [
     # FC1 split over K: 3 ranges of 32 over H = 80 (the last one short), summed in range order by the last to arrive
     (3, 8, 80, 48, 2, {"split": 3, "act": "gelu_tanh"}),
     (2, 8, 64, 32, 4, {"split": 2, "sms": 1}),  # one program takes every item, the split ranges in queue order
+    # FC2 items over slot groups: k = 5 in 3 groups of 2, 2, 1 slots, summed in group order by the last to arrive
+    (3, 8, 64, 48, 5, {"groups": 3, "split": 2}),
+    (2, 8, 64, 32, 4, {"groups": 4, "sms": 2}),
     (4, 6, 64, 32, 3, {"route": "one_expert"}),  # every slot of a token on one expert
     (64, 4, 32, 16, 1, {}),  # T = MAX_T
     (5, 8, 64, 48, 2, {"sms": 2, "split": 2}),  # 2 programs for 5 x 2 x 3 x 2 + 5 x 4 items: many each
@@ -138,7 +139,7 @@ def _reference64(x, w13, w2, tw, ids, act):
 
 
 def _interp_case(moe, T, E, H, I, k, bn1=16, bk1=32, bn2=16, bk2=32, prefetch=0, act="silu", route="random",  # noqa: E741
-                 sms=None, split=1):  # fmt: skip
+                 sms=None, split=1, groups=1):  # fmt: skip
     from rubin_compile.ops.moe import MoEArgs
     from rubin_compile.ops.registry import Launch
 
@@ -155,7 +156,7 @@ def _interp_case(moe, T, E, H, I, k, bn1=16, bk1=32, bn2=16, bk2=32, prefetch=0,
     cfg = moe.MoEConfig(
         mode="fused",
         fc1=moe.GemmConfig(BM=16, BN=bn1, BK=bk1, num_stages=2, split_k=split),
-        fc2=moe.GemmConfig(BM=16, BN=bn2, BK=bk2, num_stages=2, prefetch=prefetch),
+        fc2=moe.GemmConfig(BM=16, BN=bn2, BK=bk2, num_stages=2, prefetch=prefetch, split_k=groups),
     )
     out = torch.full((T, H), float("nan"), dtype=dt)
     if sms is None:

@@ -355,14 +355,15 @@ DEEPSEEK = dict(H=7168, I=256, k=8)
 
 def _compile_fused(shape, cfg, asm):
     dec = sys.modules["rubin_moe_decode_aot"]
-    (bn1, bk1, ns1, split), (bn2, bk2, ns2), w, pf = cfg
+    (bn1, bk1, ns1, split), (bn2, bk2, ns2, groups), w, pf = cfg
     H, I, k = shape["H"], shape["I"], shape["k"]  # noqa: E741
     n1 = k * (I // bn1) * split
     kch = -(-H // split)
-    ints = dict(T=1, H=H, I=I, K_TOP=k, NT1=I // bn1, NT2=H // bn2, N1=n1, N_ALL=n1 + H // bn2, SPLIT=split, KCH=kch)
+    ints = dict(T=1, H=H, I=I, K_TOP=k, NT1=I // bn1, NT2=H // bn2, N1=n1, N_ALL=n1 + H // bn2 * groups, SPLIT=split)
+    ints.update(KCH=kch, GROUPS=groups, TICK2=2 + 64 + k * (I // bn1))
     ints.update(stride_xt=H, stride_w13e=2 * I * H, stride_w13n=H, stride_w2e=H * I, stride_w2n=I, stride_ot=H)
     ptrs = dict(x_ptr="*bf16", w13_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32", inter_ptr="*bf16")
-    ptrs.update(part_ptr="*fp32", out_ptr="*bf16", ws_ptr="*i32")
+    ptrs.update(part_ptr="*fp32", part2_ptr="*fp32", out_ptr="*bf16", ws_ptr="*i32")
     consts = dict(ACT=0, BN1=bn1, BK1=bk1, NS1=ns1, BN2=bn2, BK2=bk2, NS2=ns2, EVEN_N1=True, EVEN_K1=True)
     consts.update(EVEN_N2=True, EVEN_K2=True, PREFETCH=pf, DOT_PREC="tf32", GDC=True)
     return compile_like_a_launch(
