@@ -15,7 +15,9 @@
 TABLE=$(python3 -c "import torch; from rubin_compile.kernels.triton import moe_choice; print(moe_choice.table_file(torch.cuda.get_device_name()))")
 if [ "${PHASE:-tune}" = tune ]; then
 mkdir -p "$OUT/moe_configs"
-cp "rubin_compile/kernels/triton/moe_configs/$TABLE" "$OUT/moe_configs/" 2>/dev/null || echo "no committed $TABLE"
+# the table this GPU runs today (its own, or its stand-in's: the H100 runs the H200's), so its entries are re-timed
+RUNS=$(python3 -c "import torch; from rubin_compile.kernels.triton import moe_choice as c; n = torch.cuda.get_device_name(); print(c.table_file(c.CONFIG_STAND_INS.get(n, n)))")
+cp "rubin_compile/kernels/triton/moe_configs/$RUNS" "$OUT/moe_configs/$TABLE" && echo "seeded with $RUNS"
 timeout ${TUNE_TIMEOUT:-300} python3 -m rubin_compile.kernels.triton.tune_moe --shapes qwen3-30b-a3b,deepseek-v3-tp8 \
   --formats bf16 --tokens ${TOKENS:-1,2,4,8} --merge --modes fused --reps 20 --out "$OUT/moe_configs" \
   --log "$OUT/tune-fused-detail.log" > "$OUT/tune-fused.log" 2>&1
