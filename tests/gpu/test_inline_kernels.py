@@ -56,8 +56,32 @@ def _compiled(model, mode, dump_dir=None):
     return torch.compile(model, backend="rubin", options=options, dynamic=False)
 
 
+def _fused_decode_config():
+    from rubin_compile.kernels.triton import moe
+
+    G = moe.GemmConfig
+    return moe.MoEConfig(
+        mode="fused",
+        fc1=G(BM=16, BN=32, BK=128, num_stages=4, occupancy=2, split_k=2),
+        fc2=G(BM=16, BN=32, BK=128, num_stages=4, occupancy=2, split_k=4),
+    )
+
+
+@pytest.mark.parametrize("moe_path", ["two_kernels", "fused"])
 @torch.inference_mode()
-def test_traced_launches_equal_the_op_calls_and_leave_no_op_call(tmp_path):
+def test_traced_launches_equal_the_op_calls_and_leave_no_op_call(tmp_path, moe_path, monkeypatch):
+    """The MoE in the slot-mode kernels (FC1, FC2) and in the fused decode kernel (moe_decode.py, whose traced form
+    zeroes a workspace of its own per call), whichever the tuned table holds, each forced here."""
+    from rubin_compile.kernels.triton import moe
+
+    T = 1
+    if moe_path == "fused":
+        monkeypatch.setattr(moe, "_tuned_config", lambda *a, **kw: _fused_decode_config())
+        moe_kernels = ("_moe_decode_kernel",)
+    else:
+        slot = moe.heuristic_config(T, E, H, I, K, torch.bfloat16, None)
+        monkeypatch.setattr(moe, "_tuned_config", lambda *a, **kw: slot)
+        moe_kernels = ("_moe_fc1_kernel", "_moe_fc2_kernel")
     torch._dynamo.reset()
     model = DecodeLayer().cuda().to(torch.bfloat16)
     inputs = _inputs()
@@ -67,7 +91,7 @@ def test_traced_launches_equal_the_op_calls_and_leave_no_op_call(tmp_path):
     code = "\n".join(codes)
     for name in ("rubin.attention", "rubin.route", "rubin.moe"):
         assert f"torch.ops.{name}" not in code, f"{name} is still called in Inductor's code"
-    for kernel in ("_split_kv", "_router_logits_kernel", "_route_topk_kernel", "_moe_fc1_kernel", "_moe_fc2_kernel"):
+    for kernel in ("_split_kv", "_router_logits_kernel", "_route_topk_kernel", *moe_kernels):
         assert kernel in code, f"{kernel} is not launched from Inductor's code"
     for a, b in zip(called, traced):
         assert torch.equal(a, b)

@@ -38,8 +38,8 @@ The queue's counters live in a per-device workspace of int32 (``workspace``, zer
 claim counter, an exit counter and one counter per token. The last program to exit zeroes them, so the next call
 finds them zero; with PDL a call waits (``gdc_wait``) before it touches them. Two consequences: calls on one device
 must not run this kernel concurrently on two streams (a split-N placement over locality domains does: ``problem``
-sends such calls to the slot-mode kernels), and the workspace is process state, so ``passes/inline_kernels.py``
-cannot trace these launches into a graph (the node stays an op call; its report says why).
+sends such calls to the slot-mode kernels); and where ``passes/inline_kernels.py`` traces the launch into a graph,
+which cannot own process state, the graph zeroes a workspace of its own for each call (one fill before the kernel).
 
 PDL: every program waits before it reads the routing or the hidden states (the previous kernel's outputs; the expert
 of an item is not known before, so no weight can be requested earlier), and lets the next kernel launch once the
@@ -153,11 +153,6 @@ def problem(args: MoEArgs, placed: bool = False) -> Optional[str]:
         return "weights or hidden states whose rows are not contiguous"
     if placed:
         return "a split-N placement over locality domains (its calls run on several streams at once)"
-    if _launch._recording is not None:
-        return (
-            "tracing into a graph (inline_kernels): the kernel's queue counters are a per-device workspace, process "
-            "state a traced graph cannot own"
-        )
     return None
 
 
@@ -381,8 +376,13 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     grid = max(1, min(num_sms * tiles.occupancy, n_all))
     gdc = has_gdc()
     w13, w2 = args.w13, args.w2
+    tickets = S * nt1 + T * nt2
+    if _launch._recording is not None:  # traced into a graph (inline_kernels): a zeroed workspace of its own per call
+        ws = torch.zeros(WS_TOKENS + MAX_T + tickets, dtype=torch.int32, device=dev)
+    else:
+        ws = workspace(dev, tickets)
     launcher(_moe_decode_kernel)[(grid,)](
-        x, w13, w2, ids, tw, inter, part, part2, out, workspace(dev, S * nt1 + T * nt2),
+        x, w13, w2, ids, tw, inter, part, part2, out, ws,
         T, H, I, k, nt1, nt2, n1, n_all, split, kch, groups, tick2,
         x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         ACT=_ACT[args.activation], BN1=tiles.bn1, BK1=tiles.bk1, NS1=tiles.ns1, BN2=tiles.bn2, BK2=tiles.bk2,

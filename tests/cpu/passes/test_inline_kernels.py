@@ -145,6 +145,32 @@ def test_moe_at_decode_is_traced(on_h200):
     g.graph.lint()
 
 
+def test_moe_fused_decode_is_traced_with_a_workspace_of_its_own(on_h200):
+    """A call the tuned table runs on the fused decode kernel (moe_decode.py): one launch, after a zeroed workspace
+    the graph makes for each call (the op call's per-device workspace is process state a graph cannot own)."""
+    g = Graph()
+    E, H, I, k = 128, 2048, 768, 8
+    x = g.input("x", 1, H)
+    w13, w2 = g.input("w13", E, 2 * I, H), g.input("w2", E, H, I)
+    tw, ids = g.input("tw", 1, k, dtype=torch.float32), g.input("ids", 1, k, dtype=torch.int32)
+    node = g.call(torch.ops.rubin.moe.default, x, w13, w2, tw, ids, "silu", impl="triton@sm90")
+    g.finish(node)
+    G = triton_moe.GemmConfig
+    fused = triton_moe.MoEConfig(
+        mode="fused",
+        fc1=G(BM=16, BN=32, BK=128, num_stages=4, occupancy=2, split_k=2),
+        fc2=G(BM=16, BN=32, BK=128, num_stages=4, occupancy=2, split_k=4),
+    )
+    with mock.patch.object(triton_moe, "_tuned_config", lambda *a, **kw: fused):
+        kernels = g.inline(node)
+    assert kernels == ["_moe_decode_kernel"]
+    # torch.zeros, as the trace decomposes it: aten.full(size, 0) of int32
+    zeros = [n for n in g.graph.nodes if n.target is torch.ops.aten.full.default and n.args[1] == 0]
+    assert len(zeros) == 1 and zeros[0].meta["val"].dtype == torch.int32
+    assert torch.ops.rubin.moe.default not in g.targets()
+    g.graph.lint()
+
+
 def test_a_failing_trace_leaves_the_graph_unchanged(on_h200):
     g, node = attention_graph()
     before = [n.format_node() for n in g.graph.nodes]
