@@ -40,8 +40,8 @@ for line in open(sys.argv[1]):
         times = []
 PY
 else
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/gpu/test_triton_moe.py -q -p no:cacheprovider -rfE \
-  -k "fused_decode or pdl or graph" > "$OUT/pytest-fused.log" 2>&1
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/gpu/test_triton_moe.py tests/gpu/test_inline_kernels.py -q \
+  -p no:cacheprovider -rfE -k "fused_decode or pdl or graph or traced_launches_equal" > "$OUT/pytest-fused.log" 2>&1
 echo "pytest exit $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-fused.log" | tail -8
 VLLM=(); [ -d .vllm-src ] && VLLM=(--baselines grouped_mm,vllm --vllm-src .vllm-src) || VLLM=(--baselines grouped_mm)
 # the per-size selection rows (moe_baselines/) of the sizes re-tuned, re-timed with the entries in the tree
