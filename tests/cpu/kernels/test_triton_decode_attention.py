@@ -6,11 +6,9 @@ tests/gpu/test_decode_attention.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from rubin_compile import target as target_mod
 from rubin_compile.ops.attention import ATTENTION
 from rubin_compile.ops.registry import KernelSpec
+from tests.cpu.kernels.triton_interp import run_file, triton_version
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -127,23 +126,11 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
 @pytest.fixture(scope="module")
 def interp_results():
     pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _triton_version() -> tuple[int, ...]:
-    if importlib.util.find_spec("triton") is None:
-        return (0,)
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("triton").split(".")[:2])
+    return run_file(__file__)
 
 
 @pytest.mark.skipif(
-    _triton_version() < (3, 9),
+    triton_version() < (3, 9),
     reason="Triton < 3.9's interpreter fails on a loop bounded by a tensor value; tests/gpu runs the kernels",
 )
 @pytest.mark.parametrize("name", list(CASES))

@@ -19,6 +19,7 @@ import torch
 from rubin_compile.ops.moe import MOE, MoEArgs, moe_reference
 from rubin_compile.ops.registry import Launch, Placement
 from rubin_compile.target import detect, resolve
+from tests.cpu.kernels.triton_interp import run_file, triton_version
 
 ROOT = Path(__file__).resolve().parents[3]
 PKG = "rubin_compile.kernels.triton"
@@ -672,24 +673,11 @@ def _emulate_bf16(x, w13, w2, tw, ids, act, quant, b13, b2):
 @pytest.fixture(scope="module")
 def interp_results():
     pytest.importorskip("triton", reason="the Triton provider needs the triton package")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _triton_version() -> tuple[int, ...]:
-    spec = importlib.util.find_spec("triton")
-    if spec is None:
-        return (0,)
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("triton").split(".")[:2])
+    return run_file(__file__)
 
 
 @pytest.mark.skipif(
-    _triton_version() < (3, 9),
+    triton_version() < (3, 9),
     reason="Triton < 3.9's interpreter (3.6 on the H200 machine) fails on "
     "a loop bounded by a tensor value; the compiled kernels are tested on the GPU (tests/gpu)",
 )

@@ -18,7 +18,6 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from tests.cpu.kernels.test_triton_moe_config import tmoe  # noqa: F401 (the fixture: moe.py under the interpreter)
+from tests.cpu.kernels.triton_interp import run_file, triton_version
 
 ROOT = Path(__file__).resolve().parents[3]
 PKG = "rubin_compile.kernels.triton"
@@ -167,21 +167,11 @@ def _interp_case(moe, T, E, H, I, k, bn1=16, bk1=32, bn2=16, bk2=32, prefetch=0,
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _triton_version() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("triton").split(".")[:2])
+    return run_file(__file__)
 
 
 @pytest.mark.skipif(
-    _triton_version() < (3, 9),
+    triton_version() < (3, 9),
     reason="Triton < 3.9's interpreter fails on a loop bounded by a tensor value; tests/gpu runs the kernel compiled",
 )
 @pytest.mark.parametrize("i", range(len(INTERP_CASES)), ids=[f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}" for c in INTERP_CASES])
@@ -192,7 +182,7 @@ def test_fused_kernel_matches_reference_in_interpreter(interp_results, i):
     assert err < 1e-5, f"relative error {err:.2e} >= 1e-5 (float32, ieee dots)"
 
 
-@pytest.mark.skipif(_triton_version() < (3, 9), reason="see test_fused_kernel_matches_reference_in_interpreter")
+@pytest.mark.skipif(triton_version() < (3, 9), reason="see test_fused_kernel_matches_reference_in_interpreter")
 def test_back_to_back_calls_share_the_workspace(interp_results):
     """A second call with other routing right after the first (the counters the first left) is right too."""
     first, second = interp_results["back_to_back"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cpu.kernels.triton_aot import compile_like_a_launch, resident_per_sm, resource_usage
+from tests.cpu.kernels.triton_interp import run_file
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
@@ -219,11 +219,7 @@ def _gather_case() -> dict:
 
 @pytest.fixture(scope="module")
 def gather_result():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_file(__file__, timeout=600)
 
 
 def test_gather_quant_rows_are_the_tokens_rows_in_tile_order(gather_result):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.cpu.kernels.triton_interp import run_file
 
 ROOT = Path(__file__).resolve().parents[3]
 MOD = "rubin_compile.kernels.triton.route"
@@ -476,11 +475,7 @@ def _interp_case(R, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_file(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -29,3 +29,31 @@ def gpu_rounding() -> None:
         return convert(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert_rne
+
+
+def run_file(path, timeout: int = 900):
+    """The JSON a kernel test file prints on its last line when run as a script under the interpreter: Triton must
+    see TRITON_INTERPRET=1 before it is first imported, so the kernels run in a subprocess of their own (with this
+    checkout on its path); its output tails are in the failure message when it exits non-zero."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def triton_version() -> tuple[int, ...]:
+    """(major, minor) of the installed Triton; (0,) without one."""
+    import importlib.util
+    from importlib.metadata import version
+
+    if importlib.util.find_spec("triton") is None:
+        return (0,)
+    return tuple(int(p) for p in version("triton").split(".")[:2])
