@@ -131,14 +131,18 @@ def test_route_is_traced_and_its_two_outputs_rewired(on_h200):
     g.graph.lint()
 
 
-def test_moe_at_decode_is_traced(on_h200):
+def moe_graph(T=1, E=128, H=2048, I=768, k=8):  # noqa: E741
+    """A graph of one rubin.moe call bound to our Triton kernels (Qwen3-30B-A3B's MoE by default)."""
     g = Graph()
-    E, H, I, k = 128, 2048, 768, 8
-    x = g.input("x", 1, H)
+    x = g.input("x", T, H)
     w13, w2 = g.input("w13", E, 2 * I, H), g.input("w2", E, H, I)
-    tw, ids = g.input("tw", 1, k, dtype=torch.float32), g.input("ids", 1, k, dtype=torch.int32)
+    tw, ids = g.input("tw", T, k, dtype=torch.float32), g.input("ids", T, k, dtype=torch.int32)
     node = g.call(torch.ops.rubin.moe.default, x, w13, w2, tw, ids, "silu", impl="triton@sm90")
-    g.finish(node)
+    return g.finish(node), node
+
+
+def test_moe_at_decode_is_traced(on_h200):
+    g, node = moe_graph()
     kernels = g.inline(node)
     assert "_moe_fc1_kernel" in kernels and "_moe_fc2_kernel" in kernels
     assert g.targets().count(HOP) == len(kernels) and torch.ops.rubin.moe.default not in g.targets()
@@ -148,13 +152,7 @@ def test_moe_at_decode_is_traced(on_h200):
 def test_moe_fused_decode_is_traced_with_a_workspace_of_its_own(on_h200):
     """A call the tuned table runs on the fused decode kernel (moe_decode.py): one launch, after a zeroed workspace
     the graph makes for each call (the op call's per-device workspace is process state a graph cannot own)."""
-    g = Graph()
-    E, H, I, k = 128, 2048, 768, 8
-    x = g.input("x", 1, H)
-    w13, w2 = g.input("w13", E, 2 * I, H), g.input("w2", E, H, I)
-    tw, ids = g.input("tw", 1, k, dtype=torch.float32), g.input("ids", 1, k, dtype=torch.int32)
-    node = g.call(torch.ops.rubin.moe.default, x, w13, w2, tw, ids, "silu", impl="triton@sm90")
-    g.finish(node)
+    g, node = moe_graph()
     G = triton_moe.GemmConfig
     fused = triton_moe.MoEConfig(
         mode="fused",
