@@ -15,31 +15,38 @@ when a GEMM has fewer programs than SMs (Qwen3's FC1 at T = 1: 96 programs on 13
 FC1 at 2.8 TB/s, FC2 with its fused top-k sum at 2.0 TB/s). Here one launch of ``num_sms x occupancy`` programs
 takes small work items from one queue until it is empty:
 
-- FC1 items (slot ``s``, BN1 columns of I): the expert's BN1 gate rows and BN1 up rows over all of K = H against
-  the token's hidden states, reduced in float32, ``act(gate) * up`` rounded to the activations' dtype into the
-  ``[T k, I]`` intermediate; then one release increment of the token's counter.
-- FC2 items (token ``t``, BN2 columns of H): for each of the token's k slots in slot order, the expert's BN2 rows of
-  ``w2`` against that slot's intermediate row times its routing weight, all summed in one float32 accumulator; the
-  output row written once. No per-slot rows, no arrival counters per output tile, no sum kernel, no float atomics.
-  An FC2 item first asks L2 for its weight tiles (``fc2.prefetch``; weights never depend on FC1), then waits
-  (acquire loads of the token's counter) until all of its token's FC1 items are done: only the first FC2 items
-  taken, while the last FC1 items finish, ever wait, and their L2 requests keep HBM busy meanwhile.
+- FC1 items (slot ``s``, BN1 columns of I, one of ``fc1.split_k`` K ranges): the expert's BN1 gate rows and BN1 up
+  rows against the token's hidden states. An unsplit item writes ``act(gate) * up``, rounded to the activations'
+  dtype, into the ``[T k, I]`` intermediate, then makes one release increment of the token's counter. A split item
+  writes float32 partials and takes a ticket; the last range of (slot, tile) to arrive adds the ranges in range
+  order, then writes and counts.
+- FC2 items (token ``t``, BN2 columns of H, one of ``fc2.split_k`` groups of the token's k slots): for the group's
+  slots in slot order, the expert's BN2 rows of ``w2`` against that slot's intermediate row times its routing
+  weight, all into one float32 accumulator. The last group of a (token, tile) to arrive adds the groups in group
+  order and writes the output row once. No per-slot rows, no sum kernel, no float atomics. An FC2 item may first
+  ask L2 for its weight tiles (``fc2.prefetch``; weights never depend on FC1), then waits (acquire loads of the
+  token's counter) until all of its token's FC1 items are done. Only the first FC2 items taken, while the last FC1
+  items finish, ever wait.
 
 Items are taken in queue order through one integer atomic per item (the next one claimed while the current one
 runs), FC1 items before FC2 items. That is what makes the wait safe: a program holding an FC2 item knows every FC1
 item was already taken by a program that is running and never waits itself, so the FC1 items finish whatever the
 GPU's scheduling, residency or occupancy (the argument of CUB's decoupled look-back, which takes its tile ids from a
-counter for the same reason). Each item's weight stream is a GEMV (one token row): float32 products accumulated per
-element over K and reduced once at the end, both operands loaded as 2-D tiles with K contiguous (vector loads and
-FMAs, no shared memory or barrier), the next K step's tiles loaded before this one's products (two steps in
-flight per program).
+counter for the same reason). Each item's K loop is Triton's cp.async software pipeline feeding ``tl.dot`` on
+16-row tiles of which one row is the token's (the other rows are masked and move no bytes). Triton pipelines only
+loads that feed a dot: a first form with GEMV loops (products summed per element in registers) kept one K step in
+flight per program and streamed at 12 GB/s per SM (docs/kernels/triton_moe.md, "The fused decode path").
 
 The queue's counters live in a per-device workspace of int32 (``workspace``, zeroed once, when first needed): the
-claim counter, an exit counter and one counter per token. The last program to exit zeroes them, so the next call
-finds them zero; with PDL a call waits (``gdc_wait``) before it touches them. Two consequences: calls on one device
-must not run this kernel concurrently on two streams (a split-N placement over locality domains does: ``problem``
-sends such calls to the slot-mode kernels); and where ``passes/inline_kernels.py`` traces the launch into a graph,
-which cannot own process state, the graph zeroes a workspace of its own for each call (one fill before the kernel).
+claim counter, an exit counter, one counter per token and the K-split / slot-group tickets. The last program to
+exit zeroes the counters and each ticket's last arriver zeroes its ticket, so the next call finds them zero. With
+PDL a call waits (``gdc_wait``) before it touches them. Two consequences follow. Calls on one device must not run
+this kernel concurrently on two streams; a split-N placement over locality domains would, so ``problem`` sends
+such calls to the slot-mode kernels. And where ``passes/inline_kernels.py`` traces the launch into a graph, which
+cannot own process state, the graph zeroes a workspace of its own for each call (one fill before the kernel).
+
+Where it stands (H100, 2026-12-06): it ties the tuned two-kernel configs on DeepSeek-V3 TP8 at T = 1 and 2 and is
+0.78-0.96x of them elsewhere, so no table selects it; the tuner tries it at T <= 8 in bf16.
 
 PDL: every program waits before it reads the routing or the hidden states (the previous kernel's outputs; the expert
 of an item is not known before, so no weight can be requested earlier), and lets the next kernel launch once the
