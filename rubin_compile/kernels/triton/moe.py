@@ -136,8 +136,9 @@ class MoEConfig:
 
     # "slot" (T*k <= SLOT_MAX), "grouped" (one group per expert), "prefill" (BM-row blocks of sorted slots),
     # "persistent" (moe_prefill.py: slots aligned on the GPU, persistent TMA + wgmma grouped GEMMs; fc1.BM rows), or
-    # "fused" (moe_decode.py, decode: FC1, FC2 and the top-k sum in one persistent launch; BM = 1, fc1.BN / BK and
-    # fc2.BN / BK its items' tiles, fc1.num_warps / occupancy the grid's, fc2.prefetch the L2 requests of FC2 items)
+    # "fused" (moe_decode.py, decode: FC1, FC2 and the top-k sum in one persistent launch; BM = 16, one row real;
+    # fc1.BN / BK / num_stages / split_k its FC1 items, fc2.BN / BK / num_stages its FC2 items and fc2.split_k their
+    # slot groups, fc1.num_warps / occupancy the grid's, fc2.prefetch the FC2 items' L2 requests)
     mode: str = "slot"
     fc1: GemmConfig = field(default_factory=GemmConfig)
     fc2: GemmConfig = field(default_factory=GemmConfig)
@@ -1868,7 +1869,7 @@ def run(
         why = moe_decode.problem(args, placed)
         if why is None:
             return moe_decode.run(args, launch, moe_decode.Tiles.of(config), num_sms, out)
-        # a call the fused decode kernel does not take (FP8, biases, split-N, tracing): the slot-mode kernels
+        # a call the fused decode kernel does not take (FP8, biases, T > 64, split-N): the slot-mode kernels
         config = heuristic_config(T, E, H, I, k, args.w13.dtype, args.block_shape, num_sms)
     if config.mode == "persistent":
         tiles = moe_prefill.Tiles.of(config)

@@ -644,8 +644,11 @@ def warm_compile(jobs: list, workers: int, worker: Callable[[object], Optional[s
 
 
 def _fused_divides(sh: dict, cfg) -> tuple:
-    """Whether a fused config's tiles divide a shape's H and I (what its kernel specialises on besides the tiles)."""
-    return (sh["I"] % cfg.fc1.BN == 0, sh["H"] % cfg.fc1.BK == 0, sh["H"] % cfg.fc2.BN == 0, sh["I"] % cfg.fc2.BK == 0)
+    """What a fused config's kernel specialises on besides its tiles: whether they divide a shape's H and I, and
+    whether H and I are multiples of 16 (Triton's integer specialisation)."""
+    H, I = sh["H"], sh["I"]  # noqa: E741
+    f1, f2 = cfg.fc1, cfg.fc2
+    return (I % f1.BN == 0, H % f1.BK == 0, H % f2.BN == 0, I % f2.BK == 0, H % 16 == 0, I % 16 == 0)
 
 
 def _warm_key(H, I, k, T, wfmt, cfg, pdl):
@@ -704,8 +707,8 @@ def tune(
         for (s, wf, T), cfg in pairs:
             sh = shapes[s]
             key = _warm_key(sh["H"], sh["I"], sh["k"], T, wf, cfg, True)
-            # the fused kernel specialises on its tiles and on whether they divide H and I, not on H and I: one
-            # compile serves every shape they divide
+            # the fused kernel specialises on its tiles and _fused_divides, not on H and I: one compile serves
+            # every shape alike in those
             shape = ("fused", _fused_divides(sh, cfg)) if cfg.mode == "fused" else (key[0], key[1])
             jobs.setdefault((*shape, key[4], key[5], key[3]), key)
         t0 = time.time()
