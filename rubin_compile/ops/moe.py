@@ -275,6 +275,10 @@ class MoEArgs:
         for name, value in (("T", T), ("H", H), ("E", E), ("I", inter), ("k", k)):
             object.__setattr__(self, name, value)
 
+    def flat_routing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids, topk_weights)`` as contiguous [T k] vectors in slot order (token-major), the kernels' layout."""
+        return self.topk_ids.reshape(-1).contiguous(), self.topk_weights.reshape(-1).contiguous()
+
     @property
     def fp8(self) -> bool:
         return self.w13.dtype in WEIGHT_FP8_DTYPES

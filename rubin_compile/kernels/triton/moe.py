@@ -38,6 +38,7 @@ from rubin_compile.kernels.triton.activations import CODES as _ACT_CODES
 from rubin_compile.kernels.triton.activations import gelu_tanh, silu
 from rubin_compile.kernels.triton.fp8 import quantise_rows, scale_args
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.pdl import l2_prefetch_range
 
 # The tuned table (moe_configs/<GPU>.json) is read by moe_choice, which weighs our times against baselines without
 # importing Triton; load_config_table: {} where a GPU has none, read once per process, never tunes.
@@ -471,22 +472,6 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
-    """Ask the copy engine to pull ``nbytes`` at ``ptr`` (16-byte aligned) into L2; returns nothing useful."""
-    offs = tl.arange(0, NCHUNK) * CHUNK
-    size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
-    size = (size // 16) * 16
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptr.to(tl.pointer_type(tl.int8)) + offs, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _slot_group(ids_ptr, S, pid, SLOT_P2: tl.constexpr):
     """Slot mode: slot ``pid``'s expert, whether an earlier slot already leads that expert, its row count."""
     offs = tl.arange(0, SLOT_P2)
@@ -790,12 +775,14 @@ def _moe_fc1_kernel(
         w2_bytes = H * N_UP * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
         share = (pid_n * SPLIT + pid_k) * W2_L2
         w2_base = (w2_ptr + e64 * stride_w2e).to(tl.pointer_type(tl.int8))
-        _prefetch_l2(w2_base + share, tl.minimum(tl.maximum(w2_bytes - share, 0), W2_L2), W2_CHUNK, W2_L2 // W2_CHUNK)
+        l2_prefetch_range(
+            w2_base + share, tl.minimum(tl.maximum(w2_bytes - share, 0), W2_L2), W2_CHUNK, W2_L2 // W2_CHUNK
+        )
     if PREFETCH > 0:
         nbytes = tl.minimum(I - pid_n * BN, BN) * H * w_ptr.dtype.element_ty.primitive_bitwidth // 8
         nbytes = tl.minimum(nbytes, PREFETCH)
-        _prefetch_l2(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
-        _prefetch_l2(w_base + (N_UP + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
+        l2_prefetch_range(w_base + pid_n * BN * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
+        l2_prefetch_range(w_base + (N_UP + pid_n * BN) * stride_wn, nbytes, PF_CHUNK, PREFETCH // PF_CHUNK)
     s_base = ws_ptr + e64 * stride_se
     if SPLIT == 1:
         # Compile-time 0 and the (specialised) H: the weight / activation pointers then keep the 16-byte
@@ -1027,7 +1014,7 @@ def _moe_fc2_kernel(
     w_base = w_ptr + e64 * stride_we
     if PREFETCH > 0:  # weights: nothing before us writes them
         nbytes = tl.minimum(H - pid_n * BN, BN) * I * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        _prefetch_l2(w_base + pid_n * BN * stride_wn, tl.minimum(nbytes, PREFETCH), PF_CHUNK, PREFETCH // PF_CHUNK)
+        l2_prefetch_range(w_base + pid_n * BN * stride_wn, tl.minimum(nbytes, PREFETCH), PF_CHUNK, PREFETCH // PF_CHUNK)
     if GDC:
         gdc_wait()  # the intermediate is FC1's output
     s_base = ws_ptr + e64 * stride_se
@@ -1895,10 +1882,7 @@ def run(
         placed,
         _INTERPRET,
     )
-    ids = args.topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    tw = args.topk_weights.reshape(-1)
-    tw = tw if tw.is_contiguous() else tw.contiguous()
+    ids, tw = args.flat_routing()
     routes = plan.routing(ids)
     tick = plan.tickets(dev)
     xq, xs = plan.quantise(x, plan.chain_pdl if plan.route_kernel else plan.first_pdl, tick)

@@ -67,7 +67,7 @@ from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
 from rubin_compile.kernels.triton.launch import cdiv, launcher
 from rubin_compile.kernels.triton.pdl import INTERPRET, PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc
-from rubin_compile.kernels.triton.pdl import l2_prefetch
+from rubin_compile.kernels.triton.pdl import l2_prefetch_range
 from rubin_compile.ops.moe import MoEArgs
 from rubin_compile.ops.registry import Launch
 
@@ -267,13 +267,9 @@ def _fc2_item(
     if PREFETCH > 0:  # the weights never depend on FC1: ask L2 for this item's tiles before waiting
         nbytes = tl.minimum(H - m * BN2, BN2) * I * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8)
         nbytes = tl.minimum(nbytes, PREFETCH)
-        NCH: tl.constexpr = (PREFETCH + _CHUNK - 1) // _CHUNK
-        offs_c = tl.arange(0, NCH) * _CHUNK
-        sizes = ((tl.minimum(tl.maximum(nbytes - offs_c, 0), _CHUNK) // 16) * 16).to(tl.int32)
         for jj in range(0, j_n):
             e = tl.load(ids_ptr + s0 + jj).to(tl.int64)
-            base = (w2_ptr + e * stride_we + m * BN2 * stride_wn).to(tl.pointer_type(tl.int8))
-            l2_prefetch(base + offs_c, sizes)
+            l2_prefetch_range(w2_ptr + e * stride_we + m * BN2 * stride_wn, nbytes, _CHUNK, PREFETCH // _CHUNK)
     # wait until every FC1 item of this token is done (acquire: their intermediate stores are visible after it)
     target = K_TOP * NT1
     done = tl.atomic_add(ws_ptr + _WS_TOKENS + t, 0, sem="acquire", scope="gpu")
@@ -365,10 +361,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     S = T * k
     if S == 0:
         return out.zero_()
-    ids = args.topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    tw = args.topk_weights.reshape(-1)
-    tw = tw if tw.is_contiguous() else tw.contiguous()
+    ids, tw = args.flat_routing()
     inter = torch.empty((S, I), dtype=dtype, device=dev)
     # K ranges of whole BK1 steps, none empty
     kch = cdiv(cdiv(H, max(1, tiles.split)), tiles.bk1) * tiles.bk1

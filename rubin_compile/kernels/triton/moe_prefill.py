@@ -547,10 +547,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     pdl = {"launch_pdl": True} if (gdc and launch.pdl) else {}
     chain = {"launch_pdl": True} if gdc else {}  # our own kernels after the first: always safe (each waits)
     i32 = torch.int32
-    ids = args.topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    tw = args.topk_weights.reshape(-1)
-    tw = tw if tw.is_contiguous() else tw.contiguous()
+    ids, tw = args.flat_routing()
     bn1, bk1, nw1, ns1 = tiles.fc1
     bn2, bk2, nw2, ns2 = tiles.fc2
     fp8 = args.w13.dtype == torch.float8_e4m3fn

@@ -44,3 +44,12 @@ def l2_prefetch(ptrs, sizes):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def l2_prefetch_range(ptr, nbytes, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
+    """``l2_prefetch`` of the ``nbytes`` at ``ptr`` (16-byte aligned), in at most ``NCHUNK`` requests of ``CHUNK`` bytes
+    (each rounded down to whole 16 bytes; the ones past ``nbytes`` issue nothing)."""
+    offs = tl.arange(0, NCHUNK) * CHUNK
+    size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
+    l2_prefetch(ptr.to(tl.pointer_type(tl.int8)) + offs, (size // 16) * 16)
