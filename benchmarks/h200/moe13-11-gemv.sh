@@ -16,22 +16,4 @@ for fmt in bf16 fp8_block; do
     > "$OUT/tune-moe-$fmt.log" 2>&1
   echo "tune $fmt exit $?"; grep -v "compile failed" "$OUT/tune-moe-$fmt.log" | grep -E "T=|WRONG|Error" | cut -c1-200
 done
-python3 - "$OUT"/tune-moe-*-detail.log <<'PY'
-import re, sys
-print(f"{'entry':34s} {'best MMA us':>11s} {'best GEMV us':>12s} {'MMA/GEMV':>8s}  winner")
-for path in sys.argv[1:]:
-    times = []
-    for line in open(path):
-        m = re.match(r"\s+([\d.]+) us  (.*)", line)
-        if m:
-            times.append((float(m.group(1)), m.group(2)))
-            continue
-        m = re.match(r"(\S+)\s+(\S+)\s+T=\s*(\d+): best", line)
-        if m and times:
-            mma = min((t for t, d in times if "/gemv" not in d), default=float("nan"))
-            gemv = min((t for t, d in times if "/gemv" in d), default=float("nan"))
-            win = min(times)[1]
-            print(f"{m.group(1) + ' ' + m.group(2) + ' T=' + m.group(3):34s} {mma:11.1f} {gemv:12.1f} "
-                  f"{mma / gemv:8.2f}  {win}")
-            times = []
-PY
+python3 "$(dirname "$0")/tuner_log_compare.py" "/gemv" GEMV MMA "$OUT"/tune-moe-*-detail.log

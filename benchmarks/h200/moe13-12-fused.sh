@@ -22,23 +22,7 @@ timeout ${TUNE_TIMEOUT:-300} python3 -m rubin_compile.kernels.triton.tune_moe --
   --formats bf16 --tokens ${TOKENS:-1,2,4,8} --merge --modes fused --reps 20 --out "$OUT/moe_configs" \
   --log "$OUT/tune-fused-detail.log" > "$OUT/tune-fused.log" 2>&1
 echo "tune exit $?"; grep -v "compile failed" "$OUT/tune-fused.log" | grep -E "T=|WRONG|Error|compiled" | cut -c1-220
-python3 - "$OUT/tune-fused-detail.log" <<'PY'
-import re, sys
-print(f"{'entry':34s} {'best other us':>13s} {'best fused us':>13s} {'other/fused':>11s}  winner")
-times = []
-for line in open(sys.argv[1]):
-    m = re.match(r"\s+([\d.]+) us  (.*)", line)
-    if m:
-        times.append((float(m.group(1)), m.group(2)))
-        continue
-    m = re.match(r"(\S+)\s+(\S+)\s+T=\s*(\d+): best", line)
-    if m and times:
-        other = min((t for t, d in times if not d.startswith("fused")), default=float("nan"))
-        fused = min((t for t, d in times if d.startswith("fused")), default=float("nan"))
-        print(f"{m.group(1) + ' ' + m.group(2) + ' T=' + m.group(3):34s} {other:13.1f} {fused:13.1f} "
-              f"{other / fused:11.2f}  {min(times)[1]}")
-        times = []
-PY
+python3 "$(dirname "$0")/tuner_log_compare.py" "^fused" fused other "$OUT/tune-fused-detail.log"
 else
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/gpu/test_triton_moe.py tests/gpu/test_inline_kernels.py -q \
   -p no:cacheprovider -rfE -k "fused_decode or pdl or graph or traced_launches_equal" > "$OUT/pytest-fused.log" 2>&1
