@@ -1,0 +1,208 @@
+"""Where the decode routing's time goes (issue 13's routing goal: <= 3 us per layer at T <= 32).
+
+    PYTHONPATH=. python benchmarks/route_profile.py --out /tmp/out
+
+For each router of benchmarks/route.py and each T, in CUDA graphs of 16 calls (benchmarks/route.py's timing: a
+fresh router weight copy and hidden states per call, median of the replays, per call):
+
+- ``call``: the whole routing as rubin launches it (``route.launch``), PDL on and off;
+- ``logits only`` / ``top-k only``: the same calls with the other kernel's launch skipped (``route.launcher``
+  wrapped for this run; the skipped kernel's outputs are whatever the buffers hold, so only the times mean
+  anything), PDL off: what each kernel costs between other kernels of a graph;
+- the per-kernel device time from torch.profiler over the replays (PDL off, so no kernel's time includes a wait);
+- ``launch floor``: a Triton kernel that writes one float, 16 (and 32) to a graph, PDL off and on: what any
+  kernel costs there before it does work;
+- the logits kernel's tile (``RouteConfig``) and the top-k kernel's warps, swept around ``heuristic``.
+
+Writes route-profile-<gpu>.{md,json} under ``--out``. A diagnostic: nothing in rubin reads its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.kernels.triton import route as kernel
+from rubin_compile.kernels.triton.launch import launcher
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_wait = gdc_launch_dependents = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: route, gpu_names
+from gpu_names import gpu_slug  # noqa: E402
+from route import CALLS, MODELS, graph_us  # noqa: E402
+
+
+@triton.jit
+def _one_store_kernel(out_ptr, GDC: tl.constexpr):
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    tl.store(out_ptr + tl.program_id(0), 1.0)
+
+
+def launch_floor(n: int, pdl: bool) -> float:
+    """us per launch of a one-store kernel, ``n`` to a graph (CALLS per timed call, so scaled back per launch)."""
+    out = torch.empty(132, device="cuda")
+    gdc = kernel._has_gdc(out.device)
+
+    def one():
+        for _ in range(n // CALLS):
+            launcher(_one_store_kernel)[(1,)](
+                out, GDC=gdc, num_warps=1, **({"launch_pdl": True} if pdl and gdc else {})
+            )
+
+    return graph_us([one]) * CALLS / n
+
+
+@contextlib.contextmanager
+def only(which: str):
+    """Launch only the ``which`` kernel ("logits" / "topk") of route.launch."""
+    skip = kernel._route_topk_kernel if which == "logits" else kernel._router_logits_kernel
+    real = kernel.launcher
+
+    class _Skip:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    kernel.launcher = lambda fn: _Skip() if fn is skip else real(fn)
+    try:
+        yield
+    finally:
+        kernel.launcher = real
+
+
+def per_kernel_us(fns: list) -> dict[str, float]:
+    """Median device time per kernel name over the profiled replays of a graph of ``fns``."""
+    calls = [fns[i % len(fns)] for i in range(CALLS)]
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = "logits" if "logits" in ev.name else "topk" if "topk" in ev.name else ev.name[:40]
+            times.setdefault(name, []).append(
+                ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time
+            )
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def case(model: str, T: int, sweep: bool) -> dict:
+    m = MODELS[model]
+    E, H, k = m["E"], m["H"], m["k"]
+    g = torch.Generator(device="cuda").manual_seed(T)
+    w0 = (torch.randn((E, H), device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    ws = [w0.clone() for _ in range(CALLS)]
+    xs = [torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16) for _ in range(CALLS)]
+    bias = torch.randn((E,), device="cuda", generator=g) * 0.05 if m["bias"] else None
+    kw = dict(m["kw"], correction_bias=bias) if bias is not None else dict(m["kw"])
+    cfg0 = kernel.heuristic(T, E, H, kernel._num_sms(xs[0].device))
+
+    def fns(pdl=False, cfg=None):
+        return [lambda x=x, w=w: kernel.route(x, w, top_k=k, pdl=pdl, config=cfg, **kw) for x, w in zip(xs, ws)]
+
+    row = {"model": model, "T": T, "heuristic": [cfg0.block_e, cfg0.block_k, cfg0.num_warps, cfg0.topk_warps]}
+    row["call_pdl_us"] = graph_us(fns(True))
+    row["call_us"] = graph_us(fns(False))
+    for which in ("logits", "topk"):
+        with only(which):
+            row[f"{which}_only_us"] = graph_us(fns(False))
+    try:
+        row["profiled_us"] = per_kernel_us(fns(False))
+    except Exception as e:  # the profiler is a diagnostic extra: the timings above stand without it
+        row["profiled_us"] = {}
+        print(f"profiler: {type(e).__name__}: {e}", flush=True)
+    if sweep:
+        sw = {}
+        for be in (8, 16, 32):
+            for bk in (256, 512, 1024, 2048):
+                if be * bk < 2048 or be * bk > 32768 or (T > kernel.FMA_MAX_T and be < 16):
+                    continue
+                for nw in (4, 8) if be * bk >= 16384 else (4,):
+                    cfg = kernel.RouteConfig(be, bk, nw, 1)
+                    with only("logits"):
+                        sw[f"{be}x{bk}w{nw}"] = graph_us(fns(False, cfg))
+        row["logits_sweep_us"] = sw
+        row["topk_warps_us"] = {}
+        for tw in (1, 2, 4):
+            cfg = kernel.RouteConfig(cfg0.block_e, cfg0.block_k, cfg0.num_warps, tw)
+            with only("topk"):
+                row["topk_warps_us"][tw] = graph_us(fns(False, cfg))
+    torch.cuda.empty_cache()
+    return row
+
+
+def render(rows: list[dict], floors: dict, head: str) -> list[str]:
+    lines = [
+        f"Decode routing, where the time goes; {head}",
+        "",
+        f"Launch floor (a one-store Triton kernel, us per launch in a graph): {json.dumps(floors)}",
+        "",
+        "| router | T | heuristic (BE, BK, warps, top-k warps) | call, PDL | call | logits only | top-k only | "
+        "profiled logits / top-k | best logits tile (us) | top-k warps 1 / 2 / 4 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        prof = r["profiled_us"]
+        sw = r.get("logits_sweep_us") or {}
+        best = min(sw, key=sw.get) if sw else None
+        tw = r.get("topk_warps_us") or {}
+        lines.append(
+            f"| {r['model']} | {r['T']} | {r['heuristic']} | {r['call_pdl_us']:.2f} | {r['call_us']:.2f} | "
+            f"{r['logits_only_us']:.2f} | {r['topk_only_us']:.2f} | "
+            f"{prof.get('logits', float('nan')):.2f} / {prof.get('topk', float('nan')):.2f} | "
+            f"{f'{best} ({sw[best]:.2f})' if best else '-'} | {' / '.join(f'{v:.2f}' for v in tw.values()) or '-'} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16, 32])
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    props = torch.cuda.get_device_properties(0)
+    head = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
+    print(head, flush=True)
+    floors = {f"{n} per graph, pdl {p}": round(launch_floor(n, p), 3) for n in (16, 32) for p in (False, True)}
+    print(floors, flush=True)
+    rows = []
+    for model in args.models:
+        for T in args.tokens:
+            rows.append(case(model, T, not args.no_sweep and T in (1, 16) and model != "Mixtral-8x7B"))
+            print(json.dumps(rows[-1]), flush=True)
+    text = "\n".join(render(rows, floors, head))
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"route-profile-{gpu_slug()}.md").write_text(text + "\n")
+    (args.out / f"route-profile-{gpu_slug()}.json").write_text(
+        json.dumps({"device": head, "launch_floor": floors, "rows": rows}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
