@@ -12,7 +12,8 @@ fresh router weight copy and hidden states per call, median of the replays, per 
 - the per-kernel device time from torch.profiler over the replays (PDL off, so no kernel's time includes a wait);
 - ``launch floor``: a Triton kernel that writes one float, 16 (and 32) to a graph, PDL off and on: what any
   kernel costs there before it does work;
-- the logits kernel's tile (``RouteConfig``) and the top-k kernel's warps, swept around ``heuristic``.
+- the logits kernel's tile (``RouteConfig``) and the top-k kernel's warps, swept around ``heuristic``;
+- ``one kernel``: the one-kernel form (``RouteConfig.fused``), PDL on and off, and whether it is bitwise the two.
 
 Writes route-profile-<gpu>.{md,json} under ``--out``. A diagnostic: nothing in rubin reads its output.
 """
@@ -24,6 +25,7 @@ import contextlib
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -125,6 +127,11 @@ def case(model: str, T: int, sweep: bool) -> dict:
     row = {"model": model, "T": T, "heuristic": [cfg0.block_e, cfg0.block_k, cfg0.num_warps, cfg0.topk_warps]}
     row["call_pdl_us"] = graph_us(fns(True))
     row["call_us"] = graph_us(fns(False))
+    one = replace(cfg0, fused=True)
+    row["one_kernel_pdl_us"] = graph_us(fns(True, one))
+    row["one_kernel_us"] = graph_us(fns(False, one))
+    a, b = kernel.route(xs[0], ws[0], top_k=k, **kw), kernel.route(xs[0], ws[0], top_k=k, config=one, **kw)
+    row["one_kernel_bitwise"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
     for which in ("logits", "topk"):
         with only(which):
             row[f"{which}_only_us"] = graph_us(fns(False))
@@ -159,9 +166,9 @@ def render(rows: list[dict], floors: dict, head: str) -> list[str]:
         "",
         f"Launch floor (a one-store Triton kernel, us per launch in a graph): {json.dumps(floors)}",
         "",
-        "| router | T | heuristic (BE, BK, warps, top-k warps) | call, PDL | call | logits only | top-k only | "
-        "profiled logits / top-k | best logits tile (us) | top-k warps 1 / 2 / 4 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| router | T | heuristic (BE, BK, warps, top-k warps) | call, PDL | call | one kernel, PDL | one kernel | "
+        "logits only | top-k only | profiled logits / top-k | best logits tile (us) | top-k warps 1 / 2 / 4 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         prof = r["profiled_us"]
@@ -170,6 +177,7 @@ def render(rows: list[dict], floors: dict, head: str) -> list[str]:
         tw = r.get("topk_warps_us") or {}
         lines.append(
             f"| {r['model']} | {r['T']} | {r['heuristic']} | {r['call_pdl_us']:.2f} | {r['call_us']:.2f} | "
+            f"{r['one_kernel_pdl_us']:.2f}{'' if r['one_kernel_bitwise'] else ' (differs!)'} | {r['one_kernel_us']:.2f} | "
             f"{r['logits_only_us']:.2f} | {r['topk_only_us']:.2f} | "
             f"{prof.get('logits', float('nan')):.2f} / {prof.get('topk', float('nan')):.2f} | "
             f"{f'{best} ({sw[best]:.2f})' if best else '-'} | {' / '.join(f'{v:.2f}' for v in tw.values()) or '-'} |"

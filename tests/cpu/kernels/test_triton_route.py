@@ -445,11 +445,16 @@ def test_heuristic_tiles():
 # ------------------------------------------------------------------------------------------------
 
 
-def _interp_case(R, name: str) -> dict:
+def _interp_case(R, name: str, fused: bool) -> dict:
+    from dataclasses import replace
+
+    from rubin_compile.kernels.triton.launch import counters
+
     c = CASES[name]
     x, w, kw = make_inputs(name)
     k = c["k"]
-    cfg = R.RouteConfig(*c["config"]) if c.get("config") else None
+    cfg = R.RouteConfig(*c["config"]) if c.get("config") else R.heuristic(x.shape[0], w.shape[0], w.shape[1])
+    cfg = replace(cfg, fused=fused)
     extra = {}
     if c.get("out"):  # rows of wider buffers: a row stride that is not k
         bw = torch.full((x.shape[0], k + 3), float("nan"))
@@ -463,7 +468,9 @@ def _interp_case(R, name: str) -> dict:
         "nan": bool(got_w.isnan().any()),
         "ids": got_ids.tolist(),
         "ref_ids": want_ids.tolist(),
+        "weights": got_w.tolist(),
         "dtypes": [str(got_w.dtype), str(got_ids.dtype)],
+        "counters_zero": int(counters("route", x.device, 2).abs().sum()) == 0,
     }
     if extra:
         res["in_buffers"] = got_w.data_ptr() == extra["out_weights"].data_ptr() and got_ids.data_ptr() == (
@@ -478,18 +485,27 @@ def interp_results():
     return run_file(__file__)
 
 
+@pytest.mark.parametrize("form", ["two kernels", "one kernel"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernels_match_reference_in_interpreter(interp_results, name):
-    r = interp_results[name]
+def test_kernels_match_reference_in_interpreter(interp_results, name, form):
+    r = interp_results[name][form]
     assert r["dtypes"] == ["torch.float32", "torch.int32"]
     assert not r["nan"], "an output weight was not written"
     assert r["ids_equal"], f"ids differ:\nkernel    {r['ids'][:4]}\nreference {r['ref_ids'][:4]}"
     assert r["werr"] < 1e-5, f"weights differ by {r['werr']:.2e}"
+    assert r["counters_zero"], "the one-kernel form's counters must be left zero for the next call"
     if name in TIE_EXPECTED:
         lead = TIE_EXPECTED[name]
         assert all(row[: len(lead)] == lead for row in r["ids"]), r["ids"]
     if CASES[name].get("out"):
         assert r["in_buffers"] and r["untouched"], "the given buffers are written in place, and only their [T, k]"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_kernel_is_bitwise_the_two(interp_results, name):
+    """The same partials summed in the same order, the same top-k code: the forms agree bit for bit."""
+    one, two = interp_results[name]["one kernel"], interp_results[name]["two kernels"]
+    assert one["ids"] == two["ids"] and one["weights"] == two["weights"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -713,4 +729,11 @@ def test_the_registered_limits_are_the_kernels():
 if __name__ == "__main__":  # the subprocess of interp_results
     assert os.environ.get("TRITON_INTERPRET") == "1"
     R = _route_module()
-    print(json.dumps({name: _interp_case(R, name) for name in CASES}))
+    print(
+        json.dumps(
+            {
+                name: {form: _interp_case(R, name, form == "one kernel") for form in ("two kernels", "one kernel")}
+                for name in CASES
+            }
+        )
+    )
