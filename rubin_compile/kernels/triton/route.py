@@ -172,7 +172,7 @@ class RouteConfig:
     block_e: int = 16  # experts per program (a power of two; >= 16 for the tl.dot form)
     block_k: int = 512  # hidden positions per program (a power of two): SPLIT = cdiv(H, block_k) partials
     num_warps: int = 4  # the logits kernel (and the one-kernel form's top-k)
-    topk_warps: int = 1  # the two-kernel form's top-k: one warp, so every reduction is a warp redux / shuffle
+    topk_warps: int = 4  # the two-kernel form's top-k (as many as the one-kernel form's: the same sums' order)
     fused: bool = False  # one kernel
 
 
@@ -304,9 +304,11 @@ def _topk_token(
     RENORM: tl.constexpr, RENORM_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr,
     SCALE_PTR: tl.constexpr, ROUND: tl.constexpr, FILL_ZERO: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``: logits from the partials, scores, (grouped) top-k, weights. Each choice is one max-reduction
-    of packed (value, lower id) keys (``_key``): the chain of dependent reductions is k long (plus topk_group),
-    not 2k. ``bias`` / ``corr``: the router / correction bias as [NG_PAD, GS_PAD] lanes (``_expert_lanes``)."""
+    """Token ``t``: logits from the partials, scores, (grouped) top-k, weights. The choices are made on packed
+    (value, lower id) keys (``_key``) by Triton's bitonic ``tl.topk`` (groups: the top 2 of each row, then the
+    group keys sorted), which sorts every lane at once instead of a chain of k dependent argmax reductions (2x
+    faster for the k = 8 of 256 / 128 experts on an H100: benchmarks/h200/route_topk_probe.py). ``bias`` /
+    ``corr``: the router / correction bias as [NG_PAD, GS_PAD] lanes (``_expert_lanes``)."""
     E: tl.constexpr = NG * GS
     BIG: tl.constexpr = 2 * NG_PAD * GS_PAD  # above every lane's id: BIG - id > 0
     DEAD: tl.constexpr = -(2**63)  # the key of dead and taken lanes: below every value's (-inf's, NaN's too)
@@ -336,39 +338,36 @@ def _topk_token(
     if HAS_CORR:
         sel = scores + corr
     key = tl.where(valid, _key(sel, flat, BIG), DEAD)
-    READ_BACK: tl.constexpr = HAS_CORR or (FILL_ZERO and NG > 1)  # a chosen selection value may not be its score
-    skey = key
-    if READ_BACK:  # the weights are the unbiased scores: read back with the same integer max (warp redux)
-        skey = tl.where(valid, _key(scores, flat, BIG), DEAD)
     if NG > 1:
-        # A group's score: its largest value plus the largest of the others (the first maximum's lane removed,
-        # so a group holding two equal maxima scores twice it, as the top-2 sum does).
-        k1 = tl.max(key, axis=1)
-        k2 = tl.max(tl.where(flat == _key_id(k1, BIG)[:, None], DEAD, key), axis=1)
+        # A group's score: the sum of its two largest selection values (the top 2 keys of its row: a group holding
+        # two equal maxima scores twice it, as the reference's top-2 sum does; a sum of two is the same either way).
+        top2 = tl.topk(key, 2)
         gi = tl.arange(0, NG_PAD)
-        gkey = tl.where(gi < NG, _key(_key_value(k1) + _key_value(k2), gi, BIG), DEAD)
-        keep = gi < 0
-        for _ in tl.static_range(TOPK_GROUP):  # the best groups; equal scores: the lower group id
-            pick = _key_id(tl.max(gkey, axis=0), BIG)
-            keep = keep | (gi == pick)
-            gkey = tl.where(gi == pick, DEAD, gkey)
+        gkey = tl.where(gi < NG, _key(tl.sum(_key_value(top2), axis=1), gi, BIG), DEAD)
+        # the topk_group best groups (equal scores: the lower group id): those at or above the topk_group-th key of
+        # the group keys sorted (descending; a handful of them)
+        ranked = tl.sort(gkey, descending=True)
+        keep = gkey >= tl.min(tl.where(tl.arange(0, NG_PAD) < TOPK_GROUP, ranked, 2**63 - 1), axis=0)
         if FILL_ZERO:  # the dropped groups' experts compete with selection value 0.0 (Hugging Face's masked_fill)
             key = tl.where(keep[:, None], key, tl.where(valid, _key(tl.zeros_like(sel), flat, BIG), DEAD))
         else:
             key = tl.where(keep[:, None], key, DEAD)
+    # The k best keys, in descending order (equal values: the lower expert id first): Triton's bitonic top-k over
+    # every lane at once -- a few compare-exchange stages, no chain of k dependent reductions.
+    top = tl.topk(tl.reshape(key, (NG_PAD * GS_PAD,)), K_PAD)
     kk = tl.arange(0, K_PAD)
     k_ok = kk < K
-    ids = tl.zeros((K_PAD,), tl.int32)
-    wts = tl.zeros((K_PAD,), tl.float32)
-    for i in tl.static_range(K):  # k rounds of argmax; equal values: the lower expert id
-        m = _max2d(key)
-        idx = _key_id(m, BIG)
-        ids = tl.where(kk == i, idx, ids)
-        if READ_BACK:  # the score of the expert chosen (off the chain of maxima)
-            wts = tl.where(kk == i, _key_value(_max2d(tl.where(flat == idx, skey, DEAD))), wts)
-        else:  # the value chosen is the weight
-            wts = tl.where(kk == i, _key_value(m), wts)
-        key = tl.where(flat == idx, DEAD, key)
+    ids = _key_id(top, BIG)
+    READ_BACK: tl.constexpr = HAS_CORR or (FILL_ZERO and NG > 1)  # a chosen selection value may not be its score
+    if READ_BACK:
+        # the weights are the unbiased scores of the ids chosen: written over this token's first partial row (read
+        # by this program only, and by every thread of it before the first barrier) and read back by id
+        tl.debug_barrier()
+        tl.store(ptrs, scores, mask=valid)
+        tl.debug_barrier()
+        wts = tl.load(part_ptr + t * E + ids, mask=k_ok, other=0.0, cache_modifier=".cg")
+    else:  # the value chosen is the weight
+        wts = _key_value(top)
     if TOPK_FIRST:  # softmax over the k selected logits (the first is the largest)
         ex = tl.where(k_ok, tl.exp(wts - tl.max(tl.where(k_ok, wts, NEG), axis=0)), 0.0)
         wts = ex / tl.sum(ex, axis=0)

@@ -679,32 +679,27 @@ def test_kernels_compile_for_sm90_with_one_wait_each(aot, name):
 
 
 @pytest.mark.parametrize("name", ["dsv3-T1", "qwen3-T1"])
-def test_topk_kernel_in_one_warp_has_no_barrier(aot, name):
-    """As launched (one warp a token), each argmax is a warp reduction of the packed (value, id) keys (redux.sync
-    with Triton 3.9, shuffles with 3.6) and nothing goes through shared memory: no bar.sync on the chain of k
-    choices."""
-    import inspect
-
-    import triton
-
+def test_topk_kernel_as_launched_keeps_its_keys_in_registers(aot, name):
+    """As launched (``RouteConfig().topk_warps`` warps a token), the top-k kernel compiles for sm_90 with its int64
+    keys in registers (no local memory: a spill would put every compare-exchange stage of the bitonic top-k
+    behind a memory round trip), one wait, and Triton's bitonic stages (shuffles), not k argmax rounds."""
     R = _route_module()
-    fn = R._route_topk_kernel
-    consts = dict(AOT_CONFIGS[name][2], GDC=True)
-    ptrs = {"id_out_ptr": "*i32", "scale": "fp32", "renorm_eps": "fp32"}
-    sig = {
-        p: "constexpr" if p in consts else ptrs.get(p, "*fp32" if p.endswith("_ptr") else "i32")
-        for p in inspect.signature(fn.fn).parameters
-    }
-    src = aot.compiler.ASTSource(fn, sig, constexprs=consts)
-    k = triton.compile(
-        src,
-        target=aot.backend.GPUTarget("cuda", 90, 32),
-        options={"num_warps": R.RouteConfig().topk_warps, "num_stages": 1},
+    asm = {}
+    k1, ints, k2 = AOT_CONFIGS[name]
+    ptx = aot.compile_like_a_launch(
+        R._route_topk_kernel,
+        dict(k2, GDC=True),
+        {p: "*fp32" for p in ("part_ptr", "bias_ptr", "corr_ptr", "scale_ptr", "w_out_ptr")} | {"id_out_ptr": "*i32"},
+        dict(T=ints["T"], stride_wt=k2["K"], stride_it=k2["K"]),
+        num_stages=1,
+        floats=("scale", "renorm_eps"),
+        num_warps=R.RouteConfig().topk_warps,
+        asm=asm,
     )
-    ptx = k.asm["ptx"]
-    assert "bar.sync" not in ptx and k.metadata.shared == 0
-    assert "redux.sync.max" in ptx or "shfl.sync" in ptx  # Triton 3.9 packs the int64 max into redux.sync
+    usage = aot.resource_usage(asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     assert ptx.count("griddepcontrol.wait") == 1
+    assert "shfl.sync" in ptx
 
 
 def test_kernels_without_gdc_have_no_pdl_instructions(aot):
