@@ -12,8 +12,8 @@ fresh router weight copy and hidden states per call, median of the replays, per 
 - the per-kernel device time from torch.profiler over the replays (PDL off, so no kernel's time includes a wait);
 - ``launch floor``: a Triton kernel that writes one float, 16 (and 32) to a graph, PDL off and on: what any
   kernel costs there before it does work;
-- the logits kernel's tile (``RouteConfig``) and the top-k kernel's warps, swept around ``heuristic``;
-- ``one kernel``: the one-kernel form (``RouteConfig.fused``), PDL on and off, and whether it is bitwise the two.
+- whole calls (PDL on) with other logits tiles (``SWEEP``) and, at T <= 8, both logits forms (``RouteConfig.mma``:
+  multiply-adds or ``tl.dot``); the top-k kernel alone at 1 / 2 / 4 / 8 warps.
 
 Writes route-profile-<gpu>.{md,json} under ``--out``. A diagnostic: nothing in rubin reads its output.
 """
@@ -25,7 +25,6 @@ import contextlib
 import json
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +42,15 @@ except ImportError:  # pragma: no cover
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: route, gpu_names
 from gpu_names import gpu_slug  # noqa: E402
 from route import CALLS, MODELS, graph_us  # noqa: E402
+
+
+# (block_e, block_k, warps) of the logits kernel tried per router: the heuristic's and longer K slices (fewer
+# partials for the top-k kernel to sum)
+SWEEP = {
+    "DeepSeek-V3": [(16, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8), (32, 256, 4), (16, 256, 4)],
+    "Qwen3-30B-A3B": [(8, 256, 4), (16, 128, 4), (16, 1024, 8), (8, 1024, 4), (16, 512, 4), (8, 2048, 8)],
+    "Mixtral-8x7B": [(8, 256, 4), (16, 128, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 8), (8, 4096, 8)],
+}
 
 
 @triton.jit
@@ -127,11 +135,6 @@ def case(model: str, T: int, sweep: bool) -> dict:
     row = {"model": model, "T": T, "heuristic": [cfg0.block_e, cfg0.block_k, cfg0.num_warps, cfg0.topk_warps]}
     row["call_pdl_us"] = graph_us(fns(True))
     row["call_us"] = graph_us(fns(False))
-    one = replace(cfg0, fused=True)
-    row["one_kernel_pdl_us"] = graph_us(fns(True, one))
-    row["one_kernel_us"] = graph_us(fns(False, one))
-    a, b = kernel.route(xs[0], ws[0], top_k=k, **kw), kernel.route(xs[0], ws[0], top_k=k, config=one, **kw)
-    row["one_kernel_bitwise"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
     for which in ("logits", "topk"):
         with only(which):
             row[f"{which}_only_us"] = graph_us(fns(False))
@@ -140,23 +143,18 @@ def case(model: str, T: int, sweep: bool) -> dict:
     except Exception as e:  # the profiler is a diagnostic extra: the timings above stand without it
         row["profiled_us"] = {}
         print(f"profiler: {type(e).__name__}: {e}", flush=True)
-    if sweep:
+    if sweep:  # whole calls, PDL on: tiles around the heuristic's, each logits form where T allows both
         sw = {}
-        for be in (8, 16, 32):
-            for bk in (256, 512, 1024, 2048):
-                if be * bk < 2048 or be * bk > 32768 or (T > kernel.FMA_MAX_T and be < 16):
-                    continue
-                for nw in (4, 8) if be * bk >= 16384 else (4,):
-                    cfg = kernel.RouteConfig(be, bk, nw, 1)
-                    with only("logits"):
-                        sw[f"{be}x{bk}w{nw}"] = graph_us(fns(False, cfg))
-        row["logits_sweep_us"] = sw
+        for be, bk, nw in SWEEP[model]:
+            for mma in (False, True) if T <= 8 else (True,):
+                cfg = kernel.RouteConfig(be, bk, nw, cfg0.topk_warps, mma)
+                sw[f"{be}x{bk}w{nw}{'-mma' if mma else '-fma'}"] = graph_us(fns(True, cfg))
+        row["call_sweep_pdl_us"] = sw
         row["topk_warps_us"] = {}
-        for tw in (1, 2, 4):
+        for tw in (1, 2, 4, 8):
             cfg = kernel.RouteConfig(cfg0.block_e, cfg0.block_k, cfg0.num_warps, tw)
             with only("topk"):
                 row["topk_warps_us"][tw] = graph_us(fns(False, cfg))
-    torch.cuda.empty_cache()
     return row
 
 
@@ -166,18 +164,17 @@ def render(rows: list[dict], floors: dict, head: str) -> list[str]:
         "",
         f"Launch floor (a one-store Triton kernel, us per launch in a graph): {json.dumps(floors)}",
         "",
-        "| router | T | heuristic (BE, BK, warps, top-k warps) | call, PDL | call | one kernel, PDL | one kernel | "
-        "logits only | top-k only | profiled logits / top-k | best logits tile (us) | top-k warps 1 / 2 / 4 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| router | T | heuristic (BE, BK, warps, top-k warps) | call, PDL | call | logits only | top-k only | "
+        "profiled logits / top-k | best call, PDL (us) | top-k warps 1 / 2 / 4 / 8 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         prof = r["profiled_us"]
-        sw = r.get("logits_sweep_us") or {}
+        sw = r.get("call_sweep_pdl_us") or {}
         best = min(sw, key=sw.get) if sw else None
         tw = r.get("topk_warps_us") or {}
         lines.append(
             f"| {r['model']} | {r['T']} | {r['heuristic']} | {r['call_pdl_us']:.2f} | {r['call_us']:.2f} | "
-            f"{r['one_kernel_pdl_us']:.2f}{'' if r['one_kernel_bitwise'] else ' (differs!)'} | {r['one_kernel_us']:.2f} | "
             f"{r['logits_only_us']:.2f} | {r['topk_only_us']:.2f} | "
             f"{prof.get('logits', float('nan')):.2f} / {prof.get('topk', float('nan')):.2f} | "
             f"{f'{best} ({sw[best]:.2f})' if best else '-'} | {' / '.join(f'{v:.2f}' for v in tw.values()) or '-'} |"
@@ -189,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16, 32])
+    ap.add_argument("--tokens", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -201,7 +198,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         for T in args.tokens:
-            rows.append(case(model, T, not args.no_sweep and T in (1, 16) and model != "Mixtral-8x7B"))
+            rows.append(case(model, T, not args.no_sweep))
             print(json.dumps(rows[-1]), flush=True)
     text = "\n".join(render(rows, floors, head))
     print(text)

@@ -116,6 +116,21 @@ def test_matches_reference(R, model, T, dtype):
     _check(R, R.route(x, w, top_k=m["k"], **kw), R.route_reference(x, w, top_k=m["k"], **kw), x, w, m["k"], kw, dtype)
 
 
+@pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
+@pytest.mark.parametrize("T", (1, 2, 4, 8, 16))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_both_logits_forms(R, model, T, mma):
+    """The logits by multiply-adds and by tl.dot (``RouteConfig.mma``), at every T either may be chosen at."""
+    from dataclasses import replace
+
+    m = MODELS[model]
+    x, w, extra = _inputs(dtype=torch.bfloat16, T=T, seed=T + 30, **m)
+    kw = dict(m["kw"], **extra)
+    cfg = replace(R.heuristic(T, m["E"], m["H"]), mma=mma)
+    got = R.route(x, w, top_k=m["k"], config=cfg, **kw)
+    _check(R, got, R.route_reference(x, w, top_k=m["k"], **kw), x, w, m["k"], kw, torch.bfloat16)
+
+
 def test_fp16_and_mixed_dtypes(R):
     m = MODELS["qwen3-30b-a3b"]
     for xd, wd in ((torch.float16, torch.float16), (torch.bfloat16, torch.float32)):
@@ -224,80 +239,3 @@ def test_exact_ties_go_to_the_lower_id(R, T):
         want = R.route_reference(x, wg.to(torch.bfloat16), top_k=len(lead), **kw)
         assert torch.equal(got[1], want[1]) and (got[1] == torch.tensor(lead, device="cuda")).all()
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
-
-
-# ------------------------------------------------------------------------------------------------
-# the one-kernel form (RouteConfig.fused): the last programs to finish route the tokens
-# ------------------------------------------------------------------------------------------------
-
-
-def _one_kernel(R, T, E, H):
-    from dataclasses import replace
-
-    return replace(R.heuristic(T, E, H, torch.cuda.get_device_properties(0).multi_processor_count), fused=True)
-
-
-def _counters_zero(R) -> bool:
-    from rubin_compile.kernels.triton.launch import counters
-
-    torch.cuda.synchronize()
-    return int(counters("route", torch.device("cuda", torch.cuda.current_device()), 2).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("T", (1, 2, 8, 33, 64))
-@pytest.mark.parametrize("model", list(MODELS))
-def test_one_kernel_is_bitwise_the_two_kernels(R, model, T):
-    """The same partials summed in the same order and the same top-k code: bit for bit the two-kernel form's
-    result, with PDL on and off, call after call, and the counters left zero (T = 33 and 64: more tokens than
-    Mixtral's 16 tiles, so programs without a tile route tokens)."""
-    m = MODELS[model]
-    x, w, extra = _inputs(dtype=torch.bfloat16, T=T, seed=T + 40, **m)
-    kw = dict(m["kw"], **extra)
-    cfg = _one_kernel(R, T, m["E"], m["H"])
-    two = R.route(x, w, top_k=m["k"], **kw)
-    for pdl in (False, True, True):
-        one = R.route(x, w, top_k=m["k"], pdl=pdl, config=cfg, **kw)
-        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]), pdl
-        assert _counters_zero(R)
-    _check(R, one, R.route_reference(x, w, top_k=m["k"], **kw), x, w, m["k"], kw, torch.bfloat16)
-
-
-@pytest.mark.parametrize("T", (1, 8, 64))
-@pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-30b-a3b"])
-def test_one_kernel_back_to_back_in_a_cuda_graph(R, model, T):
-    """16 one-kernel calls PDL-chained in one graph (each call's counters reset by the call before it), replayed
-    with new inputs: every call bitwise the eager two-kernel result."""
-    m = MODELS[model]
-    cfg = _one_kernel(R, T, m["E"], m["H"])
-    ins = [_inputs(dtype=torch.bfloat16, T=T, seed=60 + i, **m) for i in range(16)]
-    kw = dict(m["kw"], **ins[0][2])
-    xs = [x.clone() for x, _, _ in ins]
-    ws = [w for _, w, _ in ins]
-    outs = [
-        (torch.empty((T, m["k"]), device="cuda"), torch.empty((T, m["k"]), dtype=torch.int32, device="cuda"))
-        for _ in ins
-    ]
-
-    def calls():
-        for x, w, (ow, oi) in zip(xs, ws, outs):
-            R.route(x, w, top_k=m["k"], pdl=True, config=cfg, out_weights=ow, out_ids=oi, **kw)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    for rep in range(3):
-        for i, x in enumerate(xs):
-            x.copy_(_inputs(dtype=torch.bfloat16, T=T, seed=100 * rep + i, **m)[0])
-        for ow, oi in outs:
-            ow.fill_(float("nan"))
-            oi.fill_(-1)
-        graph.replay()
-        for x, w, (ow, oi) in zip(xs, ws, outs):
-            want = R.route(x, w, top_k=m["k"], **kw)
-            assert torch.equal(ow, want[0]) and torch.equal(oi, want[1]), rep
-        assert _counters_zero(R)

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton.launch import cdiv, counters, launcher, next_power_of_2
+from rubin_compile.kernels.triton.launch import cdiv, launcher, next_power_of_2
 from rubin_compile.ops.route import ORDERS, SCORINGS, RouteArgs, RouteArgumentError, reference
 
 __all__ = ["ORDERS", "SCORINGS", "RouteArgumentError", "route", "route_reference", "run"]
@@ -165,15 +165,14 @@ def route_reference(
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """The logits tile (each program holds one [block_e, block_k] weight tile), the warps, and the form: ``fused``
-    one kernel (the last programs to finish route the tokens), else two. ``heuristic`` chooses it; tests pass one
-    to force H splits, E tiles and either form at small shapes."""
+    """The logits kernel's tile (each program holds one [block_e, block_k] weight tile), its form and the warps of
+    both kernels. ``heuristic`` chooses it; tests pass one to force H splits, E tiles and either form."""
 
     block_e: int = 16  # experts per program (a power of two; >= 16 for the tl.dot form)
     block_k: int = 512  # hidden positions per program (a power of two): SPLIT = cdiv(H, block_k) partials
-    num_warps: int = 4  # the logits kernel (and the one-kernel form's top-k)
-    topk_warps: int = 4  # the two-kernel form's top-k (as many as the one-kernel form's: the same sums' order)
-    fused: bool = False  # one kernel
+    num_warps: int = 4  # the logits kernel
+    topk_warps: int = 4  # the top-k kernel: 4 warps a token (the bitonic top-k's stages spread over 128 threads)
+    mma: Optional[bool] = None  # the logits by tl.dot (rows padded to 16) or by multiply-adds; None: by T
 
 
 def heuristic(T: int, E: int, H: int, num_sms: int = 132) -> RouteConfig:
@@ -187,41 +186,45 @@ def heuristic(T: int, E: int, H: int, num_sms: int = 132) -> RouteConfig:
     return RouteConfig(block_e=be, block_k=bk)
 
 
-def spread(T: int, num_sms: int) -> bool:
-    """Whether the one-kernel form's last T programs to finish route a token each (else the last one routes them
-    all). Those programs wait for the others, which never wait: at most T - 1 programs hold an SM slot while
-    waiting, so with fewer waiters than SMs every other program finds a slot. Never under the interpreter, which
-    runs the programs one after another (a waiting program would wait for good)."""
-    return not _INTERPRET and 1 < T <= num_sms // 2
-
-
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _weight_tile(w_ptr, pid_e, pid_s, E, H, stride_we, stride_wh, BE: tl.constexpr, BK: tl.constexpr):
-    """The [BE, BK] router weight tile of expert tile ``pid_e`` and hidden slice ``pid_s`` (zeros out of range;
-    a program past the last expert tile gets only zeros and stores nothing)."""
-    offs_e = pid_e * BE + tl.arange(0, BE)
-    rows = tl.where(offs_e < E, offs_e, 0)  # masked-off experts read row 0 (in bounds), never stored
-    offs_k = pid_s * BK + tl.arange(0, BK)
-    return tl.load(
-        w_ptr + rows[:, None] * stride_we + offs_k[None, :] * stride_wh, mask=(offs_k < H)[None, :], other=0.0
-    )
-
-
-@triton.jit
-def _partial_logits(
-    x_ptr, w, part_ptr, pid_e, pid_s, T, E, H, stride_xt, stride_xh, BE: tl.constexpr, BK: tl.constexpr,
-    T_PAD: tl.constexpr, MMA: tl.constexpr, COMPUTE: tl.constexpr,
-):  # fmt: skip
-    """``part[pid_s, t, e] = sum over h in slice pid_s of x[t, h] * W[e, h]`` (float32) for the tile ``w``."""
+@triton.jit(do_not_specialize=["T"])  # one binary for every T (T == 1 would specialise)
+def _router_logits_kernel(
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    T,
+    E,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wh,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    T_PAD: tl.constexpr,
+    MMA: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """Partial logits ``part[s, t, e] = sum over h in slice s of x[t, h] * W[e, h]`` (float32) for the BE experts
+    of program 0's index and the BK hidden positions of program 1's index."""
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
     offs_e = pid_e * BE + tl.arange(0, BE)
     e_ok = offs_e < E
+    rows = tl.where(e_ok, offs_e, 0)  # masked-off experts read row 0 (in bounds), never stored
     offs_k = pid_s * BK + tl.arange(0, BK)
     k_ok = offs_k < H
+    # The router weight never depends on the previous kernel: this program's whole tile is requested now, so its
+    # DRAM round trip overlaps the previous kernel's tail under PDL.
+    w = tl.load(w_ptr + rows[:, None] * stride_we + offs_k[None, :] * stride_wh, mask=k_ok[None, :], other=0.0)
+    if GDC:
+        gdc_wait()  # the hidden states are the previous kernel's output
+        gdc_launch_dependents()  # the top-k kernel's programs may take free SM slots now (they wait for us)
     part = part_ptr + pid_s * T * E
     if MMA:
         offs_t = tl.arange(0, T_PAD)
@@ -241,23 +244,6 @@ def _partial_logits(
         for t in range(T):
             xt = tl.load(x_ptr + t * stride_xt + offs_k * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
             tl.store(part + t * E + offs_e, tl.sum(wf * xt[None, :], axis=1), mask=e_ok)
-
-
-@triton.jit(do_not_specialize=["T"])  # one binary for every T (T == 1 would specialise)
-def _router_logits_kernel(
-    x_ptr, w_ptr, part_ptr, T, E, H, stride_xt, stride_xh, stride_we, stride_wh, BE: tl.constexpr, BK: tl.constexpr,
-    T_PAD: tl.constexpr, MMA: tl.constexpr, COMPUTE: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    """The two-kernel form's first kernel: the partial logits of program (expert tile, hidden slice)."""
-    pid_e = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    # The router weight never depends on the previous kernel: this program's whole tile is requested now, so its
-    # DRAM round trip overlaps the previous kernel's tail under PDL.
-    w = _weight_tile(w_ptr, pid_e, pid_s, E, H, stride_we, stride_wh, BE, BK)
-    if GDC:
-        gdc_wait()  # the hidden states are the previous kernel's output
-        gdc_launch_dependents()  # the top-k kernel's programs may take free SM slots now (they wait for us)
-    _partial_logits(x_ptr, w, part_ptr, pid_e, pid_s, T, E, H, stride_xt, stride_xh, BE, BK, T_PAD, MMA, COMPUTE)
 
 
 @triton.jit
@@ -287,39 +273,47 @@ def _key_id(key, BIG: tl.constexpr):
     return (BIG - (key & 4294967295)).to(tl.int32)
 
 
-@triton.jit
-def _expert_lanes(NG: tl.constexpr, GS: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr):
-    """The E = NG * GS experts as [NG_PAD, GS_PAD] lanes: (expert id ``g * GS + j``, valid); lanes past GS or NG
-    are dead (their ids alias other lanes': always masked with ``valid``)."""
-    g = tl.arange(0, NG_PAD)[:, None]
-    j = tl.arange(0, GS_PAD)[None, :]
-    return g * GS + j, (g < NG) & (j < GS)
-
-
-@triton.jit
-def _topk_token(
-    part_ptr, bias, corr, scale_ptr, w_out_ptr, id_out_ptr, t, T, scale, renorm_eps, stride_wt, stride_it,
+@triton.jit(do_not_specialize=["T"])
+def _route_topk_kernel(
+    part_ptr, bias_ptr, corr_ptr, scale_ptr, w_out_ptr, id_out_ptr, T, scale, renorm_eps, stride_wt, stride_it,
     SPLIT: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr,
     RENORM: tl.constexpr, RENORM_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr,
-    SCALE_PTR: tl.constexpr, ROUND: tl.constexpr, FILL_ZERO: tl.constexpr,
+    SCALE_PTR: tl.constexpr, ROUND: tl.constexpr, FILL_ZERO: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``: logits from the partials, scores, (grouped) top-k, weights. The choices are made on packed
-    (value, lower id) keys (``_key``) by Triton's bitonic ``tl.topk`` (groups: the top 2 of each row, then the
-    group keys sorted), which sorts every lane at once instead of a chain of k dependent argmax reductions (2x
-    faster for the k = 8 of 256 / 128 experts on an H100: benchmarks/h200/route_topk_probe.py). ``bias`` /
-    ``corr``: the router / correction bias as [NG_PAD, GS_PAD] lanes (``_expert_lanes``)."""
+    """One token: logits from the partials, scores, (grouped) top-k, weights. The E = NG * GS experts are held
+    as [NG_PAD, GS_PAD] (expert ``g * GS + j``); lanes past GS or NG are dead and never selected. The choices are
+    made on packed (value, lower id) keys (``_key``) by Triton's bitonic ``tl.topk`` (groups: the top 2 of each
+    row, then the group keys sorted), which sorts every lane at once instead of a chain of k dependent argmax
+    reductions: 2x faster for the k = 8 of 256 / 128 experts on an H100 (benchmarks/h200/route_topk_probe.py)."""
+    # Float arguments in fp32 whoever launches: Triton's launcher passes a Python float as fp32, Inductor's (the
+    # kernel traced into the graph, passes/inline_kernels.py) as fp64.
+    scale = tl.cast(scale, tl.float32)
+    renorm_eps = tl.cast(renorm_eps, tl.float32)
     E: tl.constexpr = NG * GS
     BIG: tl.constexpr = 2 * NG_PAD * GS_PAD  # above every lane's id: BIG - id > 0
     DEAD: tl.constexpr = -(2**63)  # the key of dead and taken lanes: below every value's (-inf's, NaN's too)
     NEG = float("-inf")
-    flat, valid = _expert_lanes(NG, GS, NG_PAD, GS_PAD)
-    # the partials in split order (deterministic); ".cg": written by other programs of this grid in the one-kernel
-    # form, read from L2 (the acquire that ordered them makes them visible there)
+    t = tl.program_id(0)
+    g = tl.arange(0, NG_PAD)[:, None]
+    j = tl.arange(0, GS_PAD)[None, :]
+    valid = (g < NG) & (j < GS)
+    flat = g * GS + j  # the expert id (dead lanes alias other ids: always masked with ``valid``)
+    # Parameters, read before the wait: kernel 1 lets this grid launch only after its own wait, i.e. once every
+    # kernel before the call has finished.
+    bias = tl.zeros((NG_PAD, GS_PAD), tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + flat, mask=valid, other=0.0).to(tl.float32)
+    corr = tl.zeros((NG_PAD, GS_PAD), tl.float32)
+    if HAS_CORR:
+        corr = tl.load(corr_ptr + flat, mask=valid, other=0.0).to(tl.float32)
+    if GDC:
+        gdc_wait()  # the partial logits are kernel 1's output
+        gdc_launch_dependents()
     ptrs = part_ptr + t * E + flat
-    acc = tl.load(ptrs, mask=valid, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * T * E, mask=valid, other=0.0, cache_modifier=".cg")
+    acc = tl.load(ptrs, mask=valid, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # in split order: deterministic
+        acc += tl.load(ptrs + s * T * E, mask=valid, other=0.0)
     logits = acc
     if HAS_BIAS:
         logits = logits + bias
@@ -365,7 +359,7 @@ def _topk_token(
         tl.debug_barrier()
         tl.store(ptrs, scores, mask=valid)
         tl.debug_barrier()
-        wts = tl.load(part_ptr + t * E + ids, mask=k_ok, other=0.0, cache_modifier=".cg")
+        wts = tl.load(part_ptr + t * E + ids, mask=k_ok, other=0.0)
     else:  # the value chosen is the weight
         wts = _key_value(top)
     if TOPK_FIRST:  # softmax over the k selected logits (the first is the largest)
@@ -384,103 +378,6 @@ def _topk_token(
         wts = wts * scale
     tl.store(w_out_ptr + t * stride_wt + kk, wts, mask=k_ok)
     tl.store(id_out_ptr + t * stride_it + kk, ids, mask=k_ok)
-
-
-@triton.jit
-def _biases(
-    bias_ptr, corr_ptr, NG: tl.constexpr, GS: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr,
-):  # fmt: skip
-    """The router bias and the correction bias as [NG_PAD, GS_PAD] float32 lanes (zeros where absent)."""
-    flat, valid = _expert_lanes(NG, GS, NG_PAD, GS_PAD)
-    bias = tl.zeros((NG_PAD, GS_PAD), tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + flat, mask=valid, other=0.0).to(tl.float32)
-    corr = tl.zeros((NG_PAD, GS_PAD), tl.float32)
-    if HAS_CORR:
-        corr = tl.load(corr_ptr + flat, mask=valid, other=0.0).to(tl.float32)
-    return bias, corr
-
-
-@triton.jit(do_not_specialize=["T"])
-def _route_topk_kernel(
-    part_ptr, bias_ptr, corr_ptr, scale_ptr, w_out_ptr, id_out_ptr, T, scale, renorm_eps, stride_wt, stride_it,
-    SPLIT: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr,
-    RENORM: tl.constexpr, RENORM_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr,
-    SCALE_PTR: tl.constexpr, ROUND: tl.constexpr, FILL_ZERO: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    """The two-kernel form's second kernel: one program a token (``_topk_token``)."""
-    # Float arguments in fp32 whoever launches: Triton's launcher passes a Python float as fp32, Inductor's (the
-    # kernel traced into the graph, passes/inline_kernels.py) as fp64.
-    scale = tl.cast(scale, tl.float32)
-    renorm_eps = tl.cast(renorm_eps, tl.float32)
-    # Parameters, read before the wait: kernel 1 lets this grid launch only after its own wait, i.e. once every
-    # kernel before the call has finished.
-    bias, corr = _biases(bias_ptr, corr_ptr, NG, GS, NG_PAD, GS_PAD, HAS_BIAS, HAS_CORR)
-    if GDC:
-        gdc_wait()  # the partial logits are kernel 1's output
-        gdc_launch_dependents()
-    _topk_token(
-        part_ptr, bias, corr, scale_ptr, w_out_ptr, id_out_ptr, tl.program_id(0), T, scale, renorm_eps, stride_wt,
-        stride_it, SPLIT, NG, GS, NG_PAD, GS_PAD, K, K_PAD, TOPK_GROUP, SIGMOID, TOPK_FIRST, RENORM, RENORM_FLOOR,
-        HAS_BIAS, HAS_CORR, SCALE_PTR, ROUND, FILL_ZERO,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["T"])
-def _route_kernel(
-    x_ptr, w_ptr, part_ptr, ws_ptr, bias_ptr, corr_ptr, scale_ptr, w_out_ptr, id_out_ptr, T, E, H, stride_xt,
-    stride_xh, stride_we, stride_wh, scale, renorm_eps, stride_wt, stride_it, BE: tl.constexpr, BK: tl.constexpr,
-    T_PAD: tl.constexpr, MMA: tl.constexpr, COMPUTE: tl.constexpr, SPLIT: tl.constexpr, NG: tl.constexpr,
-    GS: tl.constexpr, NG_PAD: tl.constexpr, GS_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORM: tl.constexpr,
-    RENORM_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CORR: tl.constexpr, SCALE_PTR: tl.constexpr,
-    ROUND: tl.constexpr, FILL_ZERO: tl.constexpr, SPREAD: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    """The one-kernel form (module docstring): program ``p`` computes the partial logits of tile p (expert tile
-    ``p // SPLIT``, hidden slice ``p % SPLIT``; programs past the tiles have none), then takes a ticket. With
-    ``SPREAD`` the last T programs to take one each route a token (the last at once, the others once every
-    ticket is taken); without it the last program routes every token."""
-    scale = tl.cast(scale, tl.float32)
-    renorm_eps = tl.cast(renorm_eps, tl.float32)
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    pid_e = pid // SPLIT
-    pid_s = pid - pid_e * SPLIT
-    w = _weight_tile(w_ptr, pid_e, pid_s, E, H, stride_we, stride_wh, BE, BK)  # before the wait: a parameter
-    bias, corr = _biases(bias_ptr, corr_ptr, NG, GS, NG_PAD, GS_PAD, HAS_BIAS, HAS_CORR)
-    if GDC:
-        gdc_wait()  # the hidden states are the previous kernel's output; the counters' reset its predecessor's
-    _partial_logits(x_ptr, w, part_ptr, pid_e, pid_s, T, E, H, stride_xt, stride_xh, BE, BK, T_PAD, MMA, COMPUTE)
-    if GDC:
-        gdc_launch_dependents()  # the next kernel may take SM slots now; it waits for this grid to complete
-    # publish: every thread's partial stores, then one acq_rel increment of the ticket counter
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ws_ptr, 1, sem="acq_rel", scope="gpu")
-    if SPREAD:
-        if ticket >= P - T:  # one of the last T programs: routes token P - 1 - ticket
-            taken = ticket + 1
-            while taken < P:  # at most T - 1 programs wait, each for programs that never wait
-                taken = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            # the last of the T to see every ticket taken leaves both counters zero for the next call
-            if tl.atomic_add(ws_ptr + 1, 1, sem="relaxed", scope="gpu") == T - 1:
-                tl.atomic_xchg(ws_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed", scope="gpu")
-            _topk_token(
-                part_ptr, bias, corr, scale_ptr, w_out_ptr, id_out_ptr, P - 1 - ticket, T, scale, renorm_eps,
-                stride_wt, stride_it, SPLIT, NG, GS, NG_PAD, GS_PAD, K, K_PAD, TOPK_GROUP, SIGMOID, TOPK_FIRST,
-                RENORM, RENORM_FLOOR, HAS_BIAS, HAS_CORR, SCALE_PTR, ROUND, FILL_ZERO,
-            )  # fmt: skip
-    elif ticket == P - 1:  # the last program: every partial is written
-        tl.atomic_xchg(ws_ptr, 0, sem="relaxed", scope="gpu")
-        for t in range(T):
-            _topk_token(
-                part_ptr, bias, corr, scale_ptr, w_out_ptr, id_out_ptr, t, T, scale, renorm_eps, stride_wt,
-                stride_it, SPLIT, NG, GS, NG_PAD, GS_PAD, K, K_PAD, TOPK_GROUP, SIGMOID, TOPK_FIRST, RENORM,
-                RENORM_FLOOR, HAS_BIAS, HAS_CORR, SCALE_PTR, ROUND, FILL_ZERO,
-            )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,13 +481,12 @@ def launch(
         _fail(f"the kernels need CUDA tensors, got {dev} (TRITON_INTERPRET=1 runs them on the CPU, for tests)")
     if T == 0:
         return out_w, out_i
-    num_sms = _num_sms(dev)
-    cfg = config or heuristic(T, E, H, num_sms)
+    cfg = config or heuristic(T, E, H, _num_sms(dev))
     for name in ("block_e", "block_k"):
         v = getattr(cfg, name)
         if v < 8 or v & (v - 1):
             _fail(f"config.{name}={v} must be a power of two >= 8")
-    mma = T > FMA_MAX_T
+    mma = T > FMA_MAX_T if cfg.mma is None else cfg.mma
     if mma and cfg.block_e < 16:
         cfg = replace(cfg, block_e=16)  # tl.dot's smallest N
     if _INTERPRET:
@@ -611,44 +507,64 @@ def launch(
         _fail(f"config.block_k={cfg.block_k} cuts H={H} into {split} slices; at most {MAX_H // 64} are summed")
     gdc = _has_gdc(dev)
     part = torch.empty((split, T, E), dtype=torch.float32, device=dev)
+    launcher(_router_logits_kernel)[(cdiv(E, cfg.block_e), split)](
+        x,
+        w,
+        part,
+        T,
+        E,
+        H,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        BE=cfg.block_e,
+        BK=cfg.block_k,
+        T_PAD=t_pad,
+        MMA=mma,
+        COMPUTE=compute,
+        GDC=gdc,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        **({"launch_pdl": True} if pdl and gdc else {}),
+    )
     ng = args.n_group if args.order == "score_then_topk" else 1
     gs = E // ng
     st, scale = args.scale_tensor, float(args.scale)
     if st is not None and st.device != dev:  # a 0-d CPU tensor (Dynamo's wrapped float): its value, read on the host
         st, scale = None, float(st)
-    # the arguments after the partials that both forms' top-k reads, and its constexprs
-    topk_args = (
+    launcher(_route_topk_kernel)[(T,)](
+        part,
         args.router_bias if args.router_bias is not None else part,
         args.correction_bias if args.correction_bias is not None else part,
         st if st is not None else part,
         out_w,
         out_i,
-    )
-    topk_consts = dict(
-        SPLIT=split, NG=ng, GS=gs, NG_PAD=next_power_of_2(ng), GS_PAD=next_power_of_2(gs), K=top_k,
-        K_PAD=max(2, next_power_of_2(top_k)), TOPK_GROUP=args.topk_group if ng > 1 else 1,
-        SIGMOID=args.scoring == "sigmoid", TOPK_FIRST=args.order == "topk_then_softmax",
-        RENORM=bool(args.renormalize), RENORM_FLOOR=bool(args.renorm_floor), HAS_BIAS=args.router_bias is not None,
-        HAS_CORR=args.correction_bias is not None, SCALE_PTR=st is not None, ROUND=_ROUND[args.logits_dtype],
+        T,
+        scale,
+        float(args.renorm_eps),
+        out_w.stride(0),
+        out_i.stride(0),
+        SPLIT=split,
+        NG=ng,
+        GS=gs,
+        NG_PAD=next_power_of_2(ng),
+        GS_PAD=next_power_of_2(gs),
+        K=top_k,
+        K_PAD=max(2, next_power_of_2(top_k)),
+        TOPK_GROUP=args.topk_group if ng > 1 else 1,
+        SIGMOID=args.scoring == "sigmoid",
+        TOPK_FIRST=args.order == "topk_then_softmax",
+        RENORM=bool(args.renormalize),
+        RENORM_FLOOR=bool(args.renorm_floor),
+        HAS_BIAS=args.router_bias is not None,
+        HAS_CORR=args.correction_bias is not None,
+        SCALE_PTR=st is not None,
+        ROUND=_ROUND[args.logits_dtype],
         FILL_ZERO=args.group_fill == "0",
-    )  # fmt: skip
-    logits_consts = dict(BE=cfg.block_e, BK=cfg.block_k, T_PAD=t_pad, MMA=mma, COMPUTE=compute)
-    pdl_first = {"launch_pdl": True} if pdl and gdc else {}
-    if cfg.fused:
-        tiles = cdiv(E, cfg.block_e) * split
-        launcher(_route_kernel)[(max(tiles, T),)](
-            x, w, part, counters("route", dev, 2), *topk_args, T, E, H, x.stride(0), x.stride(1), w.stride(0),
-            w.stride(1), scale, float(args.renorm_eps), out_w.stride(0), out_i.stride(0), **logits_consts,
-            **topk_consts, SPREAD=spread(T, num_sms), GDC=gdc, num_warps=cfg.num_warps, num_stages=1, **pdl_first,
-        )  # fmt: skip
-        return out_w, out_i
-    launcher(_router_logits_kernel)[(cdiv(E, cfg.block_e), split)](
-        x, w, part, T, E, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1), **logits_consts, GDC=gdc,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_first,
-    )  # fmt: skip
-    launcher(_route_topk_kernel)[(T,)](
-        part, *topk_args, T, scale, float(args.renorm_eps), out_w.stride(0), out_i.stride(0), **topk_consts, GDC=gdc,
-        num_warps=cfg.topk_warps, num_stages=1,
+        GDC=gdc,
+        num_warps=cfg.topk_warps,
+        num_stages=1,
         **({"launch_pdl": True} if gdc else {}),  # our own second kernel: PDL on the first is always safe
-    )  # fmt: skip
+    )
     return out_w, out_i
