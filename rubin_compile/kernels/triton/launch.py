@@ -55,25 +55,6 @@ def into_graph() -> Iterator[list[str]]:
         _recording = outer
 
 
-_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
-
-
-def counters(owner: str, dev: torch.device, words: int) -> torch.Tensor:
-    """At least ``words`` int32 words of ``owner``'s kernels on ``dev``, zero: the self-resetting counters of a
-    kernel whose programs meet through atomics (every call leaves them zero for the next one, which waits for it
-    with PDL before touching them). Zeroed when made, made again larger when a call needs more. While the launch
-    is traced into a graph (``into_graph``), which cannot hold process state, each call gets zeroed words of its
-    own (one fill before the kernel). Calls on two streams at once must not share them: the owner keeps such
-    calls off its counting kernels."""
-    if _recording is not None:
-        return torch.zeros(words, dtype=torch.int32, device=dev)
-    key = (owner, str(dev))
-    ws = _COUNTERS.get(key)
-    if ws is None or ws.numel() < words:
-        ws = _COUNTERS[key] = torch.zeros(max(words, 1024), dtype=torch.int32, device=dev)
-    return ws
-
-
 def aligned16(t: torch.Tensor) -> bool:
     """Whether ``t``'s first element is 16-byte aligned. For a fake tensor (an adapter traced into the graph) its
     storage offset decides: storages are allocated aligned, and Inductor copies a graph input that is not

@@ -163,10 +163,18 @@ def problem(args: MoEArgs, placed: bool = False) -> Optional[str]:
     return None
 
 
+_WORKSPACES: dict[str, torch.Tensor] = {}
+
+
 def workspace(dev: torch.device, tickets: int = 0) -> torch.Tensor:
-    """The device's queue counters and at least ``tickets`` K-split tickets (``launch.counters``: zero, and each call
-    leaves them zero; a launch traced into a graph gets zeroed words of its own)."""
-    return _launch.counters("moe_decode", dev, WS_TOKENS + MAX_T + tickets)
+    """The device's queue counters and at least ``tickets`` K-split tickets (zeroed when made, each call leaves them
+    zero; made again, larger, when a call needs more)."""
+    key = str(dev)
+    words = WS_TOKENS + MAX_T + tickets
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < words:
+        ws = _WORKSPACES[key] = torch.zeros(max(words, 1024), dtype=torch.int32, device=dev)
+    return ws
 
 
 @triton.jit
@@ -369,7 +377,10 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     gdc = has_gdc()
     w13, w2 = args.w13, args.w2
     tickets = S * nt1 + T * nt2
-    ws = workspace(dev, tickets)
+    if _launch._recording is not None:  # traced into a graph (inline_kernels): a zeroed workspace of its own per call
+        ws = torch.zeros(WS_TOKENS + MAX_T + tickets, dtype=torch.int32, device=dev)
+    else:
+        ws = workspace(dev, tickets)
     launcher(_moe_decode_kernel)[(grid,)](
         x, w13, w2, ids, tw, inter, part, part2, out, ws,
         T, H, I, k, nt1, nt2, n1, n_all, split, kch, groups, tick2,
