@@ -94,7 +94,10 @@ MAX_T = 64  # tokens per call: decode and small batches (the partials and per-to
 MAX_E = 512  # experts: the top-k kernel holds a token's E logits in registers
 MAX_H = 8192  # hidden size: at most 128 H slices, summed by unrolled loads in the top-k kernel
 MAX_K = 16  # experts per token: k unrolled rounds of argmax
-FMA_MAX_T = 8  # up to this many tokens, the logits kernel uses multiply-adds (T pads to 16 for tl.dot above)
+# up to this many tokens the logits kernel uses multiply-adds (a loop over the tokens), above it tl.dot (T padded to
+# 16 rows): on an H100 tl.dot made the call 4-8% faster at T = 2, 20-31% at 4, 64-82% at 8 (the best tile of each
+# form; benchmarks/results/route-h100-2026-12-06)
+FMA_MAX_T = 1
 SIGMOID_RENORM_EPS = 1e-20  # DeepSeek-V3's ``topk_weights.sum(-1, keepdim=True) + 1e-20``
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -171,19 +174,23 @@ class RouteConfig:
     block_e: int = 16  # experts per program (a power of two; >= 16 for the tl.dot form)
     block_k: int = 512  # hidden positions per program (a power of two): SPLIT = cdiv(H, block_k) partials
     num_warps: int = 4  # the logits kernel
-    topk_warps: int = 4  # the top-k kernel: 4 warps a token (the bitonic top-k's stages spread over 128 threads)
+    topk_warps: int = 4  # the top-k kernel's warps a token (its bitonic stages spread over them)
     mma: Optional[bool] = None  # the logits by tl.dot (rows padded to 16) or by multiply-adds; None: by T
 
 
 def heuristic(T: int, E: int, H: int, num_sms: int = 132) -> RouteConfig:
     """A tile of 2048-8192 weight elements (4-16 KB in bf16, 16-64 fp32 registers a thread) such that the grid
     holds about one program per SM for the large routers (DeepSeek-V3: 16 x 512 tiles, 16 x 14 = 224
-    programs); BK as long as that allows (fewer partials to sum; each expert row read in 1 KB runs)."""
+    programs); BK as long as that allows (fewer partials to sum; each expert row read in 1 KB runs). Within 6% of
+    the best of the tiles tried on an H100 at T = 1-16 for the three benchmark routers, 5-17% off at T = 32
+    (benchmarks/route_profile.py's sweep, benchmarks/results/route-h100-2026-12-06)."""
     lo = 8 if T <= FMA_MAX_T else 16
     tile = max(2048, min(8192, next_power_of_2(max(1, E * H // num_sms))))
     bk = min(512, tile // lo, max(64, next_power_of_2(H)))
     be = max(lo, min(tile // bk, next_power_of_2(E)))
-    return RouteConfig(block_e=be, block_k=bk)
+    # the top-k over 256+ lanes on 4 warps (DeepSeek-V3: 2.5 against 3.7 us with one on an H100), fewer on one
+    # (Qwen3-30B-A3B's 128: 1.80 against 1.89 us)
+    return RouteConfig(block_e=be, block_k=bk, topk_warps=4 if next_power_of_2(E) >= 256 else 1)
 
 
 # ------------------------------------------------------------------------------------------------

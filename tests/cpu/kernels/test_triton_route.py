@@ -666,7 +666,7 @@ def test_kernels_compile_for_sm90_with_one_wait_each(aot, name):
 
 @pytest.mark.parametrize("name", ["dsv3-T1", "qwen3-T1"])
 def test_topk_kernel_as_launched_keeps_its_keys_in_registers(aot, name):
-    """As launched (``RouteConfig().topk_warps`` warps a token), the top-k kernel compiles for sm_90 with its int64
+    """As launched (``heuristic``'s warps a token), the top-k kernel compiles for sm_90 with its int64
     keys in registers (no local memory: a spill would put every compare-exchange stage of the bitonic top-k
     behind a memory round trip), one wait, and Triton's bitonic stages (shuffles), not k argmax rounds."""
     R = _route_module()
@@ -679,7 +679,7 @@ def test_topk_kernel_as_launched_keeps_its_keys_in_registers(aot, name):
         dict(T=ints["T"], stride_wt=k2["K"], stride_it=k2["K"]),
         num_stages=1,
         floats=("scale", "renorm_eps"),
-        num_warps=R.RouteConfig().topk_warps,
+        num_warps=R.heuristic(ints["T"], ints["E"], ints["H"]).topk_warps,
         asm=asm,
     )
     usage = aot.resource_usage(asm["cubin"])
