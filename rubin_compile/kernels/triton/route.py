@@ -44,20 +44,24 @@ measures both). Two kernels, chained with PDL:
 - ``_router_logits_kernel``, grid (E / BE, H / BK): every program owns one [BE, BK] tile of the router weight,
   loaded whole into registers *before* ``griddepcontrol.wait`` (weights never depend on the previous kernel,
   so their DRAM round trip overlaps its tail), then reads the [T, BK] activations and writes float32 partial
-  logits [SPLIT, T, E] (SPLIT = H / BK): ``tl.dot`` when T pads to 16 or more, fp32 multiply-adds with
-  ``tl.sum`` for T <= 8 (a GEMV: no padding to the tensor cores' 16 rows). The tile is sized so the grid
+  logits [SPLIT, T, E] (SPLIT = H / BK): fp32 multiply-adds with ``tl.sum`` for one token (a GEMV: no padding
+  to the tensor cores' 16 rows), ``tl.dot`` from two (``FMA_MAX_T``). The tile is sized so the grid
   covers the SMs about once or twice for the large routers (``heuristic``) and stays a handful of programs
   for the small ones; splitting H rather than E is what gives a 256 x 7168 router 224 programs.
 - ``_route_topk_kernel``, one program per token: sums the SPLIT partials in split order (deterministic),
-  adds the router bias, scores, and selects with k rounds of argmax over the E experts held in registers as
-  [groups, experts per group] (padded to powers of two with dead lanes, which never win); group scores are
-  the row-wise top-2, the kept groups topk_group rounds of argmax; then the weights, renormalised, scaled.
-  Each choice is one max-reduction of (value, lower id) packed into an int64; one warp per token, so every
-  reduction is a warp ``redux.sync`` or shuffle, with no barrier and no shared memory.
+  adds the router bias, scores, and selects over the E experts held in registers as [groups, experts per
+  group] (padded to powers of two with dead lanes, which never win). Every choice is made on (value, lower id)
+  packed into an int64 key, by Triton's bitonic ``tl.topk``: the group scores from each row's top 2, the kept
+  groups from the group keys sorted, then the k best keys of all lanes at once; the weights (the unbiased
+  scores, where a correction bias or a group fill made the selection values differ) are read back by id. Then
+  renormalised, scaled. Until 2026-12-06 the choices were k rounds of one int64 argmax reduction each: a chain
+  of dependent reductions that made the top-k kernel most of the call (DeepSeek-V3 at T = 1 on an H100: 5.7 of
+  9.1 us; benchmarks/route_profile.py).
 
-A single kernel in which the last program to finish its partial does the top-k would save the second launch
-but needs an arrival counter in memory that outlives the call (and its reset); with PDL the second launch is
-already hidden behind the first kernel (its programs are resident, waiting, before the first finishes).
+One kernel, in which the last programs to write their partials take a ticket and route the tokens, was built and
+measured on an H100 the same day: slower than the two PDL-chained kernels at every router and T (DeepSeek-V3 at T =
+1: 5.73 against 4.85 us, Qwen3-30B-A3B 3.77 against 3.10): the ticket's round trip to L2 costs more than the
+second launch, whose programs are resident and waiting before the first kernel ends. Not kept.
 
 PDL. With sm_90+ and Triton's ``gdc_wait`` (not under TRITON_INTERPRET) both kernels hold the PDL
 instructions: kernel 1 waits before reading the hidden states (the previous kernel's output) and lets kernel 2
@@ -93,7 +97,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 MAX_T = 64  # tokens per call: decode and small batches (the partials and per-token programs are sized for it)
 MAX_E = 512  # experts: the top-k kernel holds a token's E logits in registers
 MAX_H = 8192  # hidden size: at most 128 H slices, summed by unrolled loads in the top-k kernel
-MAX_K = 16  # experts per token: k unrolled rounds of argmax
+MAX_K = 16  # experts per token: the bitonic top-k's width (a power of two >= k)
 # up to this many tokens the logits kernel uses multiply-adds (a loop over the tokens), above it tl.dot (T padded to
 # 16 rows): on an H100 tl.dot made the call 4-8% faster at T = 2, 20-31% at 4, 64-82% at 8 (the best tile of each
 # form; benchmarks/results/route-h100-2026-12-06)
