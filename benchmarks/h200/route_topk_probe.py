@@ -4,7 +4,7 @@
 DeepSeek-V3. This probe times ways of choosing the k largest of E float32 values (ties to the lower id) in one
 program, alone in a kernel, against a one-store kernel (the launch floor):
 
-- ``rounds64``: k rounds of one int64 max over [8, E / 8] keys (route.py's way);
+- ``rounds64``: k rounds of one int64 max over [8, E / 8] keys (route.py's way until this probe);
 - ``rounds32``: k rounds of an int32 max of the order-preserving bits, then an int32 min of the ids holding it;
 - ``pair64``: k / 2 rounds of one reduction that keeps the two largest keys;
 - ``bitonic64``: ``tl.topk`` (Triton's bitonic top-k) of the int64 keys;

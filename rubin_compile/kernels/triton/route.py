@@ -55,7 +55,7 @@ measures both). Two kernels, chained with PDL:
   groups from the group keys sorted, then the k best keys of all lanes at once; the weights (the unbiased
   scores, where a correction bias or a group fill made the selection values differ) are read back by id. Then
   renormalised, scaled. Until 2026-12-06 the choices were k rounds of one int64 argmax reduction each: a chain
-  of dependent reductions that made the top-k kernel most of the call (DeepSeek-V3 at T = 1 on an H100: 5.7 of
+  of dependent reductions that made the top-k kernel most of the call (DeepSeek-V3 at T = 1 on an H100: 5.9 of
   9.1 us; benchmarks/route_profile.py).
 
 One kernel, in which the last programs to write their partials take a ticket and route the tokens, was built and
