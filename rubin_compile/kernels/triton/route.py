@@ -562,7 +562,7 @@ def launch(
         NG_PAD=next_power_of_2(ng),
         GS_PAD=next_power_of_2(gs),
         K=top_k,
-        K_PAD=max(2, next_power_of_2(top_k)),
+        K_PAD=min(max(2, next_power_of_2(top_k)), next_power_of_2(ng) * next_power_of_2(gs)),  # tl.topk: <= its lanes
         TOPK_GROUP=args.topk_group if ng > 1 else 1,
         SIGMOID=args.scoring == "sigmoid",
         TOPK_FIRST=args.order == "topk_then_softmax",

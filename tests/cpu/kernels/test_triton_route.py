@@ -89,6 +89,8 @@ CASES = {
     "mixtral-k2-T1": dict(T=1, E=8, H=64, k=2, kw=dict(renormalize=True)),
     "mixtral-k2-T9": dict(T=9, E=8, H=64, k=2, kw=dict(renormalize=True)),
     "k1-T3": dict(T=3, E=8, H=24, k=1),
+    "E1-k1-T2": dict(T=2, E=1, H=24, k=1),  # one expert: the top-k's width is its one lane
+    "E2-k2-T3": dict(T=3, E=2, H=24, k=2, kw=dict(renormalize=True)),
     "k16-T2": dict(T=2, E=40, H=24, k=16, kw=dict(renormalize=True)),
     "strided-hidden-T4": dict(T=4, E=32, H=48, k=4, strided=True, kw=dict(renormalize=True)),
     "out-buffers-T4": dict(T=4, E=32, H=48, k=4, out=True, kw=dict(scoring="sigmoid")),
