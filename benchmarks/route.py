@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -122,15 +123,24 @@ def _mismatches(ids_a: torch.Tensor, ids_b: torch.Tensor) -> int:
     return int((a != b).any(-1).sum())
 
 
-def case(model: str, T: int, compiled: dict, use_inductor: bool) -> dict:
+def inputs(model: str, T: int) -> tuple[list, list, Optional[torch.Tensor], dict]:
+    """CALLS router weight copies and hidden states of a router at T tokens (random bf16, seeded by T), its
+    correction bias (or None) and the keywords rubin.route takes for it."""
     m = MODELS[model]
-    E, H, k = m["E"], m["H"], m["k"]
+    E, H = m["E"], m["H"]
     g = torch.Generator(device="cuda").manual_seed(T)
     w0 = (torch.randn((E, H), device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
     ws = [w0.clone() for _ in range(CALLS)]  # a fresh copy per call
     xs = [torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16) for _ in range(CALLS)]
     bias = torch.randn((E,), device="cuda", generator=g) * 0.05 if m["bias"] else None  # fp32, as HF keeps it
     kw = dict(m["kw"], correction_bias=bias) if bias is not None else dict(m["kw"])
+    return ws, xs, bias, kw
+
+
+def case(model: str, T: int, compiled: dict, use_inductor: bool) -> dict:
+    m = MODELS[model]
+    E, H, k = m["E"], m["H"], m["k"]
+    ws, xs, bias, kw = inputs(model, T)
     aten = m["aten"]
     row = {"model": model, "T": T, "E": E, "H": H, "k": k, "router_MB": E * H * 2 / 1e6}
     row["floor_us"] = E * H * 2 / HBM_BPS * 1e6

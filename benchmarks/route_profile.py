@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: route, gpu_names
 from gpu_names import gpu_slug  # noqa: E402
-from route import CALLS, MODELS, graph_us  # noqa: E402
+from route import CALLS, MODELS, graph_us, inputs  # noqa: E402
 
 
 # (block_e, block_k, warps) of the logits kernel tried per router: the heuristic's and longer K slices (fewer
@@ -121,12 +121,7 @@ def per_kernel_us(fns: list) -> dict[str, float]:
 def case(model: str, T: int, sweep: bool) -> dict:
     m = MODELS[model]
     E, H, k = m["E"], m["H"], m["k"]
-    g = torch.Generator(device="cuda").manual_seed(T)
-    w0 = (torch.randn((E, H), device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-    ws = [w0.clone() for _ in range(CALLS)]
-    xs = [torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16) for _ in range(CALLS)]
-    bias = torch.randn((E,), device="cuda", generator=g) * 0.05 if m["bias"] else None
-    kw = dict(m["kw"], correction_bias=bias) if bias is not None else dict(m["kw"])
+    ws, xs, _, kw = inputs(model, T)
     cfg0 = kernel.heuristic(T, E, H, kernel._num_sms(xs[0].device))
 
     def fns(pdl=False, cfg=None):
