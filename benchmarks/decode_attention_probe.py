@@ -1,0 +1,206 @@
+"""Where batch-1 decode attention's time goes (issue 16's goal: >= 80% of copy bandwidth at >= 16k positions).
+
+    PYTHONPATH=. python benchmarks/decode_attention_probe.py --out /tmp/out
+
+At batch 1 the kernel of kernels/triton/attention.py reads the filled K / V at 49-61% of the copy bandwidth on
+the H200 (16k / 32k), at batch 8 at 84-95%. This prints, per shape (benchmarks/decode_attention.py's inputs and
+timing: 16 calls per CUDA graph over caches larger than L2, median per call):
+
+- ``call``: the call as selection launches it (bf16 additive mask as transformers' SDPA path makes it), then with
+  a bool mask and with no mask (what the mask scan and the per-tile mask loads cost);
+- ``split only`` / ``combine only``: the call with the other kernel's launch skipped (only the time means anything);
+- other split counts (``splits=N`` per KV head);
+- ``stream``: a Triton kernel with the split kernel's grid, tiles and pipelined K / V loads that does only the two
+  products (no mask, no softmax, no partials, no combine): what this structure costs without the attention's
+  per-tile work; and ``copy``: ``torch.Tensor.copy_`` of the filled K and V (the same bytes read, and written) in the
+  same graph -- a bandwidth kernel's own fixed cost at this size;
+- the per-kernel device time from torch.profiler over replays of the call's graph.
+
+Writes decode-attention-probe-<gpu>.{md,json} under ``--out``. A diagnostic: nothing in rubin reads its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from rubin_compile.kernels.triton import attention as kernel
+from rubin_compile.kernels.triton.launch import cdiv, launcher
+from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
+from rubin_compile.ops.attention import AttentionArgs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: decode_attention, gpu_names
+from decode_attention import CALLS, D, HKV, Shape, graph_us  # noqa: E402
+from gpu_names import gpu_slug  # noqa: E402
+
+
+@triton.jit
+def _stream(Q, K, V, Out, sk_h, split_len, Skv, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = tl.program_id(0)
+    hk = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    start = split * split_len
+    end = tl.minimum(start + split_len, Skv)
+    q = tl.load(Q + rows[:, None] * D + d[None, :])
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ok = cols < end
+        k = tl.load(K + hk * sk_h + cols[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + hk * sk_h + cols[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        acc += tl.dot(qk.to(tl.bfloat16), v)
+    tl.store(Out + ((hk * tl.num_programs(0) + split) * ROWS + rows[:, None]) * D + d[None, :], acc)
+
+
+@contextlib.contextmanager
+def skip(name: str):
+    """Launches of the kernel named ``name`` (``_split_kv`` / ``_combine``) skipped in kernel.run."""
+    real = kernel.launcher
+
+    def fake(fn):
+        if fn.fn.__name__ == name:
+            return _NoLaunch()
+        return real(fn)
+
+    kernel.launcher = fake
+    try:
+        yield
+    finally:
+        kernel.launcher = real
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def profile_kernels(fns: list, reps: int = 20) -> dict:
+    """Mean device us per launch of each kernel name over ``reps`` replays of a graph of ``fns`` (CALLS calls)."""
+    calls = [fns[i % len(fns)] for i in range(CALLS)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("(")[0][:40]
+            out.setdefault(name, []).append(ev.time_range.elapsed_us())
+    return {k: {"us": statistics.mean(v), "launches_per_call": len(v) / (reps * CALLS)} for k, v in out.items()}
+
+
+def probe(batch: int, context: int, bw: float) -> list[dict]:
+    sh = Shape(batch, context)
+    rows = []
+    filled = sh.kv_elems * 2
+
+    def add(name, fns, nbytes=filled, **extra):
+        us = graph_us(fns, iters=30)
+        rows.append({"batch": batch, "context": context, "variant": name, "us": us,
+                     "of_copy_bw": nbytes / us / 1e3 / bw, **extra})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+
+    args = sh.args()
+    boolmask = sh.mask == 0
+    skv = context + 128
+    add("call (additive bf16 mask)", [lambda a=a: kernel.run(a) for a in args])
+    add("call (bool mask)", [lambda a=a: kernel.run(AttentionArgs(a.query, a.key, a.value, boolmask)) for a in args])
+    nomask = [AttentionArgs(a.query, a.key[:, :, :context], a.value[:, :, :context], None) for a in args]
+    add("call (no mask, filled part only)", [lambda a=a: kernel.run(a) for a in nomask])
+    with skip("_combine"):
+        add("split only", [lambda a=a: kernel.run(a) for a in args])
+    with skip("_split_kv"):
+        add("combine only", [lambda a=a: kernel.run(a) for a in args], nbytes=0)
+    cfg = kernel.config_for(batch, HKV, skv)
+    default = kernel.num_splits(batch, HKV, skv, torch.cuda.get_device_properties(0).multi_processor_count, cfg)
+    for n in sorted({max(1, default // 2), 33, 66, 132 // batch, default * 2} - {default}):
+        add(f"call, splits={n}", [lambda a=a, n=n: kernel.run(a, splits=n) for a in args], splits=n)
+    # the structure without the attention's per-tile work, same grid and tiles (filled part, no mask)
+    split_len = cdiv(cdiv(context, default), cfg.block_n) * cfg.block_n
+    nsplit = cdiv(context, split_len)
+    part = torch.empty(batch * HKV * nsplit * 16 * D, device="cuda", dtype=torch.float32)
+    q16 = torch.randn(16, D, device="cuda", dtype=torch.bfloat16)
+
+    def stream(a):  # program (split, b * Hkv + hk): the caches are contiguous [B, Hkv, Skv, D]
+        launcher(_stream)[(nsplit, batch * HKV)](
+            q16, a.key, a.value, part, a.key.stride(1), split_len, context, ROWS=16, D=D, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    add(f"stream (no softmax, {nsplit} splits)", [lambda a=a: stream(a) for a in args])
+    dst = [(torch.empty_like(a.key[:, :, :context]), torch.empty_like(a.value[:, :, :context])) for a in args[:2]]
+
+    def copy(i, a):
+        dst[i % 2][0].copy_(a.key[:, :, :context])
+        dst[i % 2][1].copy_(a.value[:, :, :context])
+
+    add("copy_ of the filled K and V (2 kernels)", [lambda i=i, a=a: copy(i, a) for i, a in enumerate(args)])
+    prof = profile_kernels([lambda a=a: kernel.run(a) for a in args])
+    rows.append({"batch": batch, "context": context, "variant": "profile", "kernels": prof, "splits": default})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x4096,1x16384,1x32768,8x16384")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ncu", default=None, help="BxCONTEXT: only run 4 calls of that shape, uncaptured (for ncu)")
+    args = ap.parse_args()
+    if args.ncu:
+        b, c = (int(x) for x in args.ncu.split("x"))
+        a = Shape(b, c).args()[0]
+        for _ in range(4):
+            kernel.run(a)
+        torch.cuda.synchronize()
+        return
+    bw = copy_bandwidth_gbs()
+    head = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s"
+    rows = []
+    for s in args.shapes.split(","):
+        b, c = (int(x) for x in s.split("x"))
+        rows += probe(b, c, bw)
+        torch.cuda.empty_cache()
+    lines = [
+        f"Decode attention probe; {head}",
+        "",
+        "| batch | context | variant | us | of copy bw |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["variant"] == "profile":
+            k = ", ".join(f"{n} {v['us']:.2f} us x{v['launches_per_call']:.0f}" for n, v in r["kernels"].items())
+            lines.append(f"| {r['batch']} | {r['context']} | profile ({r['splits']} splits) | {k} | |")
+        else:
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['variant']} | {r['us']:.2f} | {100 * r['of_copy_bw']:.0f}% |"
+            )
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"decode-attention-probe-{gpu_slug()}.md").write_text(text + "\n")
+        (out / f"decode-attention-probe-{gpu_slug()}.json").write_text(
+            json.dumps({"device": head, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
