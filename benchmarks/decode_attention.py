@@ -152,10 +152,10 @@ def render(rows: list[dict], head: str) -> list[str]:
 
 
 SWEEP = {
-    "block_n": (64, 128),
-    "num_warps": (4, 8),
+    "block_n": (32, 64, 128),
+    "num_warps": (1, 2, 4),
     "num_stages": (2, 3, 4),
-    "programs_per_sm": (1, 2, 4),
+    "programs_per_sm": (2, 4, 8),
     "min_split_tiles": (2, 8),
 }
 

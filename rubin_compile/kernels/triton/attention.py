@@ -46,7 +46,7 @@ MAX_ROWS = 64  # query rows (S * Hq / Hkv) one program holds
 MAX_QUERIES = 4  # query positions selection sends here (decode, short verification); more is prefill: SDPA
 BLOCK_N = 64  # key positions per tile (Config.block_n)
 SCAN_POSITIONS = 1024  # mask bytes (or elements) per load of the scan for the attended span
-SPLIT_CHUNK = 32  # partial softmaxes merged per step
+SPLIT_CHUNK = 64  # at most this many partial softmaxes merged per step (combine_chunk)
 _LOG2E = 1.4426950408889634
 
 
@@ -503,13 +503,18 @@ def run(
             ROWS=ROWS,
             DV=Dv,
             BDV=BDV,
-            SPLIT_CHUNK=SPLIT_CHUNK,
+            SPLIT_CHUNK=combine_chunk(nsplit),
             GDC=pdl,
             num_warps=4,
             # PDL-chained after the split kernel (it waits for the partials): its launch overlaps the split's tail.
             **({"launch_pdl": True} if pdl else {}),
         )
     return out
+
+
+def combine_chunk(nsplit: int) -> int:
+    """Partials ``_combine`` loads per step: all of them up to ``SPLIT_CHUNK`` (each step is one round trip to L2)."""
+    return max(16, min(SPLIT_CHUNK, next_power_of_2(nsplit)))
 
 
 def _prefetch_row_bytes(t: torch.Tensor, width: int) -> int:
