@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import statistics
 import sys
@@ -121,17 +120,6 @@ def probe(batch: int, context: int, bw: float) -> list[dict]:
     boolmask = sh.mask == 0
     skv = context + 128
     add("call (additive bf16 mask)", [lambda a=a: kernel.run(a) for a in args])
-    cfg = kernel.config_for(batch, HKV, skv)
-    merged = dataclasses.replace(cfg, merge_in_place=True)
-    want = kernel.run(args[0]).float()
-    got = kernel.run(args[0], config=merged).float()
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    add("call, merged in place", [lambda a=a: kernel.run(a, config=merged) for a in args], err_vs_combine=err)
-    for n in (32, 64):
-        add(
-            f"call, merged in place, splits={n}",
-            [lambda a=a, n=n: kernel.run(a, splits=n, config=merged) for a in args],
-        )
     add("call (bool mask)", [lambda a=a: kernel.run(AttentionArgs(a.query, a.key, a.value, boolmask)) for a in args])
     nomask = [AttentionArgs(a.query, a.key[:, :, :context], a.value[:, :, :context], None) for a in args]
     add("call (no mask, filled part only)", [lambda a=a: kernel.run(a) for a in nomask])
@@ -139,6 +127,7 @@ def probe(batch: int, context: int, bw: float) -> list[dict]:
         add("split only", [lambda a=a: kernel.run(a) for a in args])
     with skip("_split_kv"):
         add("combine only", [lambda a=a: kernel.run(a) for a in args], nbytes=0)
+    cfg = kernel.config_for(batch, HKV, skv)
     default = kernel.num_splits(batch, HKV, skv, torch.cuda.get_device_properties(0).multi_processor_count, cfg)
     for n in sorted({max(1, default // 2), 33, 66, 132 // batch, default * 2} - {default}):
         add(f"call, splits={n}", [lambda a=a, n=n: kernel.run(a, splits=n) for a in args], splits=n)

@@ -37,12 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton import launch as _launch
 from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
 from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.attention import AttentionArgs
 from rubin_compile.ops.registry import Launch
-from rubin_compile.ops.weights import made_outside_cudagraph_pools
 
 MAX_ROWS = 64  # query rows (S * Hq / Hkv) one program holds
 MAX_QUERIES = 4  # query positions selection sends here (decode, short verification); more is prefill: SDPA
@@ -63,7 +61,6 @@ def _split_kv(
     Out,
     PartO,
     PartML,
-    Tick,
     sq_b,
     sq_h,
     sq_s,
@@ -99,9 +96,6 @@ def _split_kv(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
-    MERGE: tl.constexpr,  # several splits: the last of a (batch, KV head) to finish merges them (Tick: its tickets)
-    NRP: tl.constexpr,  # the merge's rows: S * GROUP padded to a power of 2
-    MERGE_CHUNK: tl.constexpr,  # partials the merge loads per step
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
     F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
     GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
@@ -259,58 +253,6 @@ def _split_kv(
         tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
         tl.store(PartML + part * 2, m_i, mask=row_ok)
         tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
-        if MERGE:
-            # The last split of this (batch, KV head) to finish merges them all, so that no second kernel is
-            # launched: the barrier orders every thread's partial stores before the ticket's release, the ticket's
-            # acquire orders the merge's loads after every other split's release. It zeroes the ticket for the
-            # next call. (The merge loads all partials at once, not row by row: see _merge_in_place.)
-            tl.debug_barrier()
-            if tl.atomic_add(Tick + bh, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
-                _merge_in_place(PartO, PartML, Out, bh * nsplit * ROWS, nsplit, b, hk, S * GROUP, so_b, so_h, so_s,
-                                GROUP, ROWS, NRP, DV, BDV, MERGE_CHUNK)  # fmt: skip
-                tl.atomic_xchg(Tick + bh, 0)
-
-
-@triton.jit
-def _merge_in_place(PartO, PartML, Out, base, nsplit, b, hk, nrows, so_b, so_h, so_s, GROUP: tl.constexpr,
-                    ROWS: tl.constexpr, NRP: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, SC: tl.constexpr):  # fmt: skip
-    """Merge the ``nsplit`` partial softmaxes (acc, max, sum) of the ``nrows`` query rows of KV head ``hk`` and write
-    those output rows, all rows at once: first each row's largest max over the splits (a few floats per split),
-    then, ``SC`` splits per step, every row's weighted sum of the partials, whose loads depend on nothing of the
-    step before (Triton pipelines them: one latency to L2 for the merge, not one per row or per step, which made
-    the first in-place merge slower than a second kernel). ``.cg`` loads: from L2, where the other programs'
-    stores are."""
-    r = tl.arange(0, NRP)
-    r_ok = r < nrows
-    dv = tl.arange(0, BDV)
-    m_max = tl.full([NRP], float("-inf"), tl.float32)
-    for s0 in range(0, nsplit, SC):
-        sp = s0 + tl.arange(0, SC)
-        at = base + sp[:, None] * ROWS + r[None, :]
-        ok = (sp < nsplit)[:, None] & r_ok[None, :]
-        m_s = tl.load(PartML + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, tl.max(m_s, 0))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row no split attends to stays empty (0 / 0, as SDPA)
-    l_sum = tl.zeros([NRP], tl.float32)
-    acc = tl.zeros([NRP, BDV], tl.float32)
-    for s0 in tl.range(0, nsplit, SC, num_stages=3):
-        sp = s0 + tl.arange(0, SC)
-        at = base + sp[:, None] * ROWS + r[None, :]
-        ok = (sp < nsplit)[:, None] & r_ok[None, :]
-        m_s = tl.load(PartML + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(PartML + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(PartO + at[:, :, None] * BDV + dv[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        w = tl.exp2(m_s - m_use[None, :])
-        l_sum += tl.sum(w * l_s, 0)
-        acc += tl.sum(w[:, :, None] * o, 0)
-    head = hk * GROUP + r % GROUP
-    s_idx = r // GROUP
-    tl.store(
-        Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
-        (acc / l_sum[:, None]).to(Out.dtype.element_ty),
-        mask=r_ok[:, None] & (dv[None, :] < DV),
-    )
 
 
 @triton.jit
@@ -408,7 +350,6 @@ class Config:
     # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
     prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
-    merge_in_place: bool = False  # the last split of each (batch, KV head) merges them (no second kernel)
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
@@ -487,15 +428,11 @@ def run(
         pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
         pf_tiles = cfg.prefetch_tiles if (pf_k and pf_v) else 0
     pf_nchunk = max(1, 32 * cfg.num_warps // max(pf_tiles, 1))
-    tickets = None
     if direct:
         part_o = part_ml = out
     else:
         part_o = torch.empty((B * Hkv * nsplit * ROWS, BDV), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((B * Hkv * nsplit * ROWS, 2), dtype=torch.float32, device=q.device)
-        if cfg.merge_in_place:
-            tickets = _ticket_slice(q.device, B * Hkv)
-    nrp = next_power_of_2(rows)
     scale = args.scale if args.scale is not None else 1.0 / math.sqrt(D)
     so = out.stride()
     launcher(_split_kv)[(nsplit, B * Hkv)](
@@ -508,7 +445,6 @@ def run(
         out,
         part_o,
         part_ml,
-        tickets if tickets is not None else part_ml,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -541,9 +477,6 @@ def run(
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
         DIRECT=direct,
-        MERGE=tickets is not None,
-        NRP=nrp,
-        MERGE_CHUNK=merge_chunk(nrp, BDV),
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
         GDC=pdl,
@@ -556,7 +489,7 @@ def run(
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
-    if not direct and tickets is None:
+    if not direct:
         launcher(_combine)[(B * Hkv, rows)](
             part_o,
             part_ml,
@@ -577,38 +510,6 @@ def run(
             **({"launch_pdl": True} if pdl else {}),
         )
     return out
-
-
-# Tickets of the in-place merge: one int32 per (batch, KV head) of a launch, zero between launches (the last split
-# zeroes its own). Made once per device outside cudagraph trees' pools (ops/weights.made_outside_cudagraph_pools); a
-# call captured before any uncaptured call, or traced into the graph (passes/inline_kernels.py: a graph cannot hold
-# a buffer kept across calls), merges with the second kernel instead. Consecutive launches take consecutive slices
-# of a ring, so that launches running at once on two streams do not share tickets.
-TICKET_SLOTS = 4096  # (batch, KV head) pairs of one launch; more -> the second kernel
-TICKET_RING = 16
-_tickets: dict[str, torch.Tensor] = {}
-_ticket_next = [0]
-
-
-def _ticket_slice(device: torch.device, pairs: int) -> Optional[torch.Tensor]:
-    """This launch's tickets, or None where the in-place merge cannot take it (see above)."""
-    if pairs > TICKET_SLOTS or _launch._recording is not None:
-        return None
-    key = str(device)
-    ring = _tickets.get(key)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _tickets[key] = made_outside_cudagraph_pools(
-            lambda: torch.zeros(TICKET_RING * TICKET_SLOTS, dtype=torch.int32, device=device), device
-        )
-    i = _ticket_next[0] = (_ticket_next[0] + 1) % TICKET_RING
-    return ring[i * TICKET_SLOTS : (i + 1) * TICKET_SLOTS]
-
-
-def merge_chunk(nrp: int, bdv: int) -> int:
-    """Partials the in-place merge loads per step: 4096 floats of them (32 per thread of 4 warps)."""
-    return max(1, 4096 // (nrp * bdv))
 
 
 def combine_chunk(nsplit: int) -> int:
