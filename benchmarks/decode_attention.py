@@ -151,12 +151,14 @@ def render(rows: list[dict], head: str) -> list[str]:
     return lines
 
 
+# 1- and 2-warp programs and 32-position tiles were slower at every batch-1 shape on an H100 (2026-12-06), 8 warps on
+# the H200 before (benchmarks/results/decode-attention-b1-h100-2026-12-06/)
 SWEEP = {
-    "block_n": (32, 64, 128),
-    "num_warps": (1, 2, 4),
+    "block_n": (64, 128),
+    "num_warps": (4,),
     "num_stages": (2, 3, 4),
-    "programs_per_sm": (2, 4, 8),
-    "min_split_tiles": (2, 8),
+    "programs_per_sm": (1, 2, 4),
+    "min_split_tiles": (2, 4, 8),
 }
 
 

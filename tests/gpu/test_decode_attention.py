@@ -69,6 +69,36 @@ def test_fp32_matches_sdpa(Hq, Hkv, S, Skv, lengths, config):
 
 
 @needs_sm90
+@pytest.mark.parametrize("kind", ["dense", "bool-hole", "additive-hole", "additive-bias"])
+@pytest.mark.parametrize("config", ["SHORT", "MEDIUM", "LONG"])
+def test_shared_mask_dense_span_and_not(kind, config):
+    """A mask shared by every query row: where the scan finds every position of a split's span attended with no bias
+    the K / V loop reads no mask tiles; a hole inside a split (masked positions between attended ones, values real,
+    not NaN) or a finite bias must take the loop that reads them. fp32 against SDPA's math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rubin_compile.kernels.triton import attention
+
+    Skv, length = 4224, 4100
+    q, k, v, mask, tail = _inputs(1, 32, 4, 1, Skv, 128, (length,), torch.float32)
+    if kind.endswith("hole"):
+        mask[..., 1000:1013] = False  # inside one split of every Config (splits of 128 positions or more)
+    sdpa_mask = mask
+    if kind.startswith("additive"):
+        sdpa_mask = torch.where(mask, 0.0, float("-inf"))
+        if kind == "additive-bias":
+            sdpa_mask = sdpa_mask + torch.randn(Skv, device="cuda")  # finite where attended, -inf elsewhere
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, enable_gqa=True)
+    got = attention.run(
+        AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), sdpa_mask), config=getattr(attention, config)
+    )
+    assert torch.isfinite(got).all(), "a position past the filled length (NaN) was read"
+    err = (got - want).abs().max().item()
+    assert err < 2e-5, f"max |rubin - SDPA| = {err:.2e} ({kind}, {config})"
+
+
+@needs_sm90
 @pytest.mark.parametrize(
     "dtype,kv_dtype,tol",
     [(torch.bfloat16, None, 1.5e-2), (torch.float16, None, 3e-3), (torch.bfloat16, torch.float8_e4m3fn, 1.5e-2)],

@@ -96,6 +96,7 @@ def _split_kv(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
+    DENSE_OK: tl.constexpr,  # a shared mask and no causal rows: the K / V loop is also built without mask tiles
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
     F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
     GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
@@ -161,7 +162,11 @@ def _split_kv(
         lo = end
         hi = start
         if MASK_SHARED:
+            # ... and whether the span is dense: every position in it attended, with a zero bias (a static cache's
+            # mask: its filled part). Then the loop reads no mask tiles (DENSE_OK: the loop is built both ways).
             m_row = Mask + b * sm_b
+            n_att = 0
+            n_bias = 0
             for c0 in range(start, end, SCAN):
                 cols = c0 + tl.arange(0, SCAN)
                 ok = cols < end
@@ -170,8 +175,11 @@ def _split_kv(
                     att = ok & (mv != 0)
                 else:
                     att = ok & (mv.to(tl.float32) != float("-inf"))
+                    n_bias += tl.sum((att & (mv.to(tl.float32) != 0.0)).to(tl.int32), 0)
+                n_att += tl.sum(att.to(tl.int32), 0)
                 lo = tl.minimum(lo, tl.min(tl.where(att, cols, end), 0))
                 hi = tl.maximum(hi, tl.max(tl.where(att, cols + 1, start), 0))
+            dense = (n_att == hi - lo) & (n_bias == 0)
         else:
             for c0 in range(start, end, SCAN):
                 cols = c0 + tl.arange(0, SCAN)
@@ -197,6 +205,44 @@ def _split_kv(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BDV], tl.float32)
+    mask_row = Mask + b * sm_b + head * sm_h + s_idx * sm_s
+    if DENSE_OK:
+        if dense:  # every position of [start, end) attended with no bias: no mask tiles in the loop
+            m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
+                                      row_ok, s_idx, d, dv, D, DV, BLOCK_N, 0, CAUSAL, IEEE)  # fmt: skip
+        else:
+            m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
+                                      row_ok, s_idx, d, dv, D, DV, BLOCK_N, MASK_KIND, CAUSAL, IEEE)  # fmt: skip
+    else:
+        m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
+                                  row_ok, s_idx, d, dv, D, DV, BLOCK_N, MASK_KIND, CAUSAL, IEEE)  # fmt: skip
+    if GDC and not EARLY_TRIGGER:
+        # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
+        # weights before its own wait) may launch while this program writes its partials.
+        gdc_launch_dependents()
+    if V_SCALED:
+        acc = acc * tl.load(VScale).to(tl.float32)
+    if DIRECT:
+        o = acc / l_i[:, None]
+        tl.store(
+            Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
+            o.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & (dv[None, :] < DV),
+        )
+    else:
+        part = (bh * nsplit + split) * ROWS + rows
+        tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartML + part * 2, m_i, mask=row_ok)
+        tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc, row_ok, s_idx, d, dv,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+              CAUSAL: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """The online softmax over keys / values [start, end) of one KV head (``k_base`` / ``v_base``), carried in
+    (m_i, l_i, acc): QK^T and PV on the tensor cores, a mask tile per K / V tile when ``MASK_KIND`` is not 0
+    (``mask_row``: each query row's mask, positions ``sm_n`` apart)."""
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
@@ -204,11 +250,7 @@ def _split_kv(
         v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
         allowed = row_ok[:, None] & col_ok[None, :]
         if MASK_KIND != 0:
-            mv = tl.load(
-                Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
-                mask=allowed,
-                other=0,
-            )
+            mv = tl.load(mask_row[:, None] + cols[None, :] * sm_n, mask=allowed, other=0)
             if MASK_KIND == 1:
                 allowed = allowed & (mv != 0)
             else:
@@ -235,24 +277,7 @@ def _split_kv(
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if GDC and not EARLY_TRIGGER:
-        # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
-        # weights before its own wait) may launch while this program writes its partials.
-        gdc_launch_dependents()
-    if V_SCALED:
-        acc = acc * tl.load(VScale).to(tl.float32)
-    if DIRECT:
-        o = acc / l_i[:, None]
-        tl.store(
-            Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
-            o.to(Out.dtype.element_ty),
-            mask=row_ok[:, None] & (dv[None, :] < DV),
-        )
-    else:
-        part = (bh * nsplit + split) * ROWS + rows
-        tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
-        tl.store(PartML + part * 2, m_i, mask=row_ok)
-        tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -370,13 +395,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 132
 
 
-def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
-    """How many splits of the sequence: enough (batch, KV head, split) programs for ``config.programs_per_sm``
-    per SM (a decode program is latency-bound: several per SM keep loads in flight), each split at least
-    ``config.min_split_tiles`` tiles long."""
+def split_positions(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
+    """Key positions per split, whole tiles: as few tiles as keep the (batch, KV head, split) programs within
+    ``config.programs_per_sm`` per SM (a decode program is latency-bound: several per SM keep loads in flight), and at
+    least ``config.min_split_tiles``. Rounded once, so that the programs fill the SMs: at batch 1 / 16k (4 KV heads,
+    258 tiles of 64) one program per SM makes 33 splits of 8 tiles, 132 programs on 132 SMs, where rounding a split
+    count and then its length made 29 splits of 9 tiles (116 programs; 5% slower on an H100,
+    benchmarks/results/decode-attention-b1-h100-2026-12-06/)."""
     tiles = cdiv(Skv, config.block_n)
-    wanted = cdiv(config.programs_per_sm * sms, max(B * Hkv, 1))
-    return max(1, min(wanted, tiles // config.min_split_tiles))
+    per = cdiv(tiles * max(B * Hkv, 1), max(config.programs_per_sm * sms, 1))
+    return max(per, min(config.min_split_tiles, tiles), 1) * config.block_n
+
+
+def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
+    """How many splits of the sequence ``split_positions`` makes."""
+    return max(1, cdiv(Skv, split_positions(B, Hkv, Skv, sms, config)))
 
 
 def run(
@@ -411,9 +444,11 @@ def run(
         mask_arg, mask_strides = full, tuple(full.stride())
         shared = (Hq == 1 or full.stride(1) == 0) and (S == 1 or full.stride(2) == 0)
     k_scale, v_scale = args.k_scale, args.v_scale
-    nsplit = splits if splits is not None else num_splits(B, Hkv, Skv, _sm_count(q.device.index or 0), cfg)
-    nsplit = max(1, min(nsplit, cdiv(Skv, cfg.block_n)))
-    split_len = cdiv(cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n
+    if splits is not None:  # a split count asked for: whole tiles per split, as many splits as that leaves
+        nsplit = max(1, min(splits, cdiv(Skv, cfg.block_n)))
+        split_len = cdiv(cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n
+    else:
+        split_len = split_positions(B, Hkv, Skv, _sm_count(q.device.index or 0), cfg)
     nsplit = cdiv(Skv, split_len) if Skv > 0 else 1
     BDV = max(16, next_power_of_2(Dv))
     direct = nsplit == 1
@@ -477,6 +512,7 @@ def run(
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
         DIRECT=direct,
+        DENSE_OK=mask_kind != 0 and shared and not args.is_causal,
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
         GDC=pdl,

@@ -106,8 +106,7 @@ def test_attention_is_traced_into_its_two_launches(on_h200):
     (grid,) = launch.kwargs["grid"]
     B, Hkv, ctx = 1, 4, 4232
     cfg = triton_attention.config_for(B, Hkv, ctx)
-    splits = triton_attention.num_splits(B, Hkv, ctx, 132, cfg)
-    split_len = cdiv(cdiv(ctx, splits), cfg.block_n) * cfg.block_n
+    split_len = triton_attention.split_positions(B, Hkv, ctx, 132, cfg)
     assert grid == (cdiv(ctx, split_len), B * Hkv, 1)
     assert launch.kwargs["kwargs"]["Q"] is g.nodes["q"] and launch.kwargs["kwargs"]["Skv"] == ctx
     # the graph's output is the buffer the kernels write, in the op's layout ([B, S, Hq, Dv] seen as [B, Hq, S, Dv])
