@@ -96,7 +96,7 @@ def _split_kv(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
-    DENSE_OK: tl.constexpr,  # a shared mask and no causal rows: the K / V loop is also built without mask tiles
+    DENSE_OK: tl.constexpr,  # a shared mask and no causal rows: the K / V loop skips the mask tiles of a dense span
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
     F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
     GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
@@ -163,7 +163,7 @@ def _split_kv(
         hi = start
         if MASK_SHARED:
             # ... and whether the span is dense: every position in it attended, with a zero bias (a static cache's
-            # mask: its filled part). Then the loop reads no mask tiles (DENSE_OK: the loop is built both ways).
+            # mask: its filled part). Then the loop reads no mask tiles.
             m_row = Mask + b * sm_b
             n_att = 0
             n_bias = 0
@@ -206,16 +206,10 @@ def _split_kv(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BDV], tl.float32)
     mask_row = Mask + b * sm_b + head * sm_h + s_idx * sm_s
-    if DENSE_OK:
-        if dense:  # every position of [start, end) attended with no bias: no mask tiles in the loop
-            m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
-                                      row_ok, s_idx, d, dv, D, DV, BLOCK_N, 0, CAUSAL, IEEE)  # fmt: skip
-        else:
-            m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
-                                      row_ok, s_idx, d, dv, D, DV, BLOCK_N, MASK_KIND, CAUSAL, IEEE)  # fmt: skip
-    else:
-        m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc,
-                                  row_ok, s_idx, d, dv, D, DV, BLOCK_N, MASK_KIND, CAUSAL, IEEE)  # fmt: skip
+    if not DENSE_OK:
+        dense = False  # a mask per row (or causal rows): every mask tile is read
+    m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc, row_ok,
+                              s_idx, d, dv, dense, D, DV, BLOCK_N, MASK_KIND, DENSE_OK, CAUSAL, IEEE)  # fmt: skip
     if GDC and not EARLY_TRIGGER:
         # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
         # weights before its own wait) may launch while this program writes its partials.
@@ -238,11 +232,13 @@ def _split_kv(
 
 @triton.jit
 def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc, row_ok, s_idx, d, dv,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-              CAUSAL: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+              dense, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+              DENSE_OK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """The online softmax over keys / values [start, end) of one KV head (``k_base`` / ``v_base``), carried in
-    (m_i, l_i, acc): QK^T and PV on the tensor cores, a mask tile per K / V tile when ``MASK_KIND`` is not 0
-    (``mask_row``: each query row's mask, positions ``sm_n`` apart)."""
+    (m_i, l_i, acc): QK^T and PV on the tensor cores, a mask tile per K / V tile when ``MASK_KIND`` is not 0 and the
+    span is not ``dense`` (``mask_row``: each query row's mask, positions ``sm_n`` apart). Not a second loop for dense
+    spans: Triton gives each loop its own shared-memory buffers, and two loops halved the programs an SM holds
+    (5-7% slower at 32k on an H100, 2026-12-06; fp32 tiles did not fit at all)."""
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
@@ -250,7 +246,14 @@ def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, 
         v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
         allowed = row_ok[:, None] & col_ok[None, :]
         if MASK_KIND != 0:
-            mv = tl.load(mask_row[:, None] + cols[None, :] * sm_n, mask=allowed, other=0)
+            # In a dense span the loads are predicated off and read as "attend, no bias" (no branch: a branch in the
+            # loop stops Triton from pipelining its K / V copies)
+            read = allowed
+            if DENSE_OK:
+                read = allowed & (
+                    (tl.zeros_like(cols)[None, :] + dense.to(tl.int32)) == 0
+                )  # (broadcast: the interpreter)
+            mv = tl.load(mask_row[:, None] + cols[None, :] * sm_n, mask=read, other=1 if MASK_KIND == 1 else 0)
             if MASK_KIND == 1:
                 allowed = allowed & (mv != 0)
             else:
@@ -375,6 +378,7 @@ class Config:
     # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
     prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
+    dense_spans: bool = True  # skip the mask tiles of a split whose attended span is dense (False: read them all)
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
@@ -512,7 +516,7 @@ def run(
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
         DIRECT=direct,
-        DENSE_OK=mask_kind != 0 and shared and not args.is_causal,
+        DENSE_OK=cfg.dense_spans and mask_kind != 0 and shared and not args.is_causal,
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
         GDC=pdl,
