@@ -105,14 +105,11 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     picked = kernel.config_for(batch, HKV, context + EXTRA)
     late = dataclasses.replace(picked, early_trigger=False)
     prefetch = dataclasses.replace(picked, prefetch_tiles=2)
-    masked = dataclasses.replace(picked, dense_spans=False)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
         # CUDA graphs); the next kernel may launch right after a program's griddepcontrol.wait
-        # every mask tile read, also in a dense span (what the kernel did before 2026-12-06)
-        ("rubin triton (bf16), mask tiles always read", sh.args(), 2, lambda a: kernel.run(a, config=masked)),
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),
         # ... or only once its K / V loop is done; or with its first K / V tiles asked into L2 before the wait
         ("rubin triton (bf16), PDL, late trigger", sh.args(), 2, lambda a: kernel.run(a, pdl, config=late)),

@@ -96,7 +96,6 @@ def _split_kv(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalise and write Out
-    DENSE_OK: tl.constexpr,  # a shared mask and no causal rows: the K / V loop skips the mask tiles of a dense span
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
     F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
     GDC: tl.constexpr,  # launched with PDL: wait before the first read of another kernel's output
@@ -162,11 +161,7 @@ def _split_kv(
         lo = end
         hi = start
         if MASK_SHARED:
-            # ... and whether the span is dense: every position in it attended, with a zero bias (a static cache's
-            # mask: its filled part). Then the loop reads no mask tiles.
             m_row = Mask + b * sm_b
-            n_att = 0
-            n_bias = 0
             for c0 in range(start, end, SCAN):
                 cols = c0 + tl.arange(0, SCAN)
                 ok = cols < end
@@ -175,11 +170,8 @@ def _split_kv(
                     att = ok & (mv != 0)
                 else:
                     att = ok & (mv.to(tl.float32) != float("-inf"))
-                    n_bias += tl.sum((att & (mv.to(tl.float32) != 0.0)).to(tl.int32), 0)
-                n_att += tl.sum(att.to(tl.int32), 0)
                 lo = tl.minimum(lo, tl.min(tl.where(att, cols, end), 0))
                 hi = tl.maximum(hi, tl.max(tl.where(att, cols + 1, start), 0))
-            dense = (n_att == hi - lo) & (n_bias == 0)
         else:
             for c0 in range(start, end, SCAN):
                 cols = c0 + tl.arange(0, SCAN)
@@ -205,40 +197,6 @@ def _split_kv(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BDV], tl.float32)
-    mask_row = Mask + b * sm_b + head * sm_h + s_idx * sm_s
-    if not DENSE_OK:
-        dense = False  # a mask per row (or causal rows): every mask tile is read
-    m_i, l_i, acc = _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc, row_ok,
-                              s_idx, d, dv, dense, D, DV, BLOCK_N, MASK_KIND, DENSE_OK, CAUSAL, IEEE)  # fmt: skip
-    if GDC and not EARLY_TRIGGER:
-        # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
-        # weights before its own wait) may launch while this program writes its partials.
-        gdc_launch_dependents()
-    if V_SCALED:
-        acc = acc * tl.load(VScale).to(tl.float32)
-    if DIRECT:
-        o = acc / l_i[:, None]
-        tl.store(
-            Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
-            o.to(Out.dtype.element_ty),
-            mask=row_ok[:, None] & (dv[None, :] < DV),
-        )
-    else:
-        part = (bh * nsplit + split) * ROWS + rows
-        tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
-        tl.store(PartML + part * 2, m_i, mask=row_ok)
-        tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, m_i, l_i, acc, row_ok, s_idx, d, dv,
-              dense, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-              DENSE_OK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """The online softmax over keys / values [start, end) of one KV head (``k_base`` / ``v_base``), carried in
-    (m_i, l_i, acc): QK^T and PV on the tensor cores, a mask tile per K / V tile when ``MASK_KIND`` is not 0 and the
-    span is not ``dense`` (``mask_row``: each query row's mask, positions ``sm_n`` apart). Not a second loop for dense
-    spans: Triton gives each loop its own shared-memory buffers, and two loops halved the programs an SM holds
-    (5-7% slower at 32k on an H100, 2026-12-06; fp32 tiles did not fit at all)."""
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
@@ -246,14 +204,11 @@ def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, 
         v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
         allowed = row_ok[:, None] & col_ok[None, :]
         if MASK_KIND != 0:
-            # In a dense span the loads are predicated off and read as "attend, no bias" (no branch: a branch in the
-            # loop stops Triton from pipelining its K / V copies)
-            read = allowed
-            if DENSE_OK:
-                read = allowed & (
-                    (tl.zeros_like(cols)[None, :] + dense.to(tl.int32)) == 0
-                )  # (broadcast: the interpreter)
-            mv = tl.load(mask_row[:, None] + cols[None, :] * sm_n, mask=read, other=1 if MASK_KIND == 1 else 0)
+            mv = tl.load(
+                Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
+                mask=allowed,
+                other=0,
+            )
             if MASK_KIND == 1:
                 allowed = allowed & (mv != 0)
             else:
@@ -280,7 +235,24 @@ def _kv_tiles(q, k_base, v_base, mask_row, start, end, sk_n, sv_n, sm_n, scale, 
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    return m_i, l_i, acc
+    if GDC and not EARLY_TRIGGER:
+        # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
+        # weights before its own wait) may launch while this program writes its partials.
+        gdc_launch_dependents()
+    if V_SCALED:
+        acc = acc * tl.load(VScale).to(tl.float32)
+    if DIRECT:
+        o = acc / l_i[:, None]
+        tl.store(
+            Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
+            o.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & (dv[None, :] < DV),
+        )
+    else:
+        part = (bh * nsplit + split) * ROWS + rows
+        tl.store(PartO + part[:, None] * BDV + dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartML + part * 2, m_i, mask=row_ok)
+        tl.store(PartML + part * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -367,31 +339,29 @@ def rows_of(S: int, Hq: int, Hkv: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """How a call is cut into programs. ``config_for`` picks one per call from the sweep of all of them on the
-    H200 (benchmarks/decode_attention.py --sweep; docs/kernels/decode_attention.md)."""
+    """How a call is cut into programs. ``config_for`` picks one per call from the sweep of all of them
+    (benchmarks/decode_attention.py --sweep; docs/kernels/decode_attention.md)."""
 
     block_n: int = BLOCK_N  # key positions per tile
     num_warps: int = 4
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
-    programs_per_sm: int = 2  # (batch, KV head, split) programs aimed for per SM
-    min_split_tiles: int = 8  # a split reads at least this many tiles
+    programs_per_sm: int = 1  # (batch, KV head, split) programs aimed for per SM (split_positions)
+    min_split_tiles: int = 2  # a split reads at least this many tiles
     # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
     prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
-    dense_spans: bool = True  # skip the mask tiles of a split whose attended span is dense (False: read them all)
 
 
-# KV positions a call reads (B * Hkv * Skv) -> the Config that measured within 6% of the sweep's best at every
-# benchmark shape (H200, bf16; batch 1 / 8 x contexts 4k / 16k / 32k of 32 / 4 heads of 128):
-SHORT = Config(num_stages=3, programs_per_sm=4, min_split_tiles=2)  # <= 32k positions: many short splits
-MEDIUM = Config()  # <= 160k: about one program per SM (batch 1), splits of 8+ tiles
-LONG = Config(block_n=128, num_stages=2, programs_per_sm=4)  # more: four programs per SM, 128-position tiles
-SHORT_POSITIONS, MEDIUM_POSITIONS = 32 * 1024, 160 * 1024
+# KV positions a call reads (B * Hkv * Skv) -> the Config of the sweep on an H100 (2026-12-06, bf16; 32 / 4 heads of
+# 128; benchmarks/results/decode-attention-b1-h100-2026-12-06/): DEFAULT within 1% of the best at batch 1 / 4k, 16k
+# and 32k and 3.5% at batch 8 / 4k; LONG the best at batch 8 / 16k (DEFAULT 6% behind there).
+DEFAULT = Config()  # one program per SM, splits of as few 64-position tiles as fill the SMs (at least 2)
+LONG = Config(block_n=128, num_stages=2, programs_per_sm=2, min_split_tiles=4)  # 128-position tiles, 2 per SM
+LONG_POSITIONS = 160 * 1024  # more positions than this: LONG
 
 
 def config_for(B: int, Hkv: int, Skv: int) -> Config:
-    positions = B * Hkv * Skv
-    return SHORT if positions <= SHORT_POSITIONS else MEDIUM if positions <= MEDIUM_POSITIONS else LONG
+    return LONG if B * Hkv * Skv > LONG_POSITIONS else DEFAULT
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,7 +486,6 @@ def run(
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
         DIRECT=direct,
-        DENSE_OK=cfg.dense_spans and mask_kind != 0 and shared and not args.is_causal,
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
         GDC=pdl,

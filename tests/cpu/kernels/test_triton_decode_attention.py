@@ -36,7 +36,7 @@ CASES = {
     "left-padding": (2, 8, 2, 1, 160, 32, 32, {"mask": "bool", "lengths": (160, 120), "left_pad": (0, 25)}),
     # a finite additive mask (finfo.min, as eager attention writes it): nothing to skip, still exact
     "finite-additive-mask": (1, 8, 2, 1, 150, 32, 32, {"mask": "finite", "lengths": (90,)}),
-    # a shared mask whose attended span has a hole, or a bias: not dense, so the K / V loop reads the mask tiles
+    # a shared mask whose attended span has a hole inside one split, or a finite bias: every mask tile counts
     "shared-mask-with-hole": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (280,), "hole": (40, 60)}),
     "shared-additive-hole": (1, 8, 2, 1, 300, 32, 32, {"mask": "additive", "lengths": (280,), "hole": (60, 61)}),
     "shared-additive-bias": (1, 8, 2, 1, 300, 32, 32, {"mask": "additive-bias", "lengths": (250,), "splits": 2}),
@@ -51,9 +51,9 @@ CASES = {
     "fp8-kv-bf16-query": (2, 8, 2, 1, 200, 64, 64, {"dtype": "bfloat16", "fp8": True, "splits": 3}),
     "fp8-kv-bf16-query-beyond-fp16": (1, 8, 2, 1, 90, 32, 32, {"dtype": "bfloat16", "fp8": True, "q_mul": 1e5}),
     "fp8-e5m2-kv-bf16-query": (1, 8, 2, 1, 90, 32, 32, {"dtype": "bfloat16", "fp8": "e5m2", "mask": "bool"}),
-    # the other Configs config_for picks: 128-position tiles, four programs per SM (LONG); many short splits (SHORT)
+    # the Configs config_for picks: 128-position tiles, two programs per SM (LONG); one per SM, 2-tile splits
     "long-config": (2, 8, 2, 1, 900, 32, 32, {"mask": "bool", "lengths": (70, 861), "config": "LONG"}),
-    "short-config": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (290,), "config": "SHORT"}),
+    "default-config": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (290,), "config": "DEFAULT"}),
     "tile-128": (
         2,
         8,
@@ -177,11 +177,10 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, loop_bodies
 
     fp8 = kv != "*bf16"
-    dense_ok = mask_kind != 0 and rows == 16  # what a launch passes: a mask shared by every row, no causal rows
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
         MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
-        DENSE_OK=dense_ok, IEEE=False, F16_KV=fp8, **_PDL_OFF,
+        IEEE=False, F16_KV=fp8, **_PDL_OFF,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
                 Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
@@ -194,22 +193,18 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     assert "0x10" in async_copy_sizes(ptx), f"K / V tiles are not 16-byte cp.async copies: {async_copy_sizes(ptx)}"
     # No K / V copy waits on a load of the same iteration (a mask tile feeding their predicate would put one
     # DRAM latency on every tile): inside the pipelined loop, no copy's mask is computed from a tt.load.
-    # One K / V loop, also with a shared mask (a dense span's mask tiles are predicated off inside it: a second loop
-    # would double the shared memory, a branch would stop the pipelining)
-    loops = _copy_masks_from_loads(ttgir["ttgir"])
-    assert len(loops) == 1, f"{len(loops)} K / V loops"
-    for copies, loaded in loops:
-        assert copies, "the K / V loop has no asynchronous copies"
-        assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
+    copies, loaded = _copy_masks_from_loads(ttgir["ttgir"])
+    assert copies, "the K / V loop has no asynchronous copies"
+    assert not loaded, f"K / V copies predicated by a load of the same iteration: {loaded}"
     # FP8 keys / values: fp16 MMAs, each pair of e4m3 values converted by one instruction (to bf16 it took three:
     # e4m3x2 -> f16x2, then each f16 -> bf16, a third of the loop's instructions)
     mma_loops = ["\n".join(body) for body in loop_bodies(ptx) if any("mma" in ln for ln in body)]
-    assert len(mma_loops) == len(loops), "the K / V loops are not the loops with MMAs"
-    for loop in mma_loops:
-        assert re.search(r"mma[\w.]*\.f32\." + ("f16.f16" if fp8 else "bf16.bf16"), loop)
-        assert "cvt.bf16.f16" not in loop
-        if fp8:
-            assert re.findall(r"cvt\.rn\.f16x2\.e4m3x2", loop)
+    assert len(mma_loops) == 1, "the K / V loop is not the one loop with MMAs"
+    loop = mma_loops[0]
+    assert re.search(r"mma[\w.]*\.f32\." + ("f16.f16" if fp8 else "bf16.bf16"), loop)
+    assert "cvt.bf16.f16" not in loop
+    if fp8:
+        assert re.findall(r"cvt\.rn\.f16x2\.e4m3x2", loop)
 
 
 _PDL_OFF = dict(GDC=False, EARLY_TRIGGER=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
@@ -228,8 +223,8 @@ def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(k
 
     consts = dict(
         GROUP=8, ROWS=16, D=128, DV=128, BD=128, BDV=128, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
-        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, DENSE_OK=True,
-        IEEE=False, F16_KV=False, GDC=True,
+        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False,
+        F16_KV=False, GDC=True,
         EARLY_TRIGGER=early, PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Out="*bf16",
@@ -264,39 +259,36 @@ def test_combine_kernel_with_pdl_waits_before_reading_the_partials(kernels):
     assert body.index("griddepcontrol.wait") < body.index("ld.global")
 
 
-def _copy_masks_from_loads(ttgir: str) -> list[tuple[list[str], list[str]]]:
-    """For each loop that holds ``async_copy_global_to_local`` (TTGIR text): the copies, and those whose mask
+def _copy_masks_from_loads(ttgir: str) -> tuple[list[str], list[str]]:
+    """In the loop that holds ``async_copy_global_to_local`` (TTGIR text): the copies, and those whose mask
     operand is computed (through any chain of ops in the loop body) from a ``tt.load`` of the loop body."""
-    out = []
-    for body in ttgir.split("scf.for")[1:]:
-        body = body.split("scf.yield")[0]
-        if "async_copy_global_to_local" not in body:
+    body = ttgir.split("scf.for")
+    body = next(b for b in body[1:] if "async_copy_global_to_local" in b.split("scf.yield")[0])
+    body = body.split("scf.yield")[0]
+    defs = {}
+    for line in body.splitlines():
+        m = re.match(r"\s*(%[\w#]+)(?::\d+)? = (\S+)(.*)", line)
+        if m:
+            op = m.group(2).split("(")[0].strip('"')  # a region op prints as "tt.reduce"(%operand)
+            defs[m.group(1)] = (op, re.findall(r"%[\w]+", (m.group(2) + m.group(3)).split(" : ")[0]))
+    copies, loaded = [], []
+    for name, (op, _) in defs.items():
+        if op != "ttg.async_copy_global_to_local":
             continue
-        defs = {}
-        for line in body.splitlines():
-            m = re.match(r"\s*(%[\w#]+)(?::\d+)? = (\S+)(.*)", line)
-            if m:
-                op = m.group(2).split("(")[0].strip('"')  # a region op prints as "tt.reduce"(%operand)
-                defs[m.group(1)] = (op, re.findall(r"%[\w]+", (m.group(2) + m.group(3)).split(" : ")[0]))
-        copies, loaded = [], []
-        for name, (op, _) in defs.items():
-            if op != "ttg.async_copy_global_to_local":
+        copies.append(name)
+        line = next(ln for ln in body.splitlines() if ln.strip().startswith(name + " ="))
+        mask = re.search(r" mask (%[\w]+)", line)
+        todo, seen = [mask.group(1)] if mask else [], set()
+        while todo:
+            v = todo.pop()
+            if v in seen or v not in defs:
                 continue
-            copies.append(name)
-            line = next(ln for ln in body.splitlines() if ln.strip().startswith(name + " ="))
-            mask = re.search(r" mask (%[\w]+)", line)
-            todo, seen = [mask.group(1)] if mask else [], set()
-            while todo:
-                v = todo.pop()
-                if v in seen or v not in defs:
-                    continue
-                seen.add(v)
-                if defs[v][0] == "tt.load":
-                    loaded.append(name)
-                    break
-                todo.extend(defs[v][1])
-        out.append((copies, loaded))
-    return out
+            seen.add(v)
+            if defs[v][0] == "tt.load":
+                loaded.append(name)
+                break
+            todo.extend(defs[v][1])
+    return copies, loaded
 
 
 def test_combine_kernel_compiles_for_sm90(kernels):
