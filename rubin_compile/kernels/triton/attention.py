@@ -370,15 +370,16 @@ def _sm_count(index: int) -> int:
 
 
 def split_positions(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
-    """Key positions per split, whole tiles: as few tiles as keep the (batch, KV head, split) programs within
+    """Key positions per split, whole tiles: the fewest tiles that keep the (batch, KV head, split) programs within
     ``config.programs_per_sm`` per SM (a decode program is latency-bound: several per SM keep loads in flight), and at
-    least ``config.min_split_tiles``. Rounded once, so that the programs fill the SMs: at batch 1 / 16k (4 KV heads,
-    258 tiles of 64) one program per SM makes 33 splits of 8 tiles, 132 programs on 132 SMs, where rounding a split
-    count and then its length made 29 splits of 9 tiles (116 programs; 5% slower on an H100,
-    benchmarks/results/decode-attention-b1-h100-2026-12-06/)."""
+    least ``config.min_split_tiles``. Counted in whole splits, so that the programs fill the SMs without a partial
+    wave: at batch 1 / 16k (4 KV heads, 258 tiles of 64) one program per SM makes 33 splits of 8 tiles, 132
+    programs on 132 SMs, where rounding a split count up and then its length made 29 splits of 9 tiles (116
+    programs; 5% slower on an H100); at batch 8 / 4k, 4 splits of 17 tiles (128 programs), not 5 (160).
+    benchmarks/results/decode-attention-b1-h100-2026-12-06/ has the measurements."""
     tiles = cdiv(Skv, config.block_n)
-    per = cdiv(tiles * max(B * Hkv, 1), max(config.programs_per_sm * sms, 1))
-    return max(per, min(config.min_split_tiles, tiles), 1) * config.block_n
+    splits = max(1, (config.programs_per_sm * sms) // max(B * Hkv, 1))  # the most splits that many programs allow
+    return max(cdiv(tiles, splits), min(config.min_split_tiles, tiles), 1) * config.block_n
 
 
 def num_splits(B: int, Hkv: int, Skv: int, sms: int, config: Config) -> int:
