@@ -18,7 +18,7 @@ for side in after before; do
   grep -E "^\| [0-9]" "$OUT/$side/decode-attention-$SLUG.md" | grep -E "\(bf16\) \|" | cut -c1-120
 done
 git worktree remove --force /tmp/before > /dev/null 2>&1
-timeout 120 python3 benchmarks/decode_attention.py --sweep --batches 8 --contexts 16384,32768 --out "$OUT" \
+timeout 200 python3 benchmarks/decode_attention.py --sweep --batches 8 --contexts 16384,32768 --out "$OUT" \
   2>&1 | grep -v Warning > "$OUT/sweep-b8.log"
 echo "sweep b8 exit $?"; grep -E "^\|" "$OUT/sweep-b8.log"
 python3 - "$OUT/decode-attention-sweep-$SLUG.json" <<'PY'
