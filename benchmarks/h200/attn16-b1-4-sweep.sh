@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 16, batch-1 decode attention: the Config sweep with the split length rounded once (split_positions) and the
-# dense-span K / V loop (no mask tiles where the scan found every position attended), batch 1 / 4k, 16k, 32k and
-# batch 8 / 4k, 16k; the decode attention GPU tests first. ~5 min.   bash benchmarks/h200/attn16-b1-4-sweep.sh
+# Issue 16, batch-1 decode attention: the decode attention GPU tests, then the Config sweep at batch 1 / 4k, 16k, 32k
+# and batch 8 / 4k, 16k. ~5 min.   bash benchmarks/h200/attn16-b1-4-sweep.sh
+# (Ran at 25f639a, with a second K / V loop for dense spans that was removed after it: see
+# benchmarks/results/decode-attention-b1-h100-2026-12-06/README.md.)
 . "$(dirname "$0")/common.sh"
 { time timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/gpu/test_decode_attention.py ; } \
   > "$OUT/pytest-decode-attention.log" 2>&1
