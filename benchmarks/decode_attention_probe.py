@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from rubin_compile.ops.attention import AttentionArgs
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: decode_attention, gpu_names
 from decode_attention import CALLS, D, HKV, Shape, graph_us  # noqa: E402
 from gpu_names import gpu_slug  # noqa: E402
+from graph_profile import per_kernel  # noqa: E402
 
 
 @triton.jit
@@ -82,27 +82,6 @@ def skip(name: str):
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *a, **k: None
-
-
-def profile_kernels(fns: list, reps: int = 20) -> dict:
-    """Mean device us per launch of each kernel name over ``reps`` replays of a graph of ``fns`` (CALLS calls)."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("(")[0][:40]
-            out.setdefault(name, []).append(ev.time_range.elapsed_us())
-    return {k: {"us": statistics.mean(v), "launches_per_call": len(v) / (reps * CALLS)} for k, v in out.items()}
 
 
 def probe(batch: int, context: int, bw: float) -> list[dict]:
@@ -153,7 +132,7 @@ def probe(batch: int, context: int, bw: float) -> list[dict]:
         dst[i % 2][1].copy_(src[i][1])
 
     add("copy_ of the filled K and V (2 kernels; bytes read)", [lambda i=i: copy(i) for i in range(len(src))])
-    prof = profile_kernels([lambda a=a: kernel.run(a) for a in args])
+    prof = per_kernel([lambda a=a: kernel.run(a) for a in args], CALLS, reps=20)
     rows.append({"batch": batch, "context": context, "variant": "profile", "kernels": prof, "splits": default})
     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -187,7 +166,7 @@ def main() -> None:
     ]
     for r in rows:
         if r["variant"] == "profile":
-            k = ", ".join(f"{n} {v['us']:.2f} us x{v['launches_per_call']:.0f}" for n, v in r["kernels"].items())
+            k = ", ".join(f"{n} {v['us']:.2f} us x{v['per_call']:.0f}" for n, v in r["kernels"].items())
             lines.append(f"| {r['batch']} | {r['context']} | profile ({r['splits']} splits) | {k} | |")
         else:
             lines.append(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ except ImportError:  # pragma: no cover
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: route, gpu_names
 from gpu_names import gpu_slug  # noqa: E402
+from graph_profile import per_kernel  # noqa: E402
 from route import CALLS, MODELS, graph_us, inputs  # noqa: E402
 
 
@@ -93,29 +93,12 @@ def only(which: str):
 
 
 def per_kernel_us(fns: list) -> dict[str, float]:
-    """Median device time per kernel name over the profiled replays of a graph of ``fns``."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = "logits" if "logits" in ev.name else "topk" if "topk" in ev.name else ev.name[:40]
-            times.setdefault(name, []).append(
-                ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time
-            )
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median device time per kernel over the profiled replays of a graph of ``fns`` (graph_profile.per_kernel),
+    the routing kernels named "logits" and "topk"."""
+    out = {}
+    for name, v in per_kernel(fns, CALLS).items():
+        out["logits" if "logits" in name else "topk" if "topk" in name else name] = v["us"]
+    return out
 
 
 def case(model: str, T: int, sweep: bool) -> dict:
