@@ -105,9 +105,12 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     picked = kernel.config_for(batch, HKV, context + EXTRA)
     late = dataclasses.replace(picked, early_trigger=False)
     prefetch = dataclasses.replace(picked, prefetch_tiles=2)
+    unchained = dataclasses.replace(picked, pdl_combine=False)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
+        # the combine launched after the split kernel, not PDL-chained to it (Config.pdl_combine off)
+        ("rubin triton (bf16), combine not chained", sh.args(), 2, lambda a: kernel.run(a, config=unchained)),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
         # CUDA graphs); the next kernel may launch right after a program's griddepcontrol.wait
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),

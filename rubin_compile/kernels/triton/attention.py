@@ -350,6 +350,8 @@ class Config:
     # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
     prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
+    # Launched without PDL: the combine still PDL-chained to the split kernel, which triggers after its K / V loop
+    pdl_combine: bool = True
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config of the sweep on an H100 (2026-12-06, bf16; 32 / 4 heads of
@@ -431,6 +433,9 @@ def run(
     # before PDL was added: measured on the H200, an always-PDL combine (its CTAs resident and waiting from the
     # split kernel's first instructions on) slowed the uncaptured path by up to 28% (batch 1 / 16k).
     pdl = bool(launch.pdl) and has_gdc()
+    # ... except the combine alone, PDL-chained to a split kernel that lets it launch only after its K / V loop
+    # (Config.pdl_combine): its launch then overlaps the splits' last tiles and partial stores, its CTAs wait for them.
+    chain = not pdl and not direct and cfg.pdl_combine and has_gdc()
     # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
     # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
     pf_k = pf_v = pf_tiles = 0
@@ -489,8 +494,8 @@ def run(
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
-        GDC=pdl,
-        EARLY_TRIGGER=cfg.early_trigger,
+        GDC=pdl or chain,
+        EARLY_TRIGGER=cfg.early_trigger and not chain,
         PF_TILES=pf_tiles,
         PF_K_ROW=pf_k,
         PF_V_ROW=pf_v,
@@ -514,10 +519,10 @@ def run(
             DV=Dv,
             BDV=BDV,
             SPLIT_CHUNK=combine_chunk(nsplit),
-            GDC=pdl,
+            GDC=pdl or chain,
             num_warps=4,
             # PDL-chained after the split kernel (it waits for the partials): its launch overlaps the split's tail.
-            **({"launch_pdl": True} if pdl else {}),
+            **({"launch_pdl": True} if pdl or chain else {}),
         )
     return out
 
