@@ -430,13 +430,13 @@ def run(
     nsplit = cdiv(Skv, split_len) if Skv > 0 else 1
     BDV = max(16, next_power_of_2(Dv))
     direct = nsplit == 1
-    # Without PDL the kernels carry no griddepcontrol at all and the combine launches after the split kernel, as
-    # before PDL was added: measured on the H200, an always-PDL combine (its CTAs resident and waiting from the
-    # split kernel's first instructions on) slowed the uncaptured path by up to 28% (batch 1 / 16k).
+    # Launched without PDL, the split kernel waits for no predecessor; its combine is still PDL-chained to it
+    # (Config.pdl_combine), the split kernel triggering only after its K / V loop: the combine's launch overlaps the
+    # splits' last tiles and partial stores, its CTAs wait for them. Measured on an H100 (2026-12-06): 2-7% faster at
+    # batch 1 from 16k and with 4 queries, the same elsewhere. (Triggering at the split kernel's start instead kept
+    # the combine's CTAs resident for the whole call: up to 28% slower on the H200.) Not when traced into the graph
+    # (passes/inline_kernels.py): Inductor's launcher takes no PDL launch.
     pdl = bool(launch.pdl) and has_gdc()
-    # ... except the combine alone, PDL-chained to a split kernel that lets it launch only after its K / V loop
-    # (Config.pdl_combine): its launch then overlaps the splits' last tiles and partial stores, its CTAs wait for them.
-    # Not when traced into the graph (passes/inline_kernels.py): Inductor's launcher takes no PDL launch.
     chain = not pdl and not direct and cfg.pdl_combine and has_gdc() and _launch._recording is None
     # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
     # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
