@@ -215,7 +215,8 @@ def _attention_supports(target: Target, spec: KernelSpec) -> Optional[str]:
 # The split-KV kernels are PDL-safe (attention.run(args, Launch(pdl=True)): the split kernel waits before it reads
 # the query, the mask or anything an earlier kernel writes, and before it writes; tests/gpu/test_decode_attention.py
 # checks PDL bitwise equal under graph replay), but selection does not launch them so: in the decode step it did not
-# pay (docs/kernels/decode_attention.md "PDL").
+# pay (docs/kernels/decode_attention.md "PDL"). Inside the call the combine is still PDL-chained to the split kernel
+# (attention.Config.pdl_combine).
 ATTENTION_PDL_DECLINED = (
     "measured on the H200, the decode attention launched with PDL was no faster in a decode step (Qwen3-30B-A3B "
     "dims, 8 layers, one CUDA graph: 565 vs 561 us at 4k) and slower at 16k (671 vs 641 us): launched without it"
