@@ -41,8 +41,9 @@ from rubin_compile.kernels.triton.tune_moe import copy_bandwidth_gbs
 from rubin_compile.ops.attention import AttentionArgs, aten
 from rubin_compile.ops.registry import Launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names, graph_profile
 from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+from graph_profile import capture  # noqa: E402
 
 HQ, HKV, D, EXTRA = 32, 4, 128, 128
 CALLS = 16  # calls per captured graph
@@ -51,14 +52,7 @@ L2_BYTES = 50e6
 
 def graph_us(fns: list, iters: int = 50) -> float:
     """Device time per call of ``fns`` (each called once, in order, CALLS calls in all), captured in one graph."""
-    calls = [fns[i % len(fns)] for i in range(CALLS)]
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
+    g = capture(fns, CALLS)
     for _ in range(3):
         g.replay()
     ts = []

@@ -9,18 +9,25 @@ from typing import Callable
 import torch
 
 
-def per_kernel(fns: list[Callable[[], object]], calls: int, reps: int = 10) -> dict[str, dict[str, float]]:
-    """For ``calls`` calls of ``fns`` (in turn) captured in one graph and replayed ``reps`` times under the profiler:
-    per kernel name (its first 40 characters, arguments cut), the median device us of a launch and the launches per
-    call."""
+def capture(fns: list[Callable[[], object]], calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fns`` (in turn), each run once first (compiled and warmed outside the capture), captured
+    in one CUDA graph."""
     order = [fns[i % len(fns)] for i in range(calls)]
-    for fn in order:  # compiled and warmed outside the capture
+    for fn in order:
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in order:
             fn()
+    return graph
+
+
+def per_kernel(fns: list[Callable[[], object]], calls: int, reps: int = 10) -> dict[str, dict[str, float]]:
+    """For ``calls`` calls of ``fns`` (in turn) captured in one graph and replayed ``reps`` times under the profiler:
+    per kernel name (its first 40 characters, arguments cut), the median device us of a launch and the launches per
+    call."""
+    graph = capture(fns, calls)
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
