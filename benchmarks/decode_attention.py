@@ -101,6 +101,7 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     prefetch = dataclasses.replace(picked, prefetch_tiles=2)
     unchained = dataclasses.replace(picked, pdl_combine=False)
     warp_split = dataclasses.replace(picked, warp_split=True)
+    ws_prefetch = dataclasses.replace(picked, warp_split=True, prefetch_tiles=2)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
@@ -108,6 +109,9 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
         ("rubin triton (bf16), combine not chained", sh.args(), 2, lambda a: kernel.run(a, config=unchained)),
         # each warp the softmax of its own positions of a tile, merged after the loop (Config.warp_split)
         ("rubin triton (bf16), warp split", sh.args(), 2, lambda a: kernel.run(a, config=warp_split)),
+        # ... and its first two K / V tiles asked into L2 at its start, during the mask scan (no PDL)
+        ("rubin triton (bf16), L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, config=prefetch)),
+        ("rubin triton (bf16), warp split, L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, config=ws_prefetch)),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
         # CUDA graphs); the next kernel may launch right after a program's griddepcontrol.wait
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),

@@ -158,6 +158,23 @@ def test_warp_split_masks_against_the_float64_reference(kind, config):
 
 
 @needs_sm90
+@pytest.mark.parametrize("config", ["DEFAULT", "DEFAULT+warp_split"])
+def test_l2_prefetch_without_pdl_changes_no_bit(config):
+    """Config.prefetch_tiles without PDL: L2 requests for the split's first tiles at the program's start (into the
+    NaN-poisoned unfilled part too, for the splits past a row's length), a hint: the same output bitwise."""
+    import dataclasses
+
+    from rubin_compile.kernels.triton import attention
+
+    q, k, v, mask, tail = _inputs(2, 32, 4, 1, 4224, 128, (4100, 1500), torch.bfloat16, seed=7)
+    args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), mask)
+    cfg = _config(config)
+    want = attention.run(args, config=cfg)
+    got = attention.run(args, config=dataclasses.replace(cfg, prefetch_tiles=2))
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@needs_sm90
 @pytest.mark.parametrize(
     "dtype,kv_dtype,tol",
     [(torch.bfloat16, None, 1.5e-2), (torch.float16, None, 3e-3), (torch.bfloat16, torch.float8_e4m3fn, 1.5e-2)],

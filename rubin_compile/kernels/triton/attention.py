@@ -386,8 +386,10 @@ class Config:
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 1  # (batch, KV head, split) programs aimed for per SM (split_positions)
     min_split_tiles: int = 2  # a split reads at least this many tiles
-    # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
-    prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
+    # K / V tiles of its split asked into L2 at the program's start, before the mask scan (and, PDL-launched, before
+    # the wait) (a power of 2; 0: none; docs/kernels/decode_attention.md "PDL" has the measurements)
+    prefetch_tiles: int = 0
+    # PDL-launched programs only (Launch.pdl):
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
     # Launched without PDL: the combine still PDL-chained to the split kernel, which triggers after its K / V loop
     pdl_combine: bool = True
@@ -495,10 +497,11 @@ def run(
     # (passes/inline_kernels.py): Inductor's launcher takes no PDL launch.
     pdl = bool(launch.pdl) and has_gdc()
     chain = not pdl and not direct and cfg.pdl_combine and has_gdc() and _launch._recording is None
-    # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
-    # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
+    # L2 requests for the split's first tiles, issued before anything else: during the predecessor's tail where the
+    # program waits for one (PDL), and in any case during the mask scan, whose result the K / V copies wait for. A split
+    # the scan then finds unattended (a static cache far longer than its filled part) wastes its requests' bytes.
     pf_k = pf_v = pf_tiles = 0
-    if pdl and cfg.prefetch_tiles:
+    if cfg.prefetch_tiles and has_gdc():  # inline PTX: not in Triton's interpreter
         pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
         pf_tiles = cfg.prefetch_tiles if (pf_k and pf_v) else 0
     pf_nchunk = max(1, 32 * cfg.num_warps // max(pf_tiles, 1))
