@@ -29,6 +29,39 @@ def gpu_rounding() -> None:
         return convert(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert_rne
+    _shape_independent_dots(np, interpreter)
+
+
+def _shape_independent_dots(np, interpreter) -> None:
+    """``tl.dot`` in the interpreter with each output element's products summed in one order whatever the shape of
+    the tile, as on the GPU, where an MMA's column does not depend on how many columns the tile has.
+
+    The interpreter's ``np.matmul`` goes to OpenBLAS, whose kernel for a block depends on the CPU and the block's
+    width: on an AVX-512 machine (OpenBLAS 0.3.30, numpy 2.3) a [16, K] x [K, 2N] product differs in the last bit
+    from its two [K, N] halves, for every K and N tried, while on the machine before it they were equal. The tests
+    that compare kernels bitwise across tile shapes (the MoE's joined gate / up tiles against the halves) then passed
+    or failed by the host. Here the float products (exact in float64) are summed in float64 along K in order and
+    rounded once: the same value for an element at any tile shape. Integer dots keep Triton's."""
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out_dtype = d.data.dtype
+        if not np.issubdtype(out_dtype, np.floating):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or (
+            b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()
+        ):  # as Triton's: FP8 operands through fp16 (exact)
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        a64, b64 = a_data.astype(np.float64), b_data.astype(np.float64)
+        acc = np.zeros(np.broadcast_shapes(a64.shape[:-1] + (1,), b64.shape[:-2] + (1, b64.shape[-1])))
+        for kk in range(a64.shape[-1]):
+            acc += a64[..., :, kk : kk + 1] * b64[..., kk : kk + 1, :]
+        return interpreter.TensorHandle((acc + d.data).astype(out_dtype), d.dtype.scalar)
+
+    builder.create_dot = create_dot
 
 
 def run_file(path, timeout: int = 900):
