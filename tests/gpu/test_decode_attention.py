@@ -40,7 +40,7 @@ def _runs_warp_split(cfg, q, v) -> None:
     from rubin_compile.kernels.triton import attention
 
     rows = max(16, attention.next_power_of_2(q.shape[2] * q.shape[1] // v.shape[1]))
-    width = max(16, attention.next_power_of_2(v.shape[-1]))
+    width = max(16, attention.next_power_of_2(max(q.shape[-1], v.shape[-1])))
     assert attention.warp_splits(cfg, rows, width, q.dtype) == cfg.num_warps
 
 

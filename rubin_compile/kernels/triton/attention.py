@@ -404,9 +404,10 @@ WARP_SPLIT_ACC = 16 * 128  # query rows x value width a warp-split program holds
 def warp_splits(config: Config, rows: int, width: int, dtype: torch.dtype) -> int:
     """The ``WARPS`` of ``_split_kv``: ``config.num_warps`` where ``config.warp_split`` is on and the call suits it,
     else 1. It needs 16-bit queries (fp32's IEEE products are FMA dots, which in the batched form took 4.9 KB of stack
-    per thread on sm_90), at least 16 positions per warp (the PV product's MMA K), and a per-warp accumulator of
-    ``rows`` (padded) x ``width`` (padded) within ``WARP_SPLIT_ACC``: every warp holds all the rows (Qwen3-30B-A3B's
-    and Llama-3.1-8B's 16 rows of 128 at one query: 168 registers a thread, no spill, Triton 3.6 and 3.9)."""
+    per thread on sm_90), at least 16 positions per warp (the PV product's MMA K), and a per-warp accumulator and
+    query of ``rows`` (padded) x ``width`` (the wider of the padded query and value head dims) within
+    ``WARP_SPLIT_ACC``: every warp holds all the rows (Qwen3-30B-A3B's and Llama-3.1-8B's 16 rows of 128 at one query:
+    168 registers a thread, no spill, Triton 3.6 and 3.9)."""
     if not config.warp_split or dtype == torch.float32 or config.num_warps == 1:
         return 1
     if config.block_n % config.num_warps or config.block_n // config.num_warps < 16 or rows * width > WARP_SPLIT_ACC:
@@ -562,7 +563,7 @@ def run(
         PF_K_ROW=pf_k,
         PF_V_ROW=pf_v,
         PF_NCHUNK=pf_nchunk,
-        WARPS=warp_splits(cfg, ROWS, BDV, q.dtype),
+        WARPS=warp_splits(cfg, ROWS, max(16, next_power_of_2(max(D, Dv))), q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
