@@ -232,7 +232,7 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
         assert re.findall(r"cvt\.rn\.f16x2\.e4m3x2", loop)
     if warps > 1:
         # Config.warp_split: one warp per batch of the products, and no exchange between warps in the loop -- the
-        # barriers left are the pipeline's (the tile's copies landed, a stage free to refill), against 10-12 for the
+        # barriers left are the pipeline's (the tile's copies landed, a stage free to refill), against 9-12 for the
         # same call in the one-softmax form (its row reductions across warps, the probabilities' trip through shared
         # memory to become PV's operand, the mask tile's layout conversion). No shared-memory store in the loop; bf16
         # tiles are read from it by ldmatrix only (FP8 ones a byte at a time, as in the one-softmax form).
