@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
-from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+from gpu_names import write_results  # noqa: E402  (benchmarks/gpu_names.py)
 
 
 def _count(obj, name: str, tally: dict) -> None:
@@ -141,10 +141,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"compile-time-{gpu_slug()}.md").write_text(text + "\n")
-        (out / f"compile-time-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+        write_results(Path(args.out), "compile-time", text, {"device": head, "rows": rows})
 
 
 if __name__ == "__main__":

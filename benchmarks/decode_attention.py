@@ -42,7 +42,7 @@ from rubin_compile.ops.attention import AttentionArgs, aten
 from rubin_compile.ops.registry import Launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names, graph_profile
-from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+from gpu_names import write_results  # noqa: E402  (benchmarks/gpu_names.py)
 from graph_profile import capture  # noqa: E402
 
 HQ, HKV, D, EXTRA = 32, 4, 128, 128
@@ -231,11 +231,7 @@ def sweep(
     text = "\n".join(lines)
     print(text)
     if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"decode-attention-sweep-{gpu_slug()}.md").write_text(text + "\n")
-        (out / f"decode-attention-sweep-{gpu_slug()}.json").write_text(
-            json.dumps({"device": head, "rows": rows}, indent=1)
-        )
+        write_results(out, "decode-attention-sweep", text, {"device": head, "rows": rows})
 
 
 def main() -> None:
@@ -265,10 +261,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"decode-attention-{gpu_slug()}.md").write_text(text + "\n")
-        (out / f"decode-attention-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+        write_results(Path(args.out), "decode-attention", text, {"device": head, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from rubin_compile.ops.attention import AttentionArgs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: decode_attention, gpu_names
 from decode_attention import CALLS, D, HKV, Shape, graph_us  # noqa: E402
-from gpu_names import gpu_slug  # noqa: E402
+from gpu_names import write_results  # noqa: E402
 from graph_profile import per_kernel  # noqa: E402
 
 
@@ -175,12 +175,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"decode-attention-probe-{gpu_slug()}.md").write_text(text + "\n")
-        (out / f"decode-attention-probe-{gpu_slug()}.json").write_text(
-            json.dumps({"device": head, "rows": rows}, indent=1)
-        )
+        write_results(Path(args.out), "decode-attention-probe", text, {"device": head, "rows": rows})
 
 
 if __name__ == "__main__":

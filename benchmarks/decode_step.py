@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from rubin_compile.passes import PASS_NAMES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
-from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+from gpu_names import write_results  # noqa: E402  (benchmarks/gpu_names.py)
 
 VARIANTS = {
     # name: (backend, torch.compile kwargs) -- None backend: eager
@@ -394,22 +394,19 @@ def main() -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"decode-step-{gpu_slug()}.md").write_text(text + "\n")
-        (out / f"decode-step-{gpu_slug()}.json").write_text(
-            json.dumps(
-                {
-                    "bandwidth_GBps": bw,
-                    "rows": rows,
-                    "compile_s": compile_s,
-                    "profiles": {str(k): v for k, v in profiles.items()},
-                    "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(),
-                    "env": {k: v for k, v in os.environ.items() if k.startswith(("RUBIN_", "TORCHINDUCTOR_"))},
-                },
-                indent=1,
-            )
+        write_results(
+            Path(args.out),
+            "decode-step",
+            text,
+            {
+                "bandwidth_GBps": bw,
+                "rows": rows,
+                "compile_s": compile_s,
+                "profiles": {str(k): v for k, v in profiles.items()},
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("RUBIN_", "TORCHINDUCTOR_"))},
+            },
         )
 
 

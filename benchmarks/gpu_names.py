@@ -4,6 +4,8 @@ GPU.) The step scripts of benchmarks/h200/ read the files by pattern, so they fi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -15,3 +17,12 @@ def gpu_slug(name: Optional[str] = None) -> str:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     words = name.lower().replace("nvidia", " ").replace("/", " ").split()
     return "-".join(words) or "gpu"
+
+
+def write_results(out: Path, stem: str, text: str, payload: dict) -> None:
+    """A benchmark's table and its data under ``out`` (made if missing), named by this process's GPU:
+    ``<stem>-<gpu>.md`` (``text``) and ``<stem>-<gpu>.json`` (``payload``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}-{gpu_slug()}.md").write_text(text + "\n")
+    (out / f"{stem}-{gpu_slug()}.json").write_text(json.dumps(payload, indent=1))

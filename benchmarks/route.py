@@ -38,7 +38,7 @@ from rubin_compile.kernels.triton import route as kernel
 from rubin_compile.kernels.triton.tune_moe import time_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_names
-from gpu_names import gpu_slug  # noqa: E402  (benchmarks/gpu_names.py)
+from gpu_names import write_results  # noqa: E402  (benchmarks/gpu_names.py)
 
 CALLS = 16  # calls per captured graph
 HBM_BPS = 4.2e12  # the floor's bandwidth (H200 HBM3e, as copies reach it)
@@ -230,9 +230,7 @@ def main() -> None:
     total = sum(r["mismatch_vs_aten"] for r in rows)
     print(f"id mismatches vs the ATen routing: {total} of {sum(r['tokens_checked'] for r in rows)} tokens; "
           f"vs route_reference: {sum(r['mismatch_vs_reference'] for r in rows)}; {time.perf_counter() - t0:.0f} s")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"route-{gpu_slug()}.md").write_text(text + "\n")
-    (args.out / f"route-{gpu_slug()}.json").write_text(json.dumps({"device": head, "rows": rows}, indent=1))
+    write_results(args.out, "route", text, {"device": head, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
     gdc_wait = gdc_launch_dependents = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: route, gpu_names
-from gpu_names import gpu_slug  # noqa: E402
+from gpu_names import write_results  # noqa: E402
 from graph_profile import per_kernel  # noqa: E402
 from route import CALLS, MODELS, graph_us, inputs  # noqa: E402
 
@@ -180,11 +180,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     text = "\n".join(render(rows, floors, head))
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"route-profile-{gpu_slug()}.md").write_text(text + "\n")
-    (args.out / f"route-profile-{gpu_slug()}.json").write_text(
-        json.dumps({"device": head, "launch_floor": floors, "rows": rows}, indent=1)
-    )
+    write_results(args.out, "route-profile", text, {"device": head, "launch_floor": floors, "rows": rows})
 
 
 if __name__ == "__main__":
