@@ -35,15 +35,6 @@ def _config(name: str):
     return dataclasses.replace(cfg, warp_split=True) if opt == "warp_split" else cfg
 
 
-def _runs_warp_split(cfg, q, v) -> None:
-    """The call runs the warp-split loop, not the one-softmax form warp_splits() falls back to."""
-    from rubin_compile.kernels.triton import attention
-
-    rows = max(16, attention.next_power_of_2(q.shape[2] * q.shape[1] // v.shape[1]))
-    width = max(16, attention.next_power_of_2(max(q.shape[-1], v.shape[-1])))
-    assert attention.warp_splits(cfg, rows, width, q.dtype) == cfg.num_warps
-
-
 def _inputs(B, Hq, Hkv, S, Skv, D, lengths, dtype, kv_dtype=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((B, S, Hq, D), generator=g, device="cuda").to(dtype).transpose(1, 2)
@@ -150,8 +141,9 @@ def test_warp_split_masks_against_the_float64_reference(kind, config):
         AttentionArgs(q.double(), k.double().masked_fill(tail, 0), v.double().masked_fill(tail, 0), ref_mask)
     )
     cfg = _config(config)
-    _runs_warp_split(cfg, q, v)
-    got = attention.run(AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), run_mask), config=cfg)
+    args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), run_mask)
+    assert attention.warps_of(args, cfg) == cfg.num_warps, "the call would not run the warp-split loop"
+    got = attention.run(args, config=cfg)
     assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err < 1.5e-2, f"error {err:.2e} of the output's scale ({kind}, {config})"
@@ -199,9 +191,9 @@ def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, split
         )
     )
     cfg = _config(config)
-    if cfg.warp_split:
-        _runs_warp_split(cfg, q, v)
     args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), additive, False, None, *scales)
+    if cfg.warp_split:
+        assert attention.warps_of(args, cfg) == cfg.num_warps, "the call would not run the warp-split loop"
     got = attention.run(args, splits=splits, config=cfg)
     assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
     err = ((got.double() - want).abs().max() / want.abs().max()).item()

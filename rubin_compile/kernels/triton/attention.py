@@ -415,6 +415,12 @@ def warp_splits(config: Config, rows: int, width: int, dtype: torch.dtype) -> in
     return config.num_warps
 
 
+def warps_of(args: AttentionArgs, config: Config) -> int:
+    """``warp_splits`` for a call: its query rows and head dims as ``run`` pads them."""
+    rows = max(16, next_power_of_2(rows_of(args.S, args.Hq, args.Hkv)))
+    return warp_splits(config, rows, max(16, next_power_of_2(max(args.D, args.Dv))), args.query.dtype)
+
+
 # KV positions a call reads (B * Hkv * Skv) -> the Config of the sweep on an H100 (2026-12-06, bf16; 32 / 4 heads of
 # 128; benchmarks/results/decode-attention-b1-h100-2026-12-06/): DEFAULT within 1% of the best at batch 1 / 4k, 16k
 # and 32k and 3.5% at batch 8 / 4k; LONG the best at batch 8 / 16k (DEFAULT 6% behind there).
@@ -563,7 +569,7 @@ def run(
         PF_K_ROW=pf_k,
         PF_V_ROW=pf_v,
         PF_NCHUNK=pf_nchunk,
-        WARPS=warp_splits(cfg, ROWS, max(16, next_power_of_2(max(D, Dv))), q.dtype),
+        WARPS=warps_of(args, cfg),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),

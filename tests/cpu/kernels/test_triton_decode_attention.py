@@ -139,10 +139,10 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
     ref = reference(AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal))
     cfg = getattr(attention, config) if isinstance(config, str) else attention.Config(**config) if config else None
+    args = AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale)
     if cfg is not None and cfg.warp_split:  # the case runs the warp-split loop, not the form it falls back to
-        rows, width = max(16, attention.next_power_of_2(S * Hq // Hkv)), max(16, attention.next_power_of_2(max(D, Dv)))
-        assert attention.warp_splits(cfg, rows, width, q.dtype) == cfg.num_warps
-    out = attention.run(AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale), splits=splits, config=cfg)
+        assert attention.warps_of(args, cfg) == cfg.num_warps
+    out = attention.run(args, splits=splits, config=cfg)
     assert out.shape == ref.shape and out.stride() == reference(AttentionArgs(q, k, v, m, causal)).stride()
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     return err, bool(torch.isfinite(out).all())
