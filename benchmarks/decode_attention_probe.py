@@ -62,6 +62,34 @@ def _stream(Q, K, V, Out, sk_h, split_len, Skv, ROWS: tl.constexpr, D: tl.conste
     tl.store(Out + ((hk * tl.num_programs(0) + split) * ROWS + rows[:, None]) * D + d[None, :], acc)
 
 
+@triton.jit
+def _stream_tma(
+    Q, Kd, Vd, Out, skv, split_len, Skv,
+    ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_TAIL: tl.constexpr,
+):  # fmt: skip
+    """``_stream`` with the K / V tiles loaded by TMA (host descriptors over the caches as [B * Hkv * skv, D]).
+    ``ZERO_TAIL``: the positions past the split's end zeroed in K and V (in registers: what a kernel reading caches
+    with unwritten positions needs); otherwise only their scores are."""
+    split = tl.program_id(0)
+    hk = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    start = split * split_len
+    end = tl.minimum(start + split_len, Skv)
+    q = tl.load(Q + rows[:, None] * D + d[None, :])
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        ok = n0 + tl.arange(0, BLOCK_N) < end
+        k = Kd.load([hk * skv + n0, 0])
+        v = Vd.load([hk * skv + n0, 0])
+        if ZERO_TAIL:
+            k = tl.where(ok[:, None], k, 0.0)
+            v = tl.where(ok[:, None], v, 0.0)
+        qk = tl.where(ok[None, :], tl.dot(q, tl.trans(k)), 0.0)
+        acc += tl.dot(qk.to(tl.bfloat16), v)
+    tl.store(Out + ((hk * tl.num_programs(0) + split) * ROWS + rows[:, None]) * D + d[None, :], acc)
+
+
 @contextlib.contextmanager
 def skip(name: str):
     """Launches of the kernel named ``name`` (``_split_kv`` / ``_combine``) skipped in kernel.run."""
@@ -84,7 +112,59 @@ class _NoLaunch:
         return lambda *a, **k: None
 
 
-def probe(batch: int, context: int, bw: float) -> list[dict]:
+def stream_variants(args, context: int, cfg, nsplit: int, add) -> None:
+    """The streaming kernel with TMA loads, and with other split counts / stages / tiles / warps: whether another
+    way of reading the cache (not another Config of today's loads) is worth building into the split kernel."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, skv = args[0].key.shape[0], args[0].key.shape[2]
+    q16 = torch.randn(16, D, device="cuda", dtype=torch.bfloat16)
+    for block_n, warps, stages, splits in (
+        (cfg.block_n, cfg.num_warps, cfg.num_stages, nsplit),
+        (cfg.block_n, cfg.num_warps, 4, nsplit),
+        (cfg.block_n, cfg.num_warps, cfg.num_stages, 2 * nsplit),
+        (128, 8, 3, nsplit),
+        (128, 4, 2, nsplit),
+    ):
+        split_len = cdiv(cdiv(context, splits), block_n) * block_n
+        n = cdiv(context, split_len)
+        part = torch.empty(batch * HKV * n * 16 * D, device="cuda", dtype=torch.float32)
+        descs = [
+            (
+                TensorDescriptor.from_tensor(a.key.view(-1, D), [block_n, D]),
+                TensorDescriptor.from_tensor(a.value.view(-1, D), [block_n, D]),
+            )
+            for a in args
+        ]
+
+        def tma(kd, vd, zero, split_len=split_len, n=n, part=part, block_n=block_n, warps=warps, stages=stages):
+            launcher(_stream_tma)[(n, batch * HKV)](
+                q16, kd, vd, part, skv, split_len, context, ROWS=16, D=D, BLOCK_N=block_n, ZERO_TAIL=zero,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        for zero in (True, False):
+            add(
+                f"stream, TMA loads{'' if zero else ' (tail not zeroed)'} "
+                f"({n} splits, {block_n} positions x {stages} stages, {warps} warps)",
+                [lambda kd=kd, vd=vd, zero=zero: tma(kd, vd, zero) for kd, vd in descs],
+            )
+        if (block_n, warps, stages, splits) == (cfg.block_n, cfg.num_warps, cfg.num_stages, nsplit):
+            continue  # the pointer-load stream of the call's own Config is the row above the TMA ones
+
+        def ptr(a, split_len=split_len, n=n, part=part, block_n=block_n, warps=warps, stages=stages):
+            launcher(_stream)[(n, batch * HKV)](
+                q16, a.key, a.value, part, a.key.stride(1), split_len, context, ROWS=16, D=D, BLOCK_N=block_n,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        add(
+            f"stream ({n} splits, {block_n} positions x {stages} stages, {warps} warps)",
+            [lambda a=a: ptr(a) for a in args],
+        )
+
+
+def probe(batch: int, context: int, bw: float, stream_only: bool = False) -> list[dict]:
     sh = Shape(batch, context)
     rows = []
     filled = sh.kv_elems * 2
@@ -99,17 +179,22 @@ def probe(batch: int, context: int, bw: float) -> list[dict]:
     boolmask = sh.mask == 0
     skv = context + 128
     add("call (additive bf16 mask)", [lambda a=a: kernel.run(a) for a in args])
-    add("call (bool mask)", [lambda a=a: kernel.run(AttentionArgs(a.query, a.key, a.value, boolmask)) for a in args])
-    nomask = [AttentionArgs(a.query, a.key[:, :, :context], a.value[:, :, :context], None) for a in args]
-    add("call (no mask, filled part only)", [lambda a=a: kernel.run(a) for a in nomask])
-    with skip("_combine"):
-        add("split only", [lambda a=a: kernel.run(a) for a in args])
-    with skip("_split_kv"):
-        add("combine only", [lambda a=a: kernel.run(a) for a in args], nbytes=0)
+    if stream_only:
+        with skip("_combine"):
+            add("split only", [lambda a=a: kernel.run(a) for a in args])
     cfg = kernel.config_for(batch, HKV, skv)
     default = kernel.num_splits(batch, HKV, skv, torch.cuda.get_device_properties(0).multi_processor_count, cfg)
-    for n in sorted({max(1, default // 2), 33, 66, 132 // batch, default * 2} - {default}):
-        add(f"call, splits={n}", [lambda a=a, n=n: kernel.run(a, splits=n) for a in args], splits=n)
+    if not stream_only:
+        bool_args = [AttentionArgs(a.query, a.key, a.value, boolmask) for a in args]
+        add("call (bool mask)", [lambda a=a: kernel.run(a) for a in bool_args])
+        nomask = [AttentionArgs(a.query, a.key[:, :, :context], a.value[:, :, :context], None) for a in args]
+        add("call (no mask, filled part only)", [lambda a=a: kernel.run(a) for a in nomask])
+        with skip("_combine"):
+            add("split only", [lambda a=a: kernel.run(a) for a in args])
+        with skip("_split_kv"):
+            add("combine only", [lambda a=a: kernel.run(a) for a in args], nbytes=0)
+        for n in sorted({max(1, default // 2), 33, 66, 132 // batch, default * 2} - {default}):
+            add(f"call, splits={n}", [lambda a=a, n=n: kernel.run(a, splits=n) for a in args], splits=n)
     # the structure without the attention's per-tile work, same grid and tiles (filled part, no mask)
     split_len = cdiv(cdiv(context, default), cfg.block_n) * cfg.block_n
     nsplit = cdiv(context, split_len)
@@ -123,6 +208,9 @@ def probe(batch: int, context: int, bw: float) -> list[dict]:
         )  # fmt: skip
 
     add(f"stream (no softmax, {nsplit} splits)", [lambda a=a: stream(a) for a in args])
+    stream_variants(args, context, cfg, nsplit, add)
+    if stream_only:
+        return rows
     # contiguous sources of the filled part's size (a slice of the cache is strided: copy_ would not stream it)
     src = [(a.key[:, :, :context].contiguous(), a.value[:, :, :context].contiguous()) for a in args]
     dst = [(torch.empty_like(k), torch.empty_like(v)) for k, v in src[:2]]
@@ -142,6 +230,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x4096,1x16384,1x32768,8x16384")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--stream-only", action="store_true", help="only the call, its split kernel and the streams")
     ap.add_argument("--ncu", default=None, help="BxCONTEXT: only run 4 calls of that shape, uncaptured (for ncu)")
     args = ap.parse_args()
     if args.ncu:
@@ -156,7 +245,7 @@ def main() -> None:
     rows = []
     for s in args.shapes.split(","):
         b, c = (int(x) for x in s.split("x"))
-        rows += probe(b, c, bw)
+        rows += probe(b, c, bw, args.stream_only)
         torch.cuda.empty_cache()
     lines = [
         f"Decode attention probe; {head}",

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Issue 16, batch-1 decode attention: the warp split measured slower at every batch-1 shape (step 9), and the
+# streaming kernel of the split kernel's structure (pointer loads) is at 78% of copy bandwidth at batch 1 / 16k by
+# itself (step 1). Whether TMA loads (host descriptors) stream the cache faster: benchmarks/decode_attention_probe.py
+# --stream-only (the call, its split kernel alone, the stream with pointer and TMA loads over five tile / warp / stage /
+# split choices). ~2 min.   bash benchmarks/h200/attn16-b1-10-tma-probe.sh
+. "$(dirname "$0")/common.sh"
+timeout 300 python3 benchmarks/decode_attention_probe.py --stream-only --shapes 1x4096,1x16384,1x32768,8x16384 \
+    --out "$OUT" 2>&1 | grep -v Warning > "$OUT/probe-tma.log"
+echo "probe exit $?"; grep -E "^\|" "$OUT/probe-tma.log" | cut -c1-200
