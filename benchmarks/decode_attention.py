@@ -100,18 +100,11 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
     late = dataclasses.replace(picked, early_trigger=False)
     prefetch = dataclasses.replace(picked, prefetch_tiles=2)
     unchained = dataclasses.replace(picked, pdl_combine=False)
-    warp_split = dataclasses.replace(picked, warp_split=True)
-    ws_prefetch = dataclasses.replace(picked, warp_split=True, prefetch_tiles=2)
     out = []
     for name, args, elem, run in (
         ("rubin triton (bf16)", sh.args(), 2, kernel.run),
         # the combine launched after the split kernel, not PDL-chained to it (Config.pdl_combine off)
         ("rubin triton (bf16), combine not chained", sh.args(), 2, lambda a: kernel.run(a, config=unchained)),
-        # each warp the softmax of its own positions of a tile, merged after the loop (Config.warp_split)
-        ("rubin triton (bf16), warp split", sh.args(), 2, lambda a: kernel.run(a, config=warp_split)),
-        # ... and its first two K / V tiles asked into L2 at its start, during the mask scan (no PDL)
-        ("rubin triton (bf16), L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, config=prefetch)),
-        ("rubin triton (bf16), warp split, L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, config=ws_prefetch)),
         # PDL: each call launched with PDL after the one before (as chain_pdl launches it in a decode step under
         # CUDA graphs); the next kernel may launch right after a program's griddepcontrol.wait
         ("rubin triton (bf16), PDL", sh.args(), 2, lambda a: kernel.run(a, pdl)),
@@ -120,7 +113,6 @@ def case(batch: int, context: int, bw: float, queries: int = 1) -> list[dict]:
         ("rubin triton (bf16), PDL, L2 prefetch", sh.args(), 2, lambda a: kernel.run(a, pdl, config=prefetch)),
         ("rubin triton (fp8 KV)", sh.args(fp8=True), 1, kernel.run),
         ("rubin triton (fp8 KV), PDL", sh.args(fp8=True), 1, lambda a: kernel.run(a, pdl)),
-        ("rubin triton (fp8 KV), warp split", sh.args(fp8=True), 1, lambda a: kernel.run(a, config=warp_split)),
         ("repeat_kv + SDPA (ATen form)", sh.args(), 2, aten),
     ):
         us = graph_us([lambda a=a: run(a) for a in args], iters=20 if "ATen" in name else 50)
@@ -167,22 +159,10 @@ SWEEP = {
 }
 
 
-def sweep(
-    batches: list[int], contexts: list[int], bw: float, head: str, out: Path | None, warp_split: bool = False
-) -> None:
+def sweep(batches: list[int], contexts: list[int], bw: float, head: str, out: Path | None) -> None:
     """Every Config at every shape (bf16; the five best again with an FP8 cache): time, fraction of copy
-    bandwidth, and the check against the ATen form (a config that computes something else is dropped).
-    ``warp_split``: every Config also with ``warp_split`` on (twice the configs), and the warp split on 8 warps
-    (128-position tiles, 16 positions a warp; 178-182 registers a thread on sm_90: one program per SM)."""
-    grid = {**SWEEP, "warp_split": (False, True) if warp_split else (False,)}
-    configs = [kernel.Config(**dict(zip(grid, v))) for v in itertools.product(*grid.values())]
-    if warp_split:
-        configs += [
-            kernel.Config(
-                block_n=128, num_warps=8, num_stages=st, programs_per_sm=pp, min_split_tiles=ms, warp_split=True
-            )
-            for st, pp, ms in itertools.product((2, 3), (1, 2), (2, 4))
-        ]
+    bandwidth, and the check against the ATen form (a config that computes something else is dropped)."""
+    configs = [kernel.Config(**dict(zip(SWEEP, v))) for v in itertools.product(*SWEEP.values())]
     rows = []
     for b, c in itertools.product(batches, contexts):
         sh = Shape(b, c)
@@ -222,8 +202,8 @@ def sweep(
             continue
         best = min(mine, key=lambda r: r["us"])
         picked = kernel.config_for(b, HKV, c + EXTRA)
-        default = next((r for r in mine if all(r[k] == getattr(picked, k) for k in grid)), None)
-        cfg = ", ".join(f"{k}={best[k]}" for k in grid)
+        default = next((r for r in mine if all(r[k] == getattr(picked, k) for k in SWEEP)), None)
+        cfg = ", ".join(f"{k}={best[k]}" for k in SWEEP)
         lines.append(
             f"| {b} | {c} | {'fp8' if fp8 else 'bf16'} | {default['us'] if default else float('nan'):.1f} | "
             f"{best['us']:.1f} | {cfg} | {100 * best['of_copy_bw']:.0f}% |"
@@ -239,7 +219,6 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096,16384,32768")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--sweep", action="store_true", help="time every kernel Config instead (see above)")
-    ap.add_argument("--warp-split", action="store_true", help="--sweep: every Config also with warp_split on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth_gbs()
@@ -247,7 +226,7 @@ def main() -> None:
         head = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s"
         batches = [int(x) for x in args.batches.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
-        sweep(batches, contexts, bw, head, Path(args.out) if args.out else None, args.warp_split)
+        sweep(batches, contexts, bw, head, Path(args.out) if args.out else None)
         return
     rows = [
         r

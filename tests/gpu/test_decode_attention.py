@@ -24,17 +24,6 @@ def _hopper() -> bool:
 needs_sm90 = pytest.mark.skipif(not _hopper(), reason="the Triton decode attention is built for sm_90+")
 
 
-def _config(name: str):
-    """A Config of kernels/triton/attention.py by name; ``+warp_split`` switches Config.warp_split on."""
-    import dataclasses
-
-    from rubin_compile.kernels.triton import attention
-
-    base, _, opt = name.partition("+")
-    cfg = getattr(attention, base)
-    return dataclasses.replace(cfg, warp_split=True) if opt == "warp_split" else cfg
-
-
 def _inputs(B, Hq, Hkv, S, Skv, D, lengths, dtype, kv_dtype=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((B, S, Hq, D), generator=g, device="cuda").to(dtype).transpose(1, 2)
@@ -110,71 +99,13 @@ def test_shared_mask_with_holes_and_biases(kind, config):
 
 
 @needs_sm90
-@pytest.mark.parametrize("kind", ["bool-hole", "additive-hole", "additive-bias", "per-head", "four-queries"])
-@pytest.mark.parametrize("config", ["DEFAULT+warp_split", "LONG+warp_split"])
-def test_warp_split_masks_against_the_float64_reference(kind, config):
-    """Config.warp_split (each warp the softmax of its own positions of a tile) in bf16 with a hole inside a split, a
-    finite bias, a mask per head and four causal queries: warps that see no allowed position in a tile, or in their
-    whole split, must add nothing."""
-    from rubin_compile.kernels.triton import attention
-
-    S = 4 if kind == "four-queries" else 1
-    Hq = 16 if kind == "four-queries" else 32  # 4 queries x 4 heads per KV head: 16 rows
-    Skv, lengths = 4224, (4100, 1037)
-    q, k, v, mask, tail = _inputs(2, Hq, 4, S, Skv, 128, lengths, torch.bfloat16, seed=3)
-    if kind.endswith("hole"):
-        mask[..., 1000:1013] = False
-        mask[..., 2050:2100] = False  # a whole warp's 16 positions of a tile, and more
-    if kind == "per-head":
-        g = torch.Generator(device="cuda").manual_seed(5)
-        mask = mask & (torch.rand((2, Hq, S, Skv), generator=g, device="cuda") < 0.7)
-        mask[..., 0] = True
-    ref_mask = mask
-    run_mask = mask
-    if kind.startswith("additive"):
-        ref_mask = torch.where(mask, 0.0, float("-inf")).double()
-        if kind == "additive-bias":
-            ref_mask = ref_mask + torch.randn(Skv, device="cuda").double()
-        run_mask = ref_mask.to(torch.bfloat16)
-        ref_mask = run_mask.double()  # the bias as the kernel reads it
-    want = reference(
-        AttentionArgs(q.double(), k.double().masked_fill(tail, 0), v.double().masked_fill(tail, 0), ref_mask)
-    )
-    cfg = _config(config)
-    args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), run_mask)
-    assert attention.warps_of(args, cfg) == cfg.num_warps, "the call would not run the warp-split loop"
-    got = attention.run(args, config=cfg)
-    assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
-    err = ((got.double() - want).abs().max() / want.abs().max()).item()
-    assert err < 1.5e-2, f"error {err:.2e} of the output's scale ({kind}, {config})"
-
-
-@needs_sm90
-@pytest.mark.parametrize("config", ["DEFAULT", "DEFAULT+warp_split"])
-def test_l2_prefetch_without_pdl_changes_no_bit(config):
-    """Config.prefetch_tiles without PDL: L2 requests for the split's first tiles at the program's start (into the
-    NaN-poisoned unfilled part too, for the splits past a row's length), a hint: the same output bitwise."""
-    import dataclasses
-
-    from rubin_compile.kernels.triton import attention
-
-    q, k, v, mask, tail = _inputs(2, 32, 4, 1, 4224, 128, (4100, 1500), torch.bfloat16, seed=7)
-    args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), mask)
-    cfg = _config(config)
-    want = attention.run(args, config=cfg)
-    got = attention.run(args, config=dataclasses.replace(cfg, prefetch_tiles=2))
-    assert torch.isfinite(got).all() and torch.equal(got, want)
-
-
-@needs_sm90
 @pytest.mark.parametrize(
     "dtype,kv_dtype,tol",
     [(torch.bfloat16, None, 1.5e-2), (torch.float16, None, 3e-3), (torch.bfloat16, torch.float8_e4m3fn, 1.5e-2)],
     ids=["bf16", "fp16", "fp8-kv"],
 )
 @pytest.mark.parametrize("splits", [None, 1, 7])
-@pytest.mark.parametrize("config", ["DEFAULT", "DEFAULT+warp_split", "LONG+warp_split"])
-def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, splits, config):
+def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, splits):
     from rubin_compile.kernels.triton import attention
 
     lengths = (16384, 5000, 31, 9000)
@@ -190,15 +121,12 @@ def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, split
             mask,
         )
     )
-    cfg = _config(config)
-    args = AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), additive, False, None, *scales)
-    if cfg.warp_split:
-        assert attention.warps_of(args, cfg) == cfg.num_warps, "the call would not run the warp-split loop"
-    got = attention.run(args, splits=splits, config=cfg)
+    got = attention.run(
+        AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), additive, False, None, *scales), splits=splits
+    )
     assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err < tol, f"error {err:.2e} of the output's scale"
-    assert torch.equal(got, attention.run(args, splits=splits, config=cfg)), "two runs differ"
 
 
 @needs_sm90
@@ -232,7 +160,7 @@ def test_the_op_runs_the_kernel_and_falls_back_for_prefill_rows():
 
 
 @needs_sm90
-@pytest.mark.parametrize("config", ["DEFAULT", "LONG", "DEFAULT+warp_split"])
+@pytest.mark.parametrize("config", ["DEFAULT", "LONG"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8-kv"])
 def test_pdl_bitwise_equal_under_graph_replay(config, kv_dtype):
     """PDL on (each call launched after the one before with PDL, its first K / V tiles asked into L2 before its
@@ -242,7 +170,7 @@ def test_pdl_bitwise_equal_under_graph_replay(config, kv_dtype):
     from rubin_compile.kernels.triton import attention
     from rubin_compile.ops.registry import Launch
 
-    cfg = _config(config)
+    cfg = getattr(attention, config)
     q, k, v, mask, tail = _inputs(2, 32, 4, 1, 4224, 128, (4100, 1500), torch.bfloat16, kv_dtype=kv_dtype)
     k, v = _poisoned(k, tail), _poisoned(v, tail)
     one = torch.ones((), device="cuda") if kv_dtype is not None else None

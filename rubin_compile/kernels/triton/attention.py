@@ -105,7 +105,6 @@ def _split_kv(
     PF_K_ROW: tl.constexpr,  # bytes of one key position (keys contiguous along positions); 0: no prefetch
     PF_V_ROW: tl.constexpr,
     PF_NCHUNK: tl.constexpr,  # L2 requests per tile (PF_TILES * PF_NCHUNK = the program's threads)
-    WARPS: tl.constexpr = 1,  # > 1: each warp its own BLOCK_N / WARPS positions of a tile (Config.warp_split)
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -196,84 +195,47 @@ def _split_kv(
         end = tl.maximum(hi, lo)
     if CAUSAL:
         end = tl.minimum(end, S)  # query position s attends to keys 0..s
-    # The tile's positions and the running softmax. With WARPS > 1 (Config.warp_split) the tile is [WARPS, BLOCK_N /
-    # WARPS] positions and every tensor of the loop gets a leading WARPS axis: the products are batched dots that
-    # Triton gives one warp per batch (an mma layout of warpsPerCTA [WARPS, 1, 1]), so each warp keeps the softmax of
-    # its own positions -- its own max, sum and accumulator, like a split of its own -- and the loop has no exchange
-    # between warps: no reduction across warps for the row maximum and sum, no trip of the probabilities through
-    # shared memory to become the PV product's operand (2 CTA barriers per tile on sm_90 against 11, Triton 3.6;
-    # tests/cpu/kernels/test_triton_decode_attention.py). The warps' partials are merged once, after the loop. The
-    # code below is written for either rank: a position axis is the last (-1), a row axis the one before (-2).
-    if WARPS > 1:
-        SUB: tl.constexpr = BLOCK_N // WARPS
-        offs = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]
-        q_op = tl.broadcast_to(q[None, :, :], (WARPS, ROWS, BD))
-        m_i = tl.full([WARPS, ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([WARPS, ROWS], tl.float32)
-        acc = tl.zeros([WARPS, ROWS, BDV], tl.float32)
-    else:
-        offs = tl.arange(0, BLOCK_N)
-        q_op = q
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BDV], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BDV], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        cols = n0 + offs
+        cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
-        pos = tl.expand_dims(cols, -1)  # positions down the K / V tiles' rows
-        pos_ok = tl.expand_dims(col_ok, -1)
-        k = tl.load(k_base + pos * sk_n + d[None, :], mask=pos_ok & (d[None, :] < D), other=0.0)
-        v = tl.load(v_base + pos * sv_n + dv[None, :], mask=pos_ok & (dv[None, :] < DV), other=0.0)
-        key = tl.expand_dims(cols, -2)  # positions across the scores' columns
-        allowed = row_ok[:, None] & tl.expand_dims(col_ok, -2)
+        k = tl.load(k_base + cols[:, None] * sk_n + d[None, :], mask=col_ok[:, None] & (d[None, :] < D), other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_n + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        allowed = row_ok[:, None] & col_ok[None, :]
         if MASK_KIND != 0:
-            if WARPS > 1 and MASK_SHARED:
-                # one mask row for every query row, loaded once per position (not per row) in the scores' layout
-                mv = tl.load(Mask + b * sm_b + key * sm_n, mask=tl.expand_dims(col_ok, -2), other=0)
-            else:
-                mv = tl.load(
-                    Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + key * sm_n,
-                    mask=allowed,
-                    other=0,
-                )
+            mv = tl.load(
+                Mask + b * sm_b + head[:, None] * sm_h + s_idx[:, None] * sm_s + cols[None, :] * sm_n,
+                mask=allowed,
+                other=0,
+            )
             if MASK_KIND == 1:
                 allowed = allowed & (mv != 0)
             else:
                 bias = tl.where(allowed, mv.to(tl.float32), float("-inf"))
                 allowed = allowed & (bias != float("-inf"))
         if CAUSAL:
-            allowed = allowed & (key <= s_idx[:, None])
-        if WARPS > 1:
-            kt = tl.permute(k.to(q.dtype), (0, 2, 1))
-        else:
-            kt = tl.trans(k.to(q.dtype))
+            allowed = allowed & (cols[None, :] <= s_idx[:, None])
         if IEEE:
-            qk = tl.dot(q_op, kt, input_precision="ieee")
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
-            qk = tl.dot(q_op, kt)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
         qk = qk * scale
         if MASK_KIND == 2:
             qk = qk + tl.where(allowed, bias, 0.0) * 1.4426950408889634
         qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, -1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet stay empty
-        p = tl.exp2(qk - tl.expand_dims(m_use, -1))
+        p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, -1)
+        l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * tl.expand_dims(alpha, -1) + pv
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if WARPS > 1:
-        # The warps' softmaxes merged as _merge_splits merges splits: rescaled to the largest maximum of the row (a
-        # warp that saw no allowed position has max -inf, sum 0 and weight 0).
-        m_w = m_i
-        m_i = tl.max(m_w, 0)
-        w = tl.exp2(m_w - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        l_i = tl.sum(l_i * w, 0)
-        acc = tl.sum(acc * w[:, :, None], 0)
     if GDC and not EARLY_TRIGGER:
         # The K / V stream is done: the next kernel (the combine, or the next layer's projection, which asks for its
         # weights before its own wait) may launch while this program writes its partials.
@@ -386,39 +348,11 @@ class Config:
     num_stages: int = 3  # K / V tiles in flight per program: num_stages - 1
     programs_per_sm: int = 1  # (batch, KV head, split) programs aimed for per SM (split_positions)
     min_split_tiles: int = 2  # a split reads at least this many tiles
-    # K / V tiles of its split asked into L2 at the program's start, before the mask scan (and, PDL-launched, before
-    # the wait) (a power of 2; 0: none; docs/kernels/decode_attention.md "PDL" has the measurements)
-    prefetch_tiles: int = 0
-    # PDL-launched programs only (Launch.pdl):
+    # PDL-launched programs only (Launch.pdl; docs/kernels/decode_attention.md "PDL" has the measurements):
+    prefetch_tiles: int = 0  # K / V tiles of its split asked into L2 before the wait (a power of 2; 0: none)
     early_trigger: bool = True  # launch_dependents right after the wait (False: after the K / V loop)
     # Launched without PDL: the combine still PDL-chained to the split kernel, which triggers after its K / V loop
     pdl_combine: bool = True
-    # Each warp the softmax of its own block_n / num_warps positions of a tile, merged after the loop (no exchange
-    # between warps in the loop): where warp_splits() allows it, else the one softmax per tile
-    warp_split: bool = False
-
-
-WARP_SPLIT_ACC = 16 * 128  # query rows x value width a warp-split program holds per warp: 64 fp32 registers a thread
-
-
-def warp_splits(config: Config, rows: int, width: int, dtype: torch.dtype) -> int:
-    """The ``WARPS`` of ``_split_kv``: ``config.num_warps`` where ``config.warp_split`` is on and the call suits it,
-    else 1. It needs 16-bit queries (fp32's IEEE products are FMA dots, which in the batched form took 4.9 KB of stack
-    per thread on sm_90), at least 16 positions per warp (the PV product's MMA K), and a per-warp accumulator and
-    query of ``rows`` (padded) x ``width`` (the wider of the padded query and value head dims) within
-    ``WARP_SPLIT_ACC``: every warp holds all the rows (Qwen3-30B-A3B's and Llama-3.1-8B's 16 rows of 128 at one query:
-    168 registers a thread, no spill, Triton 3.6 and 3.9)."""
-    if not config.warp_split or dtype == torch.float32 or config.num_warps == 1:
-        return 1
-    if config.block_n % config.num_warps or config.block_n // config.num_warps < 16 or rows * width > WARP_SPLIT_ACC:
-        return 1
-    return config.num_warps
-
-
-def warps_of(args: AttentionArgs, config: Config) -> int:
-    """``warp_splits`` for a call: its query rows and head dims as ``run`` pads them."""
-    rows = max(16, next_power_of_2(rows_of(args.S, args.Hq, args.Hkv)))
-    return warp_splits(config, rows, max(16, next_power_of_2(max(args.D, args.Dv))), args.query.dtype)
 
 
 # KV positions a call reads (B * Hkv * Skv) -> the Config of the sweep on an H100 (2026-12-06, bf16; 32 / 4 heads of
@@ -504,11 +438,10 @@ def run(
     # (passes/inline_kernels.py): Inductor's launcher takes no PDL launch.
     pdl = bool(launch.pdl) and has_gdc()
     chain = not pdl and not direct and cfg.pdl_combine and has_gdc() and _launch._recording is None
-    # L2 requests for the split's first tiles, issued before anything else: during the predecessor's tail where the
-    # program waits for one (PDL), and in any case during the mask scan, whose result the K / V copies wait for. A split
-    # the scan then finds unattended (a static cache far longer than its filled part) wastes its requests' bytes.
+    # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
+    # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
     pf_k = pf_v = pf_tiles = 0
-    if cfg.prefetch_tiles and has_gdc():  # inline PTX: not in Triton's interpreter
+    if pdl and cfg.prefetch_tiles:
         pf_k, pf_v = _prefetch_row_bytes(k, D), _prefetch_row_bytes(v, Dv)
         pf_tiles = cfg.prefetch_tiles if (pf_k and pf_v) else 0
     pf_nchunk = max(1, 32 * cfg.num_warps // max(pf_tiles, 1))
@@ -569,7 +502,6 @@ def run(
         PF_K_ROW=pf_k,
         PF_V_ROW=pf_v,
         PF_NCHUNK=pf_nchunk,
-        WARPS=warps_of(args, cfg),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),

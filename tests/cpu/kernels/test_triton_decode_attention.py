@@ -65,21 +65,6 @@ CASES = {
         {"mask": "bool4", "lengths": (700, 333), "splits": 3, "config": {"block_n": 128, "num_stages": 2}},
     ),
 }
-# Config.warp_split (each warp the softmax of its own positions of a tile, merged after the loop; 16-bit queries only):
-# holes and lengths that leave some warps of a tile, or of a whole split, with no allowed position
-_WS = {"warp_split": True}
-CASES.update({
-    "warp-split-static-cache-bool": (2, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (70, 261), "splits": 4, "dtype": "float16", "config": _WS}),
-    "warp-split-one-split": (2, 4, 1, 1, 200, 32, 32, {"mask": "bool", "lengths": (150, 33), "splits": 1, "dtype": "float16", "config": _WS}),
-    "warp-split-left-padding": (2, 8, 2, 1, 160, 32, 32, {"mask": "bool", "lengths": (160, 120), "left_pad": (0, 25), "dtype": "float16", "config": _WS}),
-    "warp-split-additive-hole": (1, 8, 2, 1, 300, 32, 32, {"mask": "additive", "lengths": (280,), "hole": (60, 61), "dtype": "float16", "config": _WS}),
-    "warp-split-additive-bias": (1, 8, 2, 1, 300, 32, 32, {"mask": "additive-bias", "lengths": (250,), "splits": 2, "dtype": "float16", "config": _WS}),
-    "warp-split-mask-per-head": (1, 4, 2, 1, 90, 32, 32, {"mask": "bool-per-head", "splits": 2, "dtype": "float16", "config": _WS}),
-    "warp-split-causal": (1, 4, 1, 3, 50, 32, 32, {"causal": True, "dtype": "float16", "config": _WS}),
-    "warp-split-four-queries": (2, 8, 2, 4, 140, 32, 32, {"mask": "bool4", "lengths": (100, 140), "splits": 2, "dtype": "float16", "config": _WS}),
-    "warp-split-fp8-kv-bf16-query": (2, 8, 2, 1, 200, 64, 64, {"dtype": "bfloat16", "fp8": True, "splits": 3, "config": _WS}),
-    "warp-split-tile-128": (1, 8, 2, 1, 700, 32, 32, {"mask": "bool", "lengths": (555,), "splits": 3, "dtype": "float16", "config": {**_WS, "block_n": 128, "num_stages": 2}}),
-})  # fmt: skip
 TOLERANCE = {"float32": 2e-6, "float16": 4e-3, "bfloat16": 8e-3}
 
 
@@ -139,10 +124,7 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
     ref = reference(AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal))
     cfg = getattr(attention, config) if isinstance(config, str) else attention.Config(**config) if config else None
-    args = AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale)
-    if cfg is not None and cfg.warp_split:  # the case runs the warp-split loop, not the form it falls back to
-        assert attention.warps_of(args, cfg) == cfg.num_warps
-    out = attention.run(args, splits=splits, config=cfg)
+    out = attention.run(AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale), splits=splits, config=cfg)
     assert out.shape == ref.shape and out.stride() == reference(AttentionArgs(q, k, v, m, causal)).stride()
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     return err, bool(torch.isfinite(out).all())
@@ -187,25 +169,18 @@ def _qwen3_ints(Skv: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kv,mask_kind,rows,width,warps",
-    [
-        ("*bf16", 1, 16, 128, 1),
-        ("*bf16", 0, 64, 128, 1),
-        ("*fp8e4nv", 2, 16, 128, 1),
-        ("*bf16", 1, 32, 256, 1),
-        ("*bf16", 1, 16, 128, 4),
-        ("*fp8e4nv", 2, 16, 128, 4),
-    ],
-    ids=["bf16-bool-mask", "bf16-64-rows", "fp8-additive-mask", "bf16-head-256", "warp-split", "warp-split-fp8"],
+    "kv,mask_kind,rows,width",
+    [("*bf16", 1, 16, 128), ("*bf16", 0, 64, 128), ("*fp8e4nv", 2, 16, 128), ("*bf16", 1, 32, 256)],
+    ids=["bf16-bool-mask", "bf16-64-rows", "fp8-additive-mask", "bf16-head-256"],
 )
-def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mask_kind, rows, width, warps):
-    from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, loop_bodies, resource_usage
+def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mask_kind, rows, width):
+    from tests.cpu.kernels.triton_aot import async_copy_sizes, compile_like_a_launch, loop_bodies
 
     fp8 = kv != "*bf16"
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
         MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
-        IEEE=False, F16_KV=fp8, WARPS=warps, **_PDL_OFF,
+        IEEE=False, F16_KV=fp8, **_PDL_OFF,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
                 Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
@@ -230,22 +205,6 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     assert "cvt.bf16.f16" not in loop
     if fp8:
         assert re.findall(r"cvt\.rn\.f16x2\.e4m3x2", loop)
-    if warps > 1:
-        # Config.warp_split: one warp per batch of the products, and no exchange between warps in the loop -- the
-        # barriers left are the pipeline's (the tile's copies landed, a stage free to refill), against 9-12 for the
-        # same call in the one-softmax form (its row reductions across warps, the probabilities' trip through shared
-        # memory to become PV's operand, the mask tile's layout conversion). No shared-memory store in the loop; bf16
-        # tiles are read from it by ldmatrix only (FP8 ones a byte at a time, as in the one-softmax form).
-        assert re.search(r"#ttg\.nvidia_mma<\{[^}]*warpsPerCTA = \[4, 1, 1\]", ttgir["ttgir"]), "not a warp per batch"
-        one = compile_like_a_launch(
-            kernels._split_kv, {**consts, "WARPS": 1}, ptrs, _qwen3_ints(4224), num_stages=stages, floats=("qk_scale",)
-        )
-        one_loop = next("\n".join(b) for b in loop_bodies(one) if any("mma" in ln for ln in b))
-        barriers = [len(re.findall(r"\bbar(?:rier)?\.sync\b", body)) for body in (loop, one_loop)]
-        assert barriers[0] <= 2 < barriers[1], f"CTA barriers per K / V tile, warp split / one softmax: {barriers}"
-        assert "st.shared." not in loop, "a layout conversion through shared memory in the warp-split loop"
-        assert fp8 or "ld.shared." not in loop
-        assert resource_usage(ttgir["cubin"]).get("LOCAL", 0) == 0, "the per-warp accumulators spill"
 
 
 _PDL_OFF = dict(GDC=False, EARLY_TRIGGER=False, PF_TILES=0, PF_K_ROW=0, PF_V_ROW=0, PF_NCHUNK=1)
