@@ -250,8 +250,9 @@ def main() -> None:
                     "ids_equal_inductor": bool(torch.equal(r.ids, ref.ids)) if ref is not None else None,
                 }
                 if ref is not None and not row["ids_equal_inductor"]:
-                    diff = (r.ids != ref.ids).nonzero()
-                    row["first_differing_token"] = int(diff[0, 1]) - context if len(diff) else None
+                    # where, and whether a near-tie: eager's logits of the two tokens there, in steps of bf16
+                    row["divergence"] = example.divergence(model, r.ids, ref.ids, context)
+                    row["first_differing_token"] = row["divergence"]["new_token"]
                 if ref is not None and name == "rubin":
                     row["speedup_vs_inductor"] = ref.per_token_us / r.per_token_us
                 rows.append(row)
@@ -294,7 +295,7 @@ def main() -> None:
     for r in rows:
         sp = f"{r['speedup_vs_inductor']:.2f}x" if "speedup_vs_inductor" in r else "-"
         cs = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else "-"
-        eq = {None: "-", True: "yes", False: f"no (from token {r.get('first_differing_token')})"}[
+        eq = {None: "-", True: "yes", False: "no " + (example.describe(r["divergence"]) if "divergence" in r else "")}[
             r["ids_equal_inductor"]
         ]
         lines.append(

@@ -24,15 +24,19 @@ The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden
   ``eager`` too, which is otherwise not eager on a GPU). Without CUDA graphs the decode step is host-bound (about
   5-6 ms a token at 4k on the H200's host for Inductor, 2026-12-03): rubin traces its Triton launches into such
   graphs (passes/inline_kernels.py: 0.58x the op calls' host time for one layer's attention, routing and MoE); the
-  whole loop with it, timed in interleaved rounds against Inductor, is not measured yet
-  (benchmarks/results/issue16-s7-h200-2026-12-03/README.md). Prefer the ``compile_config`` way for speed.
+  whole loop with it, timed in interleaved rounds against Inductor on an H100 (2026-12-06), took 3153 against 4030
+  us a token at 4k and 4867 against 5800 at 16k (benchmarks/results/forward-interleaved-h100-2026-12-06/). Prefer
+  the ``compile_config`` way for speed.
 * with ``--dtype bfloat16``, ``inductor (compile_config)`` too: rubin's ids are checked against Inductor's
   (Inductor's own bf16 roundings already make eager's ids differ after a near-tie), and timed beside it.
 
 Printed: tokens per second, per-token decode latency ((t(N) - t(1)) / (N - 1): the prefill and first token
-taken out), whether the ids equal the reference, and the compile time (the first generate call less a warm one).
-Exits 1 if a checked variant's ids differ. ``RUBIN_DUMP_DIR=dumps`` writes the compiled graphs' dumps
-(``python -m rubin_compile explain dumps``).
+taken out), whether the ids equal the reference -- where they differ, the first new token that does and how far
+apart eager's logits of the two tokens are there (``divergence``: one or two steps of the dtype is a near-tie) --,
+and the compile time (the first generate call less a warm one).
+Exits 1 if a checked variant's ids differ, except, in bf16, where they first differ at a near-tie (eager's logits of
+the two tokens at most ``NEAR_TIE_STEPS`` steps of bf16 apart; the table says so). ``RUBIN_DUMP_DIR=dumps`` writes
+the compiled graphs' dumps (``python -m rubin_compile explain dumps``).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class Result:
     warm_call_s: float  # the same call warm (compile time ~ first_call_s - warm_call_s)
     checked_against: Optional[str] = None
     equal: Optional[bool] = None
+    divergence: Optional[dict] = None  # where the ids first differ from checked_against's (``divergence``)
 
 
 def _sync(device: str) -> None:
@@ -148,6 +153,56 @@ def run_variant(
     per_token = (t_n - t_1) / (new_tokens - 1)
     batch = prompt.shape[0]
     return Result(variant, ids.cpu(), per_token * 1e6, batch / per_token, first, t_n)
+
+
+# A bf16 generation may differ from its reference at a near-tie and be right: the two tokens' eager logits at most
+# this many steps of bf16 apart (the rounding of any kernel may order them either way), and after it the two
+# sequences no longer share a prefix, so nothing after it can be compared. vLLM's tests accept a divergence the same
+# way (check_logprobs_close: each token among the other's top log-probabilities), here with a tighter bound. fp32
+# generations must equal their reference exactly.
+NEAR_TIE_STEPS = 2
+
+
+def divergence(model, a: torch.Tensor, b: torch.Tensor, context: int) -> Optional[dict]:
+    """Where two greedy generations ``a`` and ``b`` ([batch, context + new] ids, same prompt) first differ, and
+    whether that is a near-tie: the two tokens' logits there under eager (the class's own forward, teacher-forced on
+    the prefix both share, no cache), their gap, and the gap in steps of the logits dtype's spacing at that size (a
+    bf16 logit near 4 is a multiple of 1/32: a gap of one or two steps is a tie that any rounding may flip). ``None``
+    when they are equal."""
+    diff = (a != b).nonzero()
+    if not len(diff):
+        return None
+    col = int(diff[:, 1].min())
+    row = int(diff[diff[:, 1] == col][0, 0])
+    prefix = a[row : row + 1, :col].to(model.device)
+    with torch.inference_mode():
+        logits = type(model).forward(model, input_ids=prefix, use_cache=False).logits[0, -1]
+    ta, tb = int(a[row, col]), int(b[row, col])
+    la, lb = float(logits[ta]), float(logits[tb])
+    size = max(abs(la), abs(lb), torch.finfo(logits.dtype).tiny)
+    step = torch.finfo(logits.dtype).eps * 2.0 ** torch.tensor(size).log2().floor().item()
+    top2 = logits.float().topk(2).values
+    return {
+        "new_token": col - context,
+        "row": row,
+        "tokens": (ta, tb),
+        "eager_logit_gap": la - lb,
+        "gap_in_steps": abs(la - lb) / step,
+        "eager_top2_margin": float(top2[0] - top2[1]),
+    }
+
+
+def near_tie(r: Result, dtype: torch.dtype) -> bool:
+    """``r``'s ids differ from its reference's first at a near-tie (``NEAR_TIE_STEPS``), in a dtype below fp32."""
+    return dtype != torch.float32 and r.divergence is not None and r.divergence["gap_in_steps"] <= NEAR_TIE_STEPS
+
+
+def describe(d: dict) -> str:
+    """One line of ``divergence``'s finding."""
+    return (
+        f"from new token {d['new_token']} (row {d['row']}: tokens {d['tokens'][0]} / {d['tokens'][1]}, "
+        f"their eager logits {abs(d['eager_logit_gap']):.4g} apart = {d['gap_in_steps']:.0f} step(s) of the dtype)"
+    )
 
 
 def eager_setup(model):
@@ -213,6 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = run_variant(name, model, prompt, args.new_tokens, args.device, args.repeats, setup)
         if ref is not None:
             r.checked_against, r.equal = ref, torch.equal(r.ids, results[ref].ids)
+            if not r.equal:
+                r.divergence = divergence(model, r.ids, results[ref].ids, args.context)
         results[name] = r
     model.__dict__.pop("forward", None)
 
@@ -222,16 +279,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     print("| variant | tokens/s | per-token latency | compile (first call - warm call) | ids |")
     print("|---|---|---|---|---|")
+
     for r in results.values():
         ids = "reference" if r.checked_against is None else f"{'equal' if r.equal else 'DIFFER'} to {r.checked_against}"
         if r.equal is False:
-            first = int((r.ids != results[r.checked_against].ids).nonzero()[0, 1]) - args.context
-            ids += f" from new token {first}"
+            ids += " " + describe(r.divergence) + (": a near-tie, accepted" if near_tie(r, dtype) else "")
         compile_s = "-" if r.variant == "eager" else f"{r.first_call_s - r.warm_call_s:.1f} s"
         print(f"| {r.variant} | {r.tokens_per_s:.1f} | {r.per_token_us:.0f} us | {compile_s} | {ids} |")
-    failed = [r.variant for r in results.values() if r.equal is False]
+    failed = [r.variant for r in results.values() if r.equal is False and not near_tie(r, dtype)]
     if failed:
-        print(f"\ngenerated ids differ for: {', '.join(failed)}", file=sys.stderr)
+        print(f"\ngenerated ids differ (not at a near-tie) for: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

@@ -166,6 +166,8 @@ def main() -> None:
                 "eager_top2_margin": (top2[0] - top2[1]).item(),
                 "first_token_equal_eager": int(logits[0].argmax()) == int(reference[0].argmax()),
                 "ids_equal_first_backend": bool(torch.equal(ids[b], ids[backends[0]])),
+                # where they differ, and whether a near-tie (eager's logits of the two tokens, in bf16 steps)
+                "divergence": example.divergence(model, ids[b], ids[backends[0]], context),
                 **(kernels_and_host_ops(model, prompt, args.device) if args.profile else {}),
             }
             rows.append(row)
@@ -189,7 +191,8 @@ def main() -> None:
             f"{first['per_token_us_median'] / r['per_token_us_median']:.2f}x | {r['host_per_call_us']:.0f} | "
             f"{r.get('dynamo_cache_lookup_us_per_call', float('nan')):.0f} | {r.get('cuda_kernels_per_call', float('nan')):.0f} | "
             f"{r['prefill_logits_max_abs_diff_vs_eager']:.3g} | "
-            f"{r['eager_top2_margin']:.3g} | {'yes' if r['ids_equal_first_backend'] else 'no'} | "
+            f"{r['eager_top2_margin']:.3g} | "
+            f"{'yes' if r['ids_equal_first_backend'] else 'no ' + example.describe(r['divergence'])} | "
             f"{r['recompiled_while_timing']} |"
         )
     text = "\n".join(lines)

@@ -145,3 +145,97 @@ def test_generate_without_a_compile_config_turns_transformers_own_compile_off():
     example.generate_once(Model(), prompt, 3, compile_config="a config")
     assert seen[0]["disable_compile"] is True and "compile_config" not in seen[0]
     assert seen[1]["compile_config"] == "a config" and "disable_compile" not in seen[1]
+
+
+def _generate_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_example_d", ROOT / "examples" / "generate.py")
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_divergence_finds_the_earliest_differing_token_and_its_gap_in_dtype_steps():
+    """divergence() names the first new token where two generations differ (the earliest column over every row),
+    and measures the two tokens' eager logits there in steps of the logits' dtype: bf16 logits 4.0 and 4 - 1/32
+    are one step apart (bf16 spacing between 4 and 8 is 1/32); 4.0 and 3.5 are 16."""
+    import torch
+
+    example = _generate_example()
+    calls = []
+
+    class Out:
+        def __init__(self, logits):
+            self.logits = logits
+
+    class Model:
+        device = torch.device("cpu")
+
+        def forward(self, input_ids, use_cache):
+            calls.append((input_ids.clone(), use_cache))
+            logits = torch.zeros(1, input_ids.shape[1], 10, dtype=torch.bfloat16)
+            logits[0, -1, 5], logits[0, -1, 7], logits[0, -1, 2] = 4.0, 4.0 - 1 / 32, 3.5
+            return Out(logits)
+
+        def __call__(self, **kwargs):  # divergence must use the class's forward, not a compiled instance attribute
+            raise AssertionError("called the instance")
+
+    context = 3
+    a = torch.tensor([[1, 2, 3, 5, 5, 5, 5], [1, 2, 4, 5, 5, 5, 5]])
+    assert example.divergence(Model(), a, a.clone(), context) is None
+    b = a.clone()
+    b[0, 5] = 7  # row 0 differs at new token 2 ...
+    b[1, 4] = 7  # ... row 1 earlier, at new token 1: that one is reported
+    d = example.divergence(Model(), a, b, context)
+    assert (d["new_token"], d["row"], d["tokens"]) == (1, 1, (5, 7))
+    assert torch.equal(calls[-1][0], a[1:2, :4]) and calls[-1][1] is False  # the shared prefix, teacher-forced
+    assert d["eager_logit_gap"] == 1 / 32 and d["gap_in_steps"] == 1.0
+    assert d["eager_top2_margin"] == 1 / 32
+    b[1, 4] = 2
+    d = example.divergence(Model(), a, b, context)
+    assert d["tokens"] == (5, 2) and d["gap_in_steps"] == 16.0
+    assert "from new token 1 (row 1: tokens 5 / 2" in example.describe(d) and "16 step(s)" in example.describe(d)
+
+
+def test_divergence_on_a_real_model_gives_eager_logits_of_the_shared_prefix():
+    """On the tiny random Qwen3-MoE: generation a is eager's greedy output, b replaces one new token by eager's
+    runner-up there; divergence reports that token, a gap equal to eager's top-2 margin at that position (a is the
+    argmax), and does not depend on a compiled model.forward set on the instance."""
+    import torch
+
+    example = _generate_example()
+    model = example.build_model("tiny", torch.float32, "cpu", 64)
+    prompt = torch.randint(1, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    a = example.generate_once(model, prompt, 6).cpu()
+    with torch.inference_mode():
+        logits = model(input_ids=a[:, :15]).logits[0, -1]
+    top2 = logits.topk(2)
+    assert int(top2.indices[0]) == int(a[0, 15])  # the static-cache generate agrees with a no-cache forward here
+    b = a.clone()
+    b[0, 15] = int(top2.indices[1])
+    model.forward = lambda *args, **kwargs: (_ for _ in ()).throw(AssertionError("the instance's forward"))
+    d = example.divergence(model, a, b, 12)
+    assert d["new_token"] == 3 and d["tokens"] == (int(a[0, 15]), int(top2.indices[1]))
+    margin = float(top2.values[0] - top2.values[1])
+    assert abs(d["eager_logit_gap"] - margin) <= 1e-5 * max(1.0, abs(margin))
+    assert d["gap_in_steps"] > 0
+
+
+def test_only_a_bf16_divergence_at_a_near_tie_is_accepted():
+    """The example's exit code: a bf16 generation that first differs where eager's logits of the two tokens are at
+    most NEAR_TIE_STEPS bf16 steps apart is accepted; 3 steps apart, or any difference in fp32, is a failure."""
+    import torch
+
+    example = _generate_example()
+
+    def result(steps):
+        r = example.Result("rubin", torch.zeros(1, 4), 1.0, 1.0, 1.0, 1.0, "inductor", False)
+        r.divergence = {"gap_in_steps": steps}
+        return r
+
+    assert example.NEAR_TIE_STEPS == 2
+    assert example.near_tie(result(0.0), torch.bfloat16) and example.near_tie(result(2.0), torch.bfloat16)
+    assert not example.near_tie(result(3.0), torch.bfloat16)
+    assert not example.near_tie(result(0.0), torch.float32)
