@@ -91,6 +91,23 @@ def _stream_tma(
     tl.store(Out + ((hk * tl.num_programs(0) + split) * ROWS + rows[:, None]) * D + d[None, :], acc)
 
 
+@triton.jit
+def _read(K, V, Out, sk_h, chunk, n, BLOCK: tl.constexpr):
+    """Reads ``n`` contiguous elements of K and of V per head (the filled positions x D) in chunks of ``chunk``, one
+    per program (chunk, head), and writes one sum: the bytes the attention reads, with no work on them."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    start = c * chunk
+    end = tl.minimum(start + chunk, n)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(start, end, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        ok = offs < end
+        acc += tl.load(K + h * sk_h + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(V + h * sk_h + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + h * tl.num_programs(0) + c, tl.sum(acc, 0))
+
+
 @contextlib.contextmanager
 def skip(name: str):
     """Launches of the kernel named ``name`` (``_split_kv`` / ``_combine``) skipped in kernel.run."""
@@ -114,12 +131,30 @@ class _NoLaunch:
 
 
 def stream_variants(args, context: int, cfg, nsplit: int, add) -> None:
-    """The streaming kernel with TMA loads, and with other split counts / stages / tiles / warps: whether another
-    way of reading the cache (not another Config of today's loads) is worth building into the split kernel."""
+    """A kernel that only reads the filled cache (the floor of these bytes in one kernel), then the streaming kernel
+    with TMA loads, and with other split counts / stages / tiles / warps: whether another way of reading the cache
+    (not another Config of today's loads) is worth building into the split kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, skv = args[0].key.shape[0], args[0].key.shape[2]
     q16 = torch.randn(16, D, device="cuda", dtype=torch.bfloat16)
+    # the floor for these bytes in these places: a kernel that only reads them, over 1-8 programs per SM
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = context * D
+    sums = torch.empty(8 * sms + batch * HKV, device="cuda", dtype=torch.float32)
+    for per_sm, block in ((1, 8192), (2, 8192), (4, 4096), (8, 2048)):  # 4-16 KB of K and V in flight per program
+        chunk = cdiv(cdiv(n, max(1, per_sm * sms // (batch * HKV))), block) * block
+        for warps in (4, 8):
+
+            def read(a, chunk=chunk, block=block, warps=warps):
+                launcher(_read)[(cdiv(n, chunk), batch * HKV)](
+                    a.key, a.value, sums, a.key.stride(1), chunk, n, BLOCK=block, num_warps=warps
+                )
+
+            add(
+                f"read only ({cdiv(n, chunk) * batch * HKV} programs of {warps} warps, {block}-element loads)",
+                [lambda a=a: read(a) for a in args],
+            )
     for block_n, warps, stages, splits in (
         (cfg.block_n, cfg.num_warps, cfg.num_stages, nsplit),
         (cfg.block_n, cfg.num_warps, 4, nsplit),
