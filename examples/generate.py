@@ -176,7 +176,8 @@ def divergence(model, a: torch.Tensor, b: torch.Tensor, context: int) -> Optiona
     row = int(diff[diff[:, 1] == col][0, 0])
     prefix = a[row : row + 1, :col].to(model.device)
     with torch.inference_mode():
-        logits = type(model).forward(model, input_ids=prefix, use_cache=False).logits[0, -1]
+        # logits_to_keep=1: the last position's only (all of a 32k prefix would be 32k x vocab of them)
+        logits = type(model).forward(model, input_ids=prefix, use_cache=False, logits_to_keep=1).logits[0, -1]
     ta, tb = int(a[row, col]), int(b[row, col])
     la, lb = float(logits[ta]), float(logits[tb])
     size = max(abs(la), abs(lb), torch.finfo(logits.dtype).tiny)

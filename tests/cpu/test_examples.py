@@ -173,8 +173,8 @@ def test_divergence_finds_the_earliest_differing_token_and_its_gap_in_dtype_step
     class Model:
         device = torch.device("cpu")
 
-        def forward(self, input_ids, use_cache):
-            calls.append((input_ids.clone(), use_cache))
+        def forward(self, input_ids, use_cache, logits_to_keep):
+            calls.append((input_ids.clone(), use_cache, logits_to_keep))
             logits = torch.zeros(1, input_ids.shape[1], 10, dtype=torch.bfloat16)
             logits[0, -1, 5], logits[0, -1, 7], logits[0, -1, 2] = 4.0, 4.0 - 1 / 32, 3.5
             return Out(logits)
@@ -191,6 +191,7 @@ def test_divergence_finds_the_earliest_differing_token_and_its_gap_in_dtype_step
     d = example.divergence(Model(), a, b, context)
     assert (d["new_token"], d["row"], d["tokens"]) == (1, 1, (5, 7))
     assert torch.equal(calls[-1][0], a[1:2, :4]) and calls[-1][1] is False  # the shared prefix, teacher-forced
+    assert calls[-1][2] == 1  # only the last position's logits are computed
     assert d["eager_logit_gap"] == 1 / 32 and d["gap_in_steps"] == 1.0
     assert d["eager_top2_margin"] == 1 / 32
     b[1, 4] = 2
