@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton import launch as _launch
-from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2
+from rubin_compile.kernels.triton.launch import aligned16, cdiv, launcher, next_power_of_2, tracing_into_graph
 from rubin_compile.kernels.triton.pdl import gdc_launch_dependents, gdc_wait, has_gdc, l2_prefetch
 from rubin_compile.ops.attention import AttentionArgs
 from rubin_compile.ops.registry import Launch
@@ -437,7 +436,7 @@ def run(
     # the combine's CTAs resident for the whole call: up to 28% slower on the H200.) Not when traced into the graph
     # (passes/inline_kernels.py): Inductor's launcher takes no PDL launch.
     pdl = bool(launch.pdl) and has_gdc()
-    chain = not pdl and not direct and cfg.pdl_combine and has_gdc() and _launch._recording is None
+    chain = not pdl and not direct and cfg.pdl_combine and has_gdc() and not tracing_into_graph()
     # L2 requests before the wait pay where the program waits for a predecessor (PDL); without PDL they would only
     # add the bytes of splits that the mask then skips (a static cache far longer than its filled part).
     pf_k = pf_v = pf_tiles = 0

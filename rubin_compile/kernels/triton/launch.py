@@ -55,6 +55,11 @@ def into_graph() -> Iterator[list[str]]:
         _recording = outer
 
 
+def tracing_into_graph() -> bool:
+    """Whether launches are being recorded into a traced graph (``into_graph``) rather than launched."""
+    return _recording is not None
+
+
 def aligned16(t: torch.Tensor) -> bool:
     """Whether ``t``'s first element is 16-byte aligned. For a fake tensor (an adapter traced into the graph) its
     storage offset decides: storages are allocated aligned, and Inductor copies a graph input that is not

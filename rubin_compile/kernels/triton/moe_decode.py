@@ -62,10 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rubin_compile.kernels.triton import launch as _launch
 from rubin_compile.kernels.triton.activations import CODES as _ACT
 from rubin_compile.kernels.triton.activations import gated
-from rubin_compile.kernels.triton.launch import cdiv, launcher
+from rubin_compile.kernels.triton.launch import cdiv, launcher, tracing_into_graph
 from rubin_compile.kernels.triton.pdl import INTERPRET, PREFETCH_CHUNK, gdc_launch_dependents, gdc_wait, has_gdc
 from rubin_compile.kernels.triton.pdl import l2_prefetch_range
 from rubin_compile.ops.moe import MoEArgs
@@ -377,7 +376,7 @@ def run(args: MoEArgs, launch: Launch, tiles: Tiles, num_sms: int, out: Optional
     gdc = has_gdc()
     w13, w2 = args.w13, args.w2
     tickets = S * nt1 + T * nt2
-    if _launch._recording is not None:  # traced into a graph (inline_kernels): a zeroed workspace of its own per call
+    if tracing_into_graph():  # traced into a graph (inline_kernels): a zeroed workspace of its own per call
         ws = torch.zeros(WS_TOKENS + MAX_T + tickets, dtype=torch.int32, device=dev)
     else:
         ws = workspace(dev, tickets)
