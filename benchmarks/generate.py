@@ -252,7 +252,6 @@ def main() -> None:
                 if ref is not None and not row["ids_equal_inductor"]:
                     # where, and whether a near-tie: eager's logits of the two tokens there, in steps of bf16
                     row["divergence"] = example.divergence(model, r.ids, ref.ids, context)
-                    row["first_differing_token"] = row["divergence"]["new_token"]
                 if ref is not None and name == "rubin":
                     row["speedup_vs_inductor"] = ref.per_token_us / r.per_token_us
                 rows.append(row)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -181,7 +182,7 @@ def divergence(model, a: torch.Tensor, b: torch.Tensor, context: int) -> Optiona
     ta, tb = int(a[row, col]), int(b[row, col])
     la, lb = float(logits[ta]), float(logits[tb])
     size = max(abs(la), abs(lb), torch.finfo(logits.dtype).tiny)
-    step = torch.finfo(logits.dtype).eps * 2.0 ** torch.tensor(size).log2().floor().item()
+    step = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(size))  # the dtype's spacing at that size
     top2 = logits.float().topk(2).values
     return {
         "new_token": col - context,
@@ -280,7 +281,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     print("| variant | tokens/s | per-token latency | compile (first call - warm call) | ids |")
     print("|---|---|---|---|---|")
-
     for r in results.values():
         ids = "reference" if r.checked_against is None else f"{'equal' if r.equal else 'DIFFER'} to {r.checked_against}"
         if r.equal is False:
