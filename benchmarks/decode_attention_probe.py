@@ -132,8 +132,10 @@ class _NoLaunch:
 
 def stream_variants(args, context: int, cfg, nsplit: int, add) -> None:
     """A kernel that only reads the filled cache (the floor of these bytes in one kernel), then the streaming kernel
-    with TMA loads, and with other split counts / stages / tiles / warps: whether another way of reading the cache
-    (not another Config of today's loads) is worth building into the split kernel."""
+    (the split kernel's structure without the attention's per-tile work: filled part, no mask) with pointer and with
+    TMA loads, at the call's own Config (``nsplit`` splits) and at other split counts / stages / tiles / warps: whether
+    another way of reading the cache (not another Config of today's loads) is worth building into the split
+    kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, skv = args[0].key.shape[0], args[0].key.shape[2]
@@ -185,9 +187,8 @@ def stream_variants(args, context: int, cfg, nsplit: int, add) -> None:
                 f"({n} splits, {block_n} positions x {stages} stages, {warps} warps)",
                 [lambda kd=kd, vd=vd, zero=zero: tma(kd, vd, zero) for kd, vd in descs],
             )
-        if (block_n, warps, stages, splits) == (cfg.block_n, cfg.num_warps, cfg.num_stages, nsplit):
-            continue  # the pointer-load stream of the call's own Config is the row above the TMA ones
 
+        # program (split, b * Hkv + hk): the caches are contiguous [B, Hkv, Skv, D]
         def ptr(a, split_len=split_len, n=n, part=part, block_n=block_n, warps=warps, stages=stages):
             launcher(_stream)[(n, batch * HKV)](
                 q16, a.key, a.value, part, a.key.stride(1), split_len, context, ROWS=16, D=D, BLOCK_N=block_n,
@@ -195,7 +196,7 @@ def stream_variants(args, context: int, cfg, nsplit: int, add) -> None:
             )  # fmt: skip
 
         add(
-            f"stream ({n} splits, {block_n} positions x {stages} stages, {warps} warps)",
+            f"stream (no softmax; {n} splits, {block_n} positions x {stages} stages, {warps} warps)",
             [lambda a=a: ptr(a) for a in args],
         )
 
@@ -219,9 +220,8 @@ def probe(batch: int, context: int, bw: float, stream_only: bool = False) -> lis
     boolmask = sh.mask == 0
     skv = context + 128
     add("call (additive bf16 mask)", [lambda a=a: kernel.run(a) for a in args])
-    if stream_only:
-        with skip("_combine"):
-            add("split only", [lambda a=a: kernel.run(a) for a in args])
+    with skip("_combine"):
+        add("split only", [lambda a=a: kernel.run(a) for a in args])
     cfg = kernel.config_for(batch, HKV, skv)
     default = kernel.num_splits(batch, HKV, skv, torch.cuda.get_device_properties(0).multi_processor_count, cfg)
     if not stream_only:
@@ -229,25 +229,12 @@ def probe(batch: int, context: int, bw: float, stream_only: bool = False) -> lis
         add("call (bool mask)", [lambda a=a: kernel.run(a) for a in bool_args])
         nomask = [AttentionArgs(a.query, a.key[:, :, :context], a.value[:, :, :context], None) for a in args]
         add("call (no mask, filled part only)", [lambda a=a: kernel.run(a) for a in nomask])
-        with skip("_combine"):
-            add("split only", [lambda a=a: kernel.run(a) for a in args])
         with skip("_split_kv"):
             add("combine only", [lambda a=a: kernel.run(a) for a in args], nbytes=0)
         for n in sorted({max(1, default // 2), 33, 66, 132 // batch, default * 2} - {default}):
             add(f"call, splits={n}", [lambda a=a, n=n: kernel.run(a, splits=n) for a in args], splits=n)
-    # the structure without the attention's per-tile work, same grid and tiles (filled part, no mask)
     split_len = cdiv(cdiv(context, default), cfg.block_n) * cfg.block_n
     nsplit = cdiv(context, split_len)
-    part = torch.empty(batch * HKV * nsplit * 16 * D, device="cuda", dtype=torch.float32)
-    q16 = torch.randn(16, D, device="cuda", dtype=torch.bfloat16)
-
-    def stream(a):  # program (split, b * Hkv + hk): the caches are contiguous [B, Hkv, Skv, D]
-        launcher(_stream)[(nsplit, batch * HKV)](
-            q16, a.key, a.value, part, a.key.stride(1), split_len, context, ROWS=16, D=D, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-
-    add(f"stream (no softmax, {nsplit} splits)", [lambda a=a: stream(a) for a in args])
     stream_variants(args, context, cfg, nsplit, add)
     if stream_only:
         return rows
