@@ -45,6 +45,10 @@ Left unchanged, with the reason: an output besides the attention output is used 
 graph saves for the backward pass), dropout, ``return_debug_mask``, inputs that are not 4-D ``[B, H, S, D]``,
 mixed dtypes, a mask ``rubin.attention`` does not take. SDPA with dropout in a graph compiled for inference
 does not reach post-grad as SDPA at all (Inductor decomposes it to ``bmm`` / ``softmax``): nothing to see.
+Also left unchanged with the reason: an attention written out as ops, ``softmax(q @ k^T ...) @ v``, that Inductor's
+``fuse_attention`` did not turn into SDPA (a model's eager attention: GPT-OSS and other families with attention
+sinks, whose transformers code has no SDPA path; tanh-softcapped scores): the report names its two products and
+what its softmax holds besides the scaled scores (``read_eager_attention``), and strict mode fails on it.
 
 Recorded, not rewritten: vLLM's attention::
 
@@ -82,6 +86,7 @@ from rubin_compile.ops.attention import ATTENTION, KV_FP8_DTYPES, AttentionArgs,
 from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.passes.base import Pass, PassContext, PassResult, Rewrite, Unchanged
 from rubin_compile.passes.fx import (
+    CONVERTS,
     RESHAPES,
     bound_arguments,
     call,
@@ -135,10 +140,110 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         if record is not None:
             node.meta["rubin_kept"] = record
             result.notes.append(describe_kept(record))
+            continue
+        eager = read_eager_attention(node)
+        if eager is not None:
+            result.unchanged.append(Unchanged(node.name, EAGER_IDIOM, eager))
     result.changed = bool(result.rewrites)
     if result.changed:
         graph.lint()
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# attention written out (matmul -> softmax -> matmul): recognised, left unchanged, with the reason
+# --------------------------------------------------------------------------------------------------
+
+EAGER_IDIOM = "eager attention"
+
+# Ops that only move, view or convert values between the softmax and the products around it.
+_PASS_THROUGH = (
+    *RESHAPES,
+    aten.expand.default,
+    aten.clone.default,
+    aten.slice.Tensor,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    *CONVERTS,
+)
+# The softmax as the graph holds it: decomposed (``exp(x - amax) / sum``; Inductor decomposes ``softmax`` before
+# post-grad passes run) or whole.
+_SOFTMAX = (aten._softmax.default, aten._safe_softmax.default)
+_SCORES_DEPTH = 24  # nodes walked back from the softmax's exp to find the scores' matmul
+
+
+def _through(node: Any) -> Any:
+    while is_call(node, *_PASS_THROUGH):
+        node = node.args[0]
+    return node
+
+
+def _softmax_input(node: Any) -> Optional[torch.fx.Node]:
+    """The input of the softmax that produced ``node`` (``exp(x) / sum(exp(x))`` or ``_softmax(x)``), else None."""
+    node = _through(node)
+    if is_call(node, *_SOFTMAX):
+        return node.args[0]
+    if is_call(node, aten.div.Tensor):
+        num = node.args[0]
+        if is_call(num, aten.where.self):  # _safe_softmax: where(all masked, 0, exp / sum)
+            num = num.args[2]
+        if is_call(num, aten.exp.default):
+            return num.args[0]
+    if is_call(node, aten.where.self):
+        return _softmax_input(node.args[2])
+    return None
+
+
+def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
+    """Why the attention that ``node`` completes is left alone, when ``node`` is the ``probs @ v`` product of an
+    attention written out as ops (``softmax(q @ k^T ...) @ v``: a model's eager attention, which neither SDPA nor
+    Inductor's ``fuse_attention`` pass turned into an SDPA call); None for any other node. Only SDPA calls are
+    rewritten, so such an attention stays as Inductor compiles it; the reason names what the softmax holds
+    besides the scaled scores (attention sinks, softcapping), which ``rubin.attention`` does not express."""
+    if not is_call(node, aten.bmm.default):
+        return None
+    start = _softmax_input(node.args[0])
+    if start is None:
+        return None
+    seen, frontier, found = set(), [start], None
+    sinks = softcap = False
+    for _ in range(_SCORES_DEPTH):
+        if not frontier or found is not None:
+            break
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if is_call(n, aten.bmm.default):
+                found = n
+                break
+            if is_call(n, aten.cat.default):
+                dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+                val = tensor_val(n)
+                sinks = sinks or (val is not None and dim in (-1, val.dim() - 1))
+            softcap = softcap or is_call(n, aten.tanh.default)
+            nxt.extend(a for a in n.all_input_nodes)
+        frontier = nxt
+    if found is None:
+        return None
+    extra = []
+    if sinks:
+        extra.append("attention sinks (a logit per head concatenated to the scores before the softmax)")
+    if softcap:
+        extra.append("tanh softcapping of the scores")
+    what = f", with {' and '.join(extra)}" if extra else ""
+    fix = (
+        "SDPA's semantics, which rubin.attention takes, do not express that; it stays as Inductor compiles it"
+        if extra
+        else 'load the model with attn_implementation="sdpa" where it supports it to have it rewritten; '
+        "it stays as Inductor compiles it"
+    )
+    return (
+        f"attention written as matmul -> softmax -> matmul ({found.name} -> softmax -> {node.name}), not as an SDPA "
+        f"call{what}: only SDPA calls are rewritten; {fix}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ reference runs the same CPU flash kernel eager does). The CUDA forms are built a
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -151,6 +152,101 @@ def test_strict_mode_raises_on_a_near_miss(rubin_run):
     compiled = rubin_run.compile(fn, strict=True)
     with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*logsumexp"):
         compiled(*(torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3)))
+
+
+# --- attention written out as ops (a model's eager attention) ---------------------------------------------------
+
+
+def _scores(q, k):
+    return q @ k.transpose(-1, -2) * 0.25
+
+
+def eager_plain(q, k, v):
+    return torch.softmax(_scores(q, k), -1) @ v
+
+
+def eager_softcap(q, k, v):  # Gemma 2's eager attention: the scores softcapped by tanh
+    return torch.softmax(torch.tanh(_scores(q, k) / 50.0) * 50.0, -1) @ v
+
+
+SINKS = torch.randn(4, generator=torch.Generator().manual_seed(3))
+
+
+def eager_sinks(q, k, v):  # GPT-OSS's eager attention: a logit per head joins the softmax, its column dropped
+    w = _scores(q, k)
+    c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize(
+    "fn, feature",
+    [
+        pytest.param(eager_softcap, "tanh softcapping of the scores", id="softcap"),
+        pytest.param(eager_sinks, "attention sinks", id="sinks"),
+    ],
+)
+def test_eager_attention_left_unchanged_says_why(rubin_run, fn, feature):
+    """A softmax between two matmuls that no SDPA call expresses stays as it is, and the report says so: the two
+    products, and what the softmax holds besides the scaled scores."""
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    assert_close_to_eager(rubin_run.compile(fn)(q, k, v), fn(q, k, v))
+    assert attention_rewrites(rubin_run) == []
+    (left,) = rubin_run.unchanged("match_attention")
+    assert left["idiom"] == "eager attention" and left["node"].startswith("bmm")
+    assert re.search(
+        r"matmul -> softmax -> matmul \(bmm\w* -> softmax -> bmm\w*\), not as an SDPA call", left["reason"]
+    )
+    assert feature in left["reason"] and "stays as Inductor compiles it" in left["reason"]
+    assert count_ops(rubin_run.final_code(), "aten.bmm") == 2
+
+
+def test_eager_attention_inductor_turns_into_sdpa_is_rewritten(rubin_run):
+    """The plain form reaches rubin as SDPA (Inductor's fuse_attention pass): rewritten, nothing left unchanged."""
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    assert_close_to_eager(rubin_run.compile(eager_plain)(q, k, v), eager_plain(q, k, v))
+    assert len(attention_rewrites(rubin_run)) == 1 and rubin_run.unchanged("match_attention") == []
+
+
+def test_gpt_oss_attention_sinks_left_unchanged_says_why(rubin_run):
+    """GPT-OSS (transformers: no SDPA path, attention sinks in its eager attention) compiles exactly and the report
+    names the sinks for each layer's attention."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from rubin_compile.debug import moe_families
+
+    config = moe_families.tiny_config(CONFIG_MAPPING["gpt_oss"]())
+    torch.manual_seed(0)
+    model = moe_families.model_class(config)(config).float().eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = rubin_run.compile(model)(ids).logits
+    assert_close_to_eager(got, want)
+    left = rubin_run.unchanged("match_attention")
+    assert len(left) == config.num_hidden_layers and attention_rewrites(rubin_run) == []
+    assert all(u["idiom"] == "eager attention" and "attention sinks" in u["reason"] for u in left)
+
+
+def test_eager_attention_strict_mode_raises():
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(eager_sinks, backend="rubin", options={"strict": True})
+    with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*eager attention.*attention sinks"):
+        compiled(q, k, v)
+
+
+def test_other_softmax_between_products_is_not_called_attention():
+    """A softmax whose input comes from no matmul (a router's, say) feeding a bmm is not reported as attention."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    e = g.call_function(aten.exp.default, (x,))
+    s = g.call_function(aten.sum.dim_IntList, (e, [-1], True))
+    p = g.call_function(aten.div.Tensor, (e, s))
+    out = g.call_function(aten.bmm.default, (p, w))
+    g.output(out)
+    assert match_attention.read_eager_attention(out) is None
 
 
 # --- the CUDA (and other device) forms, as graphs --------------------------------------------------------------
