@@ -27,7 +27,8 @@ The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden
   whole loop with it, timed in interleaved rounds against Inductor on an H100 (2026-12-06), took 3153 against 4030
   us a token at 4k and 4867 against 5800 at 16k (benchmarks/results/forward-interleaved-h100-2026-12-06/). Prefer
   the ``compile_config`` way for speed.
-* with ``--dtype bfloat16``, ``inductor (compile_config)`` too: rubin's ids are checked against Inductor's
+* ``--inductor``: Inductor compiled both ways too, timed beside rubin (in fp32 checked against eager).
+* with ``--dtype bfloat16``, ``inductor (compile_config)`` always: rubin's ids are checked against Inductor's
   (Inductor's own bf16 roundings already make eager's ids differ after a near-tie), and timed beside it.
 
 Printed: tokens per second, per-token decode latency ((t(N) - t(1)) / (N - 1): the prefill and first token
@@ -233,11 +234,14 @@ def forward_setup(backend: str, device: str):
     return setup
 
 
-def variants(dtype: torch.dtype, device: str) -> list[tuple[str, Callable, Optional[str]]]:
-    """(name, setup, the variant whose ids it must equal)."""
+def variants(dtype: torch.dtype, device: str, inductor: bool = False) -> list[tuple[str, Callable, Optional[str]]]:
+    """(name, setup, the variant whose ids it must equal); ``inductor``: Inductor compiled both ways too, timed
+    beside rubin (in bf16 its ``compile_config`` way is always there, as the ids' reference)."""
     out = [("eager", eager_setup, None)]
     if dtype == torch.float32:
         ref = "eager"
+        if inductor:
+            out.append(("inductor (compile_config)", compile_config_setup("inductor", device), ref))
     else:
         out.append(("inductor (compile_config)", compile_config_setup("inductor", device), None))
         ref = "inductor (compile_config)"
@@ -245,6 +249,8 @@ def variants(dtype: torch.dtype, device: str) -> list[tuple[str, Callable, Optio
         ("rubin (compile_config)", compile_config_setup("rubin", device), ref),
         ("rubin (model.forward)", forward_setup("rubin", device), ref),
     ]
+    if inductor:
+        out.append(("inductor (model.forward)", forward_setup("inductor", device), ref))
     return out
 
 
@@ -257,6 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--inductor", action="store_true", help="time Inductor both ways too (fp32: checked against eager)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, dtype, args.device, args.context + args.new_tokens + 8)
@@ -264,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     prompt = torch.randint(1, model.config.vocab_size, (args.batch, args.context), generator=g).to(args.device)
 
     results: dict[str, Result] = {}
-    for name, setup, ref in variants(dtype, args.device):
+    for name, setup, ref in variants(dtype, args.device, args.inductor):
         torch._dynamo.reset()
         gc.collect()
         r = run_variant(name, model, prompt, args.new_tokens, args.device, args.repeats, setup)
