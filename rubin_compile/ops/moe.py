@@ -667,8 +667,8 @@ def _global(scale_2: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
 
 def aten_declines(args: MoEArgs, target_is_cuda: bool = False) -> Optional[str]:
     """Why ``aten`` does not express this call (``None`` when it does). ``aten`` is the form Hugging Face's
-    default (grouped-mm) experts compile to, for what Inductor supports of it: bf16, unquantised, plain weights, on
-    the CPU. On a GPU target the reference runs only where no kernel takes the call (and torch's grouped GEMM there is
+    default (grouped-mm) experts compile to, for what Inductor supports of it: bf16 or float32, unquantised, plain
+    weights, on the CPU. On a GPU target the reference runs only where no kernel takes the call (and torch's grouped GEMM there is
     bf16 on sm_80+, which the Triton kernel covers), so the node stays the op: a plan for a GPU made on this CPU keeps
     showing the GPU's passes. (The Triton kernel's adapter runs ``aten`` itself, per call, at the sizes where it
     measured faster: kernels/triton/moe_choice.py.)"""
@@ -679,21 +679,20 @@ def aten_declines(args: MoEArgs, target_is_cuda: bool = False) -> Optional[str]:
 
 
 def aten_unsupported(args: MoEArgs) -> Optional[str]:
-    """Why ``aten`` cannot compute this call on any device (``None`` when it can): torch's grouped GEMM takes bf16
-    operands of plain layout with rows of whole 16 bytes."""
-    if _grouped_mm is None:
-        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
-    if (
-        args.hidden_states.dtype != torch.bfloat16
-        or args.w13.dtype != torch.bfloat16
-        or args.w2.dtype != torch.bfloat16
-    ):
-        return (
-            f"{args.hidden_states.dtype} activations / {args.w13.dtype} weights: Inductor compiles torch's grouped "
-            "GEMM for bfloat16 only"
-        )
+    """Why ``aten`` cannot compute this call on its device (``None`` when it can): torch's grouped GEMM takes bf16
+    operands of plain layout with rows of whole 16 bytes; float32 ones on the CPU take ``grouped_mm_rows`` instead."""
+    dtypes = {args.hidden_states.dtype, args.w13.dtype, args.w2.dtype}
     if args.weight_layout != PLAIN:
         return f"weights in the {args.weight_layout.describe()} layout"
+    if dtypes == {torch.float32} and args.hidden_states.device.type == "cpu":
+        return None  # grouped_mm_rows: any row size
+    if _grouped_mm is None:
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if dtypes != {torch.bfloat16}:
+        return (
+            f"{args.hidden_states.dtype} activations / {args.w13.dtype} weights: Inductor compiles torch's grouped "
+            "GEMM for bfloat16 only (float32 on the CPU takes a loop of GEMMs)"
+        )
     rows = {"H": args.H, "N": args.w13.shape[1], "I": args.I}
     odd = {name: n for name, n in rows.items() if n % 8}
     if odd:
@@ -704,13 +703,35 @@ def aten_unsupported(args: MoEArgs) -> Optional[str]:
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+@op("grouped_mm_rows")
+def grouped_mm_rows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=offs)`` for the float32 CPU calls Inductor cannot compile it for (its fake
+    kernel takes bf16 only): one ``torch.mm`` per expert's run of rows, the run ends read once (``offs``); rows past
+    the last run are zero. It is what transformers' ``grouped_mm_fallback`` does for the same reason, and, like it,
+    an opaque call in the compiled graph around which Inductor compiles the sort, gathers and sums."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[expert], out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm_rows.register_fake
+def _grouped_mm_rows_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
 def aten(args: MoEArgs) -> torch.Tensor:
     """``rubin.moe`` as ATen ops of static shapes, for a call ``aten_declines`` accepts: the ``T * k`` (token,
     expert) slots sorted by expert (a stable sort: within an expert, slots keep their order), each slot's token
     gathered, FC1 and FC2 as grouped GEMMs over the experts' runs of slots, the activation, then the weighted
     slots summed into their tokens in float32 -- in the order the reference sums them (expert by expert, slots in
-    order), so on the CPU its result equals the reference's up to the GEMM's own blocking. No host synchronisation:
-    Inductor compiles it as it compiles Hugging Face's grouped-mm experts. An expert id outside [0, E) cannot be
+    order), so on the CPU its result equals the reference's up to the GEMM's own blocking. In bf16, no host
+    synchronisation: Inductor compiles it as it compiles Hugging Face's grouped-mm experts. In float32 on the CPU
+    the two grouped GEMMs are ``grouped_mm_rows`` calls (a GEMM per expert's run, its ends read on the host), as
+    transformers' own float32 experts call its ``grouped_mm_fallback``. An expert id outside [0, E) cannot be
     reported without one: its slot is sorted after every expert's run, outside the grouped GEMMs (whose rows past the
     last run are not written), and contributes nothing (the reference raises)."""
     return aten_tensors(
@@ -758,10 +779,11 @@ def aten_tensors(
     xs = x.index_select(0, token_of_slot)
     if apply_router_weight_on_input:
         xs = xs * slot_weight.to(x.dtype).unsqueeze(1)
-    gate_up = _grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    gmm = _grouped_mm if x.dtype == torch.bfloat16 else grouped_mm_rows
+    gate_up = gmm(xs, w13.transpose(1, 2), offs=offs)
     if w13_bias is not None:
         gate_up = gate_up + w13_bias.to(x.dtype).index_select(0, expert_or_last)
-    y = _grouped_mm(apply_activation(gate_up, activation, activation_constants), w2.transpose(1, 2), offs=offs)
+    y = gmm(apply_activation(gate_up, activation, activation_constants), w2.transpose(1, 2), offs=offs)
     if w2_bias is not None:
         y = y + w2_bias.to(x.dtype).index_select(0, expert_or_last)
     y = torch.where(routed, y.to(acc_dtype), 0.0)  # what the GEMMs left unwritten, NaN included, is dropped

@@ -18,8 +18,9 @@ graph, and Inductor could no longer fuse or choose around them: a GEMM's bias / 
 epilogue and template, attention's SDPA backend choice and mask padding (measurements in
 docs/kernels/selection.md). Such a node is replaced by its op's ATen form (``CanonicalOp.aten_form``:
 ``ops/gemm.py:gemm_aten``, ``ops/attention.py:attention_aten``, traced in with torch's pattern matcher,
-``Match.replace_by_example``); its plan says ``lowered: aten``. A bf16 ``rubin.moe`` bound to the reference on
-the CPU is lowered the same way, into grouped GEMMs over the slots sorted by expert (``ops/moe.py:moe_aten``): the
+``Match.replace_by_example``); its plan says ``lowered: aten``. A bf16 or fp32 ``rubin.moe`` bound to the reference on
+the CPU is lowered the same way, into grouped GEMMs over the slots sorted by expert (``ops/moe.py:moe_aten``; fp32's
+are ``rubin.grouped_mm_rows`` calls, a GEMM per expert's run): the
 reference loops over the routed experts with a host synchronisation, slower than what Inductor compiles from
 transformers' grouped-mm experts. Where an op's ATen form cannot express a node (``CanonicalOp.aten_declines``),
 the node stays an op call and the notes say why. Nodes bound to any other kernel stay canonical ops.

@@ -318,12 +318,13 @@ def test_aten_form_of_an_empty_batch_and_runtime_constants():
 
 
 def test_aten_form_declines_what_it_cannot_express_with_the_reason():
-    """fp32 / fp16 (Inductor compiles torch's grouped GEMM for bf16 only), FP8 weights, vLLM's packed layout, a GPU
-    target: each a reason; the node then stays an op call (tests/cpu/passes/test_select_kernels.py)."""
+    """fp16 (Inductor compiles torch's grouped GEMM for bf16 only; fp32 takes grouped_mm_rows), FP8 weights, vLLM's
+    packed layout, a GPU target: each a reason; the node then stays an op call
+    (tests/cpu/passes/test_select_kernels.py)."""
     from rubin_compile.ops.moe import MoEArgs, aten_declines, pack_cpu_weight
 
     x, w13, w2, w, ids, _, _ = make(E=4, H=64, I=32)
-    assert "bfloat16 only" in aten_declines(MoEArgs(x, w13, w2, w, ids))
+    assert aten_declines(MoEArgs(x, w13, w2, w, ids)) is None  # float32: grouped_mm_rows
     assert "bfloat16 only" in aten_declines(MoEArgs(x.half(), w13.half(), w2.half(), w, ids))
     f8 = torch.float8_e4m3fn
     fp8 = MoEArgs(x.bfloat16(), w13.to(f8), w2.to(f8), w, ids, w13_scale=torch.ones(4), w2_scale=torch.ones(4))
@@ -338,6 +339,36 @@ def test_aten_form_declines_what_it_cannot_express_with_the_reason():
         MoEArgs(x, w13, w2, w, ids)
     )
     assert "CPU target only" in aten_declines(plain, target_is_cuda=True)
+
+
+@pytest.mark.parametrize("on_input", [False, True], ids=["weights-after", "weights-on-input"])
+def test_float32_aten_form_equals_the_reference(on_input):
+    """float32 on the CPU: the two grouped GEMMs are grouped_mm_rows calls (a GEMM per expert's run of rows), which
+    compute each expert's rows as the reference does, and the slots are summed in the reference's order: equal to
+    it, bias and rows that are not whole 16 bytes included; an expert id outside [0, E) drops its
+    slot, as in bf16 (the routing weight applied after the experts)."""
+    from rubin_compile.ops.moe import MoEArgs, aten, grouped_mm_rows, reference
+
+    x, w13, w2, w, ids, b13, b2 = make(T=9, H=24, E=6, I=12, k=2, bias=True)
+    args = MoEArgs(x, w13, w2, w, ids, "silu", b13, b2, apply_router_weight_on_input=False)
+    if on_input:
+        ids, w = ids[:, :1].contiguous(), torch.ones(9, 1)
+        args = MoEArgs(x, w13, w2, w, ids, "silu", b13, b2, apply_router_weight_on_input=True)
+    torch.testing.assert_close(aten(args), reference(args), rtol=1e-6, atol=1e-6)
+    if on_input:  # a zero weight on the input still adds the expert's biases: no twin call to compare with
+        return
+    bad = ids.clone()
+    bad[2, 0] = 99
+    dropped = w.clone()
+    dropped[2, 0] = 0.0
+    kept = MoEArgs(x, w13, w2, dropped, ids, "silu", b13, b2)
+    got = aten(MoEArgs(x, w13, w2, w, bad, "silu", b13, b2))
+    torch.testing.assert_close(got, reference(kept), rtol=1e-6, atol=1e-6)
+    # the op alone: a run per expert, empty runs skipped, rows past the last run zero
+    rows, wt = torch.randn(7, 5), torch.randn(3, 5, 4)
+    out = grouped_mm_rows(rows, wt, torch.tensor([2, 2, 5], dtype=torch.int32))
+    want = torch.cat([rows[:2] @ wt[0], rows[2:5] @ wt[2], torch.zeros(2, 4)])
+    torch.testing.assert_close(out, want)
 
 
 def test_aten_form_drops_an_expert_id_outside_the_range():
