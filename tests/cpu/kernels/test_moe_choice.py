@@ -388,16 +388,17 @@ def test_triton_adapter_runs_the_aten_form_where_it_measured_faster(monkeypatch)
 
 
 def test_triton_adapter_does_not_ask_where_the_aten_form_cannot_compute(monkeypatch):
-    """fp32 activations (or FP8 weights): torch's grouped GEMM takes bf16 only, so the adapter goes straight to our
-    kernels without asking; a bf16 call the choice gives to ours goes there too."""
+    """fp16 activations (or FP8 weights, or fp32 ones on a GPU; fp32 on the CPU takes the ATen form's GEMM per
+    expert, which this CPU test's tensors would reach): torch's grouped GEMM takes bf16 only, so the adapter goes
+    straight to our kernels without asking; a bf16 call the choice gives to ours goes there too."""
     from rubin_compile.kernels import triton as triton_kernels
     from rubin_compile.kernels.triton import moe as tmoe
 
     ran = []
     monkeypatch.setattr(tmoe, "run", lambda args, launch: ran.append(args.T) or "ours")
     choice = triton_kernels.moe_choice  # the module the adapter reads (other test files re-import the package)
-    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("asked for an fp32 call"))
-    assert triton_kernels.triton_moe(_args(40, dtype=torch.float32), Launch()) == "ours"
+    monkeypatch.setattr(choice, "choose", lambda *a, **k: pytest.fail("asked for an fp16 call"))
+    assert triton_kernels.triton_moe(_args(40, dtype=torch.float16), Launch()) == "ours"
     monkeypatch.setattr(choice, "choose", lambda *a, **k: choice.Choice("triton", "aten", "test"))
     assert triton_kernels.triton_moe(_args(8), Launch()) == "ours"
     assert ran == [40, 8]
