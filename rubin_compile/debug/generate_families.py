@@ -83,13 +83,9 @@ def _decode_reports(dump_dir: Path) -> list[dict]:
     return [json.loads((g / "report.json").read_text()) for g in first_step]
 
 
-def _pass(report: dict, name: str) -> dict:
-    return next((p for p in report["passes"] if p["name"] == name), {"rewrites": [], "unchanged": [], "notes": []})
-
-
 def _merged(reports: list[dict], name: str) -> dict:
     """One pass's rewrites and unchanged records over several graphs."""
-    passes = [_pass(r, name) for r in reports]
+    passes = [p for r in reports for p in r["passes"] if p["name"] == name]
     return {
         "rewrites": [w for p in passes for w in p["rewrites"]],
         "unchanged": [u for p in passes for u in p["unchanged"]],
@@ -123,20 +119,20 @@ def _moe_text(reports: list[dict]) -> str:
 
 def survey_one(model_type: str, build_type: str, kind: str) -> Row:
     """Build one family's tiny model, generate eager and under rubin; its row."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     start = time.perf_counter()
     row = Row(model_type, kind)
     try:
-        return _survey(row, build_type, CONFIG_MAPPING)
+        return _survey(row, build_type)
     finally:
         torch._dynamo.reset()
         row.seconds = time.perf_counter() - start
 
 
-def _survey(row: Row, build_type: str, config_mapping: Any) -> Row:
+def _survey(row: Row, build_type: str) -> Row:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     try:
-        config = moe_families.tiny_config(config_mapping[build_type]())
+        config = moe_families.tiny_config(CONFIG_MAPPING[build_type]())
         config.use_cache = True  # the MoE survey's tiny values turn it off
         cls = moe_families.model_class(config)
         if cls is None or not cls.__name__.endswith("ForCausalLM"):
