@@ -11,7 +11,8 @@ backend="rubin", dynamic=False)`` (prefill and decode each compile once, as exam
 says whether the ids are eager's, how many graphs were compiled (2 is prefill + decode; more means the model's
 forward recompiles while it decodes, which happens under any backend, e.g. transformers' sliding-window cache), and
 what rubin did in the decode step's graph: the attention over the static cache rewritten into ``rubin.attention``
-(or left alone, with the reason from the report) and the MoE blocks rewritten into ``rubin.moe``.
+(from an SDPA call, or from the model's eager attention written out as ops, with attention sinks where it has
+them; or left alone, with the reason from the report) and the MoE blocks rewritten into ``rubin.moe``.
 
 ``--write PATH`` writes the table as markdown; nothing in it depends on the machine (no timings, no paths). No test
 compares the whole file (about ten minutes on two cores); ``tests/cpu/test_generate_families.py`` runs a few
@@ -99,7 +100,12 @@ def _attention_text(reports: list[dict]) -> str:
     if rewrites:
         cache = [r["details"].get("kv_cache", "") for r in rewrites]
         static = sum(c.startswith("static cache") for c in cache)
-        parts.append(f"rewritten: {len(rewrites)}, static cache read by {static}")
+        text = f"rewritten: {len(rewrites)}, static cache read by {static}"
+        eager = sum(r["source_idiom"].startswith("eager attention") for r in rewrites)
+        sinks = sum(r["details"].get("sinks") is not None for r in rewrites)
+        if eager:  # matmul -> softmax -> matmul (the model's eager attention), not an SDPA call
+            text += f", {eager} written out as ops" + (f" ({sinks} with attention sinks)" if sinks else "")
+        parts.append(text)
     for reason in sorted({u["reason"] for u in p["unchanged"]}):
         count = sum(u["reason"] == reason for u in p["unchanged"])
         parts.append(f"left unchanged ({count}): {reason}")
@@ -198,7 +204,9 @@ def render(rows: list[Row]) -> str:
         "while decoding, under any backend); *attention* and *MoE*: what rubin's report says of the decode step's "
         "graph (*static cache read by N*: how many of the rewritten attentions take the cache buffers themselves "
         "as keys / values, so that a decode kernel reads only the written positions; 0 where the keys / values "
-        "are computed from the cache each step); *ids*: against eager's.",
+        "are computed from the cache each step; *N written out as ops*: rewritten from the model's eager attention, "
+        "`softmax(q @ k^T) @ v` as ops, not an SDPA call, with attention sinks where it says so); *ids*: against "
+        "eager's.",
         "",
         f"Families: {len(rows)}; generated under rubin: {len(ran)}; ids equal eager's: "
         f"{sum(bool(r.equal) for r in ran)}.",

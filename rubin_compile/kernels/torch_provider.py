@@ -70,6 +70,10 @@ attention.ATTENTION.register_kernel(
     supports=_attention_supports,
     priority={"*": 30},
     runnable=_runnable,
-    entry=lambda spec: "torch.nn.functional.scaled_dot_product_attention",
+    entry=lambda spec: (
+        "torch.nn.functional.scaled_dot_product_attention"
+        + (" (with sinks: matmul -> softmax -> matmul, as the model writes it)" if spec.features else "")
+    ),
     module=__name__,
+    features=(attention.SINKS,),
 )(attention.reference)

@@ -15,6 +15,8 @@ Schema::
                      float? scale=None,     # None: 1 / sqrt(D)
                      Tensor? k_scale=None,  # FP8 key / value only: per-tensor dequantisation scales (one
                      Tensor? v_scale=None,  #   float32 element each; None = 1)
+                     Tensor? sinks=None,    # [Hq]: a logit per query head that joins the softmax's denominator
+                                            #   (attention sinks, GPT-OSS); None = none
                      str impl="reference",  # which kernel runs it; chosen by select_kernels
                      bool pdl=False)        # launch with Programmatic Dependent Launch; set by chain_pdl
       -> Tensor                             # [B, Hq, S, Dv] in the query's dtype
@@ -25,7 +27,14 @@ Semantics (``torch.nn.functional.scaled_dot_product_attention`` without dropout)
     out = softmax(query @ K.transpose(-2, -1) * scale + M, dim=-1) @ V
 
 where ``M`` is ``attn_mask`` (a bool mask contributes 0 / -inf) or, with ``is_causal``, the upper-left
-aligned causal mask ``tril(ones(S, Skv))``. Query head ``h`` reads key/value head ``h // n`` -- the grouping
+aligned causal mask ``tril(ones(S, Skv))``. With ``sinks`` (attention sinks, as GPT-OSS writes them), query head
+``h``'s softmax has one more logit, ``sinks[h]``, in its denominator and no value for it::
+
+    x = query @ K.transpose(-2, -1) * scale + M
+    out = exp(x) @ V / (exp(x).sum(-1, keepdim=True) + exp(sinks[h]))
+
+(``softmax(cat([x, sinks]))[..., :-1] @ V``: the model's own eager code). SDPA has no such argument; the ATen
+form computes it as written. Query head ``h`` reads key/value head ``h // n`` -- the grouping
 of SDPA's ``enable_gqa``, of Hugging Face's ``repeat_kv`` and of vLLM / FlashInfer (``num_qo_heads`` a multiple
 of ``num_kv_heads``). ``attn_mask`` and ``is_causal`` are exclusive, as in SDPA. An FP8 key / value (a
 quantised KV cache: ``float8_e4m3fn`` / ``float8_e5m2`` with bf16 / fp16 queries) is first dequantised,
@@ -56,6 +65,8 @@ from rubin_compile.ops.library import op
 # A quantised KV cache: keys / values in FP8 with bf16 / fp16 queries (dequantised by per-tensor scales).
 KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HALF = (torch.bfloat16, torch.float16)
+# The optional semantics a kernel must declare (``Kernel.features``) to be given a call with ``sinks``.
+SINKS = "attention_sinks"
 
 
 class AttentionArgumentError(RubinError, ValueError):
@@ -80,6 +91,7 @@ class AttentionArgs:
     scale: Optional[float] = None
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
     B: Any = field(init=False)
     Hq: Any = field(init=False)
     Hkv: Any = field(init=False)
@@ -91,6 +103,11 @@ class AttentionArgs:
     def __post_init__(self) -> None:
         for name, value in zip(("B", "Hq", "Hkv", "S", "Skv", "D", "Dv"), _validate(self)):
             object.__setattr__(self, name, value)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The op's optional semantics this call uses (``Kernel.features``): ``"attention_sinks"`` with ``sinks``."""
+        return (SINKS,) if self.sinks is not None else ()
 
 
 def _validate(a: AttentionArgs) -> tuple:
@@ -144,6 +161,12 @@ def _validate(a: AttentionArgs) -> tuple:
                     f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to [B, Hq, S, Skv] = "
                     f"{(B, Hq, S, Skv)}"
                 )
+    if a.sinks is not None:
+        sinks = a.sinks
+        if sinks.dim() != 1 or (known_sizes(sinks.shape[0], Hq) and sinks.shape[0] != Hq):
+            _fail(f"sinks must be 1-D with a logit per query head ([Hq] = [{Hq}]), got shape {tuple(sinks.shape)}")
+        if sinks.dtype not in FLOAT_DTYPES:
+            _fail(f"sinks must be a float tensor (bf16 / fp16 / fp32 / fp64), got {sinks.dtype}")
     if a.scale is not None and not (isinstance(a.scale, (int, float)) and math.isfinite(a.scale)):
         _fail(f"scale must be a finite float or None, got {a.scale!r}")
     return B, Hq, Hkv, S, Skv, D, Dv
@@ -183,9 +206,27 @@ def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
         n = Hq // Hkv
         key = key[:, :, None].expand(B, Hkv, n, Skv, D).reshape(B, Hq, Skv, D)
         value = value[:, :, None].expand(B, Hkv, n, Skv, Dv).reshape(B, Hq, Skv, Dv)
+    if args.sinks is not None:
+        return _with_sinks(query, key, value, args)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=args.attn_mask, dropout_p=0.0, is_causal=args.is_causal, scale=args.scale
     )
+
+
+def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """An attention with sinks as the models' eager code writes it, in the query's dtype (SDPA takes no sinks): the
+    scaled scores plus the mask, each head's sink logit concatenated as one more column, the softmax, that column
+    dropped, times the values. A row whose every position is masked gives zeros (its sink takes all the weight)."""
+    scale = args.scale if args.scale is not None else 1.0 / math.sqrt(args.D)
+    x = torch.matmul(query, key.transpose(-2, -1)) * scale
+    mask = args.attn_mask
+    if mask is None and args.is_causal:
+        mask = torch.ones(args.S, args.Skv, dtype=torch.bool, device=query.device).tril()
+    if mask is not None:
+        x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
+    sinks = args.sinks.to(x.dtype).reshape(1, -1, 1, 1).expand(x.shape[0], -1, x.shape[2], 1)
+    probs = torch.softmax(torch.cat([x, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, value)
 
 
 def attention_aten(*args, pdl: bool = False, **kwargs) -> torch.Tensor:
@@ -223,12 +264,13 @@ def attention(
     scale: Optional[float] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
     impl: str = "reference",
     pdl: bool = False,
 ) -> torch.Tensor:
     """Canonical attention; see the module docstring. ``impl`` names the kernel (ops/registry.py); ``pdl`` says
     how it is launched, never what it computes."""
-    args = AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale)
+    args = AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale, sinks)
     return ATTENTION.run(impl, args, Launch(pdl=pdl))
 
 
@@ -242,10 +284,12 @@ def _attention_fake(
     scale=None,
     k_scale=None,
     v_scale=None,
+    sinks=None,
     impl="reference",
     pdl=False,
 ):
-    return _output_like(query, AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale).Dv)
+    args = AttentionArgs(query, key, value, attn_mask, is_causal, scale, k_scale, v_scale, sinks)
+    return _output_like(query, args.Dv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,7 +312,8 @@ def attention_spec(node: torch.fx.Node) -> KernelSpec:
     query's dtype and ``weight_dtype`` the key/value dtype (the "KV cache" of the registry's attention rows);
     ``shape`` holds ``D`` (the head dim the registry checks) and, when static, ``Dv``, ``Hq``, ``Hkv``, ``S``,
     ``Skv`` and ``B``; ``activation`` carries the masking (``"causal"``, ``"mask"``, or ``None`` for none), so a
-    kernel without arbitrary masks (trtllm-gen) can decline ``"mask"``.
+    kernel without arbitrary masks (trtllm-gen) can decline ``"mask"``; ``features`` holds ``"attention_sinks"``
+    for a node with ``sinks``, which only kernels declaring it are given.
     """
     args = bound_arguments(node)
     q, k, v = (tensor_val(args[n]) for n in ("query", "key", "value"))
@@ -292,6 +337,7 @@ def attention_spec(node: torch.fx.Node) -> KernelSpec:
         shape=tuple((n, s) for n, s in sizes.items() if isinstance(s, int)),
         activation=None if kind == "none" else kind,
         node=node.name,
+        features=(SINKS,) if args.get("sinks") is not None else (),
     )
 
 

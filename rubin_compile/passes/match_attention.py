@@ -127,7 +127,7 @@ VLLM_ATTENTION_OPS = (
 def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
     result = PassResult(NAME)
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node._erased:  # erased: part of an attention rewritten before it
             continue
         if node.target in SDPA_FORMS:
             outcome = _rewrite_sdpa(graph, node)
@@ -143,7 +143,13 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             continue
         eager = read_eager_attention(node)
         if eager is not None:
-            result.unchanged.append(Unchanged(node.name, EAGER_IDIOM, eager))
+            outcome = _rewrite_eager(graph, node)
+            if isinstance(outcome, Rewrite):
+                result.rewrites.append(outcome)
+            else:
+                result.unchanged.append(
+                    Unchanged(node.name, EAGER_IDIOM, f"{eager}: {outcome}; it stays as Inductor compiles it")
+                )
     result.changed = bool(result.rewrites)
     if result.changed:
         graph.lint()
@@ -151,7 +157,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 
 
 # --------------------------------------------------------------------------------------------------
-# attention written out (matmul -> softmax -> matmul): recognised, left unchanged, with the reason
+# attention written out (matmul -> softmax -> matmul): rewritten where rubin.attention expresses it, else left
+# unchanged with the reason
 # --------------------------------------------------------------------------------------------------
 
 EAGER_IDIOM = "eager attention"
@@ -196,11 +203,11 @@ def _softmax_input(node: Any) -> Optional[torch.fx.Node]:
 
 
 def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
-    """Why the attention that ``node`` completes is left alone, when ``node`` is the ``probs @ v`` product of an
-    attention written out as ops (``softmax(q @ k^T ...) @ v``: a model's eager attention, which neither SDPA nor
-    Inductor's ``fuse_attention`` pass turned into an SDPA call); None for any other node. Only SDPA calls are
-    rewritten, so such an attention stays as Inductor compiles it; the reason names what the softmax holds
-    besides the scaled scores (attention sinks, softcapping), which ``rubin.attention`` does not express."""
+    """What attention ``node`` completes, when ``node`` is the ``probs @ v`` product of an attention written out as
+    ops (``softmax(q @ k^T ...) @ v``: a model's eager attention, which neither SDPA nor Inductor's
+    ``fuse_attention`` pass turned into an SDPA call): its two products and what the softmax holds besides the
+    scores (attention sinks, softcapping); None for any other node. ``_rewrite_eager`` then rewrites it or says
+    why not."""
     if not is_call(node, aten.bmm.default):
         return None
     start = _softmax_input(node.args[0])
@@ -234,15 +241,283 @@ def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
     if softcap:
         extra.append("tanh softcapping of the scores")
     what = f", with {' and '.join(extra)}" if extra else ""
-    fix = (
-        "SDPA's semantics, which rubin.attention takes, do not express that; it stays as Inductor compiles it"
-        if extra
-        else 'load the model with attn_implementation="sdpa" where it supports it to have it rewritten; '
-        "it stays as Inductor compiles it"
-    )
+    return f"attention written as matmul -> softmax -> matmul ({found.name} -> softmax -> {node.name}){what}"
+
+
+@dataclass
+class _EagerAttention:
+    """An attention written out as ops, read back to ``rubin.attention``'s operands."""
+
+    query: torch.fx.Node  # [B, Hq, S, D] (key / value may still be repeated: _new_attention folds that)
+    key: torch.fx.Node
+    value: torch.fx.Node
+    mask: Optional[torch.fx.Node]  # added to the scaled scores
+    scale: float
+    sinks: Optional[torch.fx.Node]  # the logit per head concatenated to the scores (as the graph holds it)
+    out: torch.fx.Node  # the [B, Hq, S, Dv] result, which the rewrite replaces
+    walked: list[torch.fx.Node]  # the nodes between the operands and ``out``
+
+
+def _unbatch(node: Any) -> Optional[torch.fx.Node]:
+    """``x`` for ``reshape([expand](x, [B, H, M, N]), [B * H, M, N])`` -- how a 4-D ``matmul`` reaches ``bmm`` -- with
+    ``x`` 4-D and the expand not broadcasting; else None."""
+    if not is_call(node, *RESHAPES):
+        return None
+    inner = node.args[0]
+    if is_call(inner, aten.expand.default):
+        inner = inner.args[0]
+    val, out = tensor_val(inner), tensor_val(node)
+    if val is None or out is None or val.dim() != 4 or out.dim() != 3:
+        return None
+    B, H, M, N = val.shape
+    if not all(statically_known_true(a == b) for a, b in zip(out.shape, (B * H, M, N))):
+        return None
+    return inner
+
+
+def _strip(node: Any, walked: list, *targets: Any) -> Any:
+    """``node`` with calls of ``targets`` (their first argument) peeled off; a non-broadcasting ``expand`` too."""
+    while True:
+        if is_call(node, *targets):
+            walked.append(node)
+            node = node.args[0]
+        elif is_call(node, aten.expand.default) and _same_shape(node, node.args[0]):
+            walked.append(node)
+            node = node.args[0]
+        else:
+            return node
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    va, vb = tensor_val(a), tensor_val(b)
     return (
-        f"attention written as matmul -> softmax -> matmul ({found.name} -> softmax -> {node.name}), not as an SDPA "
-        f"call{what}: only SDPA calls are rewritten; {fix}"
+        va is not None
+        and vb is not None
+        and va.dim() == vb.dim()
+        and all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape))
+    )
+
+
+def _last_dim(dim: Any, node: Any) -> bool:
+    val = tensor_val(node)
+    return val is not None and isinstance(dim, int) and dim in (-1, val.dim() - 1)
+
+
+def _row_max_of(m: Any, x: Any) -> Optional[list[torch.fx.Node]]:
+    """The nodes of ``m`` when it is the maximum of ``x`` over the last dim, kept (``amax(x, [-1], True)`` or
+    ``max(x, -1, True)[0]``); else None."""
+    if is_call(m, aten.amax.default):
+        dims = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim", [])
+        keep = m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False)
+        if m.args[0] is x and keep and len(dims) == 1 and _last_dim(dims[0], x):
+            return [m]
+    if is_call(m, operator.getitem) and m.args[1] == 0 and is_call(m.args[0], aten.max.dim):
+        mx = m.args[0]
+        keep = mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False)
+        if mx.args[0] is x and keep and _last_dim(mx.args[1], x):
+            return [m, mx]
+    return None
+
+
+def _softmax_of(p: Any, walked: list) -> Optional[torch.fx.Node]:
+    """``x`` for ``p = softmax(x, dim=-1)`` (whole, or as Inductor decomposes it: ``exp(y - amax(y)) / sum``),
+    before the subtractions of its row maximum (a softmax does not change by them) and the upcasts around it."""
+    p = _strip(p, walked, *CONVERTS)
+    if is_call(p, *_SOFTMAX):
+        if not _last_dim(p.args[1], p.args[0]):
+            return None
+        walked.append(p)
+        x = p.args[0]
+    elif is_call(p, aten.div.Tensor) and is_call(p.args[0], aten.exp.default):
+        e, total = p.args[0], p.args[1]
+        if not (is_call(total, aten.sum.dim_IntList) and total.args[0] is e and len(total.args[1]) == 1):
+            return None
+        if not _last_dim(total.args[1][0], e):
+            return None
+        walked += [p, e, total]
+        x = e.args[0]
+    else:
+        return None
+    while True:
+        x = _strip(x, walked, *CONVERTS)
+        if is_call(x, aten.sub.Tensor):
+            base = _strip(x.args[0], [], *CONVERTS)
+            m = _row_max_of(x.args[1], x.args[0]) or _row_max_of(x.args[1], base)
+            if m is not None:
+                walked += [x, *m]
+                x = x.args[0]
+                continue
+        return x
+
+
+def _scaled_scores(x: Any, walked: list) -> Optional[tuple[torch.fx.Node, float]]:
+    """(the ``q @ k^T`` bmm, the number it is multiplied by) for ``x = reshape(bmm) * c`` (also ``/ c``, several
+    times or none); else None."""
+    scale = 1.0
+    while True:
+        x = _strip(x, walked, *CONVERTS)
+        if is_call(x, aten.mul.Tensor) and scalar(x.args[1]) is not None:
+            scale *= scalar(x.args[1])
+        elif is_call(x, aten.mul.Tensor) and scalar(x.args[0]) is not None:
+            walked.append(x)
+            scale *= scalar(x.args[0])
+            x = x.args[1]
+            continue
+        elif is_call(x, aten.div.Tensor) and scalar(x.args[1]) not in (None, 0.0):
+            scale /= scalar(x.args[1])
+        elif is_call(x, *RESHAPES) and is_call(x.args[0], aten.bmm.default):
+            walked += [x, x.args[0]]
+            return x.args[0], scale
+        else:
+            return None
+        walked.append(x)
+        x = x.args[0]
+
+
+def _head_logits(col: Any, hq: Any, walked: list) -> Optional[torch.fx.Node]:
+    """The sinks' source for the column ``col`` [B, Hq, S, 1] concatenated to the scores: a tensor of ``Hq`` values
+    broadcast over batch and positions (``sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)``), as a 1-D node when
+    the graph has one; else None."""
+    n = col
+    while is_call(n, aten.expand.default):
+        walked.append(n)
+        n = n.args[0]
+    val = tensor_val(n)
+    if val is None or val.dim() != 4 or not statically_known_true(val.shape[1] == hq):
+        return None
+    if not all(statically_known_true(val.shape[i] == 1) for i in (0, 2, 3)):
+        return None
+    while is_call(n, *RESHAPES):
+        inner = tensor_val(n.args[0])
+        if inner is None or inner.numel() != val.numel():
+            break
+        walked.append(n)
+        n = n.args[0]
+    return n
+
+
+def _read_eager(node: torch.fx.Node):
+    """``node`` (the ``probs @ v`` bmm of an attention written out as ops) read back to the operands of
+    ``rubin.attention`` (an ``_EagerAttention``), or why it cannot be."""
+    walked: list[torch.fx.Node] = [node]
+    users = list(node.users)
+    out = users[0] if len(users) == 1 else None
+    if not (is_call(out, *RESHAPES) and tensor_val(out) is not None and tensor_val(out).dim() == 4):
+        return "its product is not reshaped back to [B, H, S, Dv] (a 4-D matmul)"
+    walked.append(out)
+    p, v = _unbatch(node.args[0]), _unbatch(node.args[1])
+    if p is None or v is None:
+        return "its operands are not 4-D [B, H, S, ...] tensors batched for bmm"
+    walked += [node.args[0], node.args[1]]
+    if is_call(node.args[1].args[0], aten.expand.default):
+        walked.append(node.args[1].args[0])
+    if is_call(node.args[0].args[0], aten.expand.default):
+        walked.append(node.args[0].args[0])
+    p = _strip(p, walked, aten.clone.default, *CONVERTS)
+    sliced = is_call(p, aten.slice.Tensor)
+    if sliced:
+        dim, begin = p.args[1], p.args[2] if len(p.args) > 2 else 0
+        end, step = (p.args[3] if len(p.args) > 3 else None), (p.args[4] if len(p.args) > 4 else 1)
+        width = tensor_val(p.args[0]).shape[-1] if tensor_val(p.args[0]) is not None else None
+        if not (_last_dim(dim, p) and begin in (0, None) and step == 1 and (end == -1 or end == width - 1)):
+            return "the probabilities are a slice of the softmax other than all but its last column"
+        walked.append(p)
+        p = p.args[0]
+    x = _softmax_of(p, walked)
+    if x is None:
+        return "its softmax is not over the last dim of the scores (or not a plain softmax)"
+    sinks = None
+    if is_call(x, aten.cat.default):
+        parts = x.args[0]
+        dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+        if not sliced or len(parts) != 2 or not _last_dim(dim, x):
+            return "the softmax is over scores concatenated with something other than one column it then drops"
+        walked.append(x)
+        x, col = parts
+        sinks = _head_logits(col, tensor_val(out).shape[1], walked)
+        if sinks is None:
+            return "the column concatenated to the scores is not one logit per head (a sink) broadcast over rows"
+    elif sliced:
+        return "the probabilities drop the softmax's last column, which is not a concatenated sink column"
+    x = _strip(x, walked, *CONVERTS)
+    mask = None
+    if is_call(x, aten.add.Tensor):
+        for a, b in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            trial: list[torch.fx.Node] = []
+            if isinstance(b, torch.fx.Node) and _scaled_scores(a, trial) is not None:
+                walked.append(x)
+                x, mask = a, b
+                break
+        else:
+            return "the scores are added to something that is not a mask (both sides are products)"
+    if _has_tanh(x):
+        return "rubin.attention (SDPA's semantics, plus attention sinks) has no softcapping"
+    scores = _scaled_scores(x, walked)
+    if scores is None:
+        return "the scores are not q @ k^T multiplied by a number (and then a mask added)"
+    qk, scale = scores
+    q, kt = _unbatch(qk.args[0]), _unbatch(qk.args[1])
+    if q is None or kt is None:
+        return "q @ k^T does not multiply 4-D [B, H, S, D] tensors"
+    walked += [qk.args[0], qk.args[1]]
+    walked += [a.args[0] for a in (qk.args[0], qk.args[1]) if is_call(a.args[0], aten.expand.default)]
+    k = _untransposed(kt)
+    if k is None:
+        return "the keys are not transposed over their last two dims for q @ k^T"
+    walked.append(kt)
+    return _EagerAttention(q, k, v, mask, scale, sinks, out, walked)
+
+
+def _has_tanh(x: Any) -> bool:
+    todo, seen = [x], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or is_call(n, aten.bmm.default) or n.op != "call_function":
+            continue
+        seen.add(n)
+        if is_call(n, aten.tanh.default):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _untransposed(kt: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """``k`` for ``kt = k.transpose(-2, -1)`` (``permute(k, [0, 1, 3, 2])`` or ``transpose(k, 2, 3)``)."""
+    if is_call(kt, aten.permute.default) and list(kt.args[1]) in ([0, 1, 3, 2], [0, 1, -1, -2]):
+        return kt.args[0]
+    if is_call(kt, aten.transpose.int) and {kt.args[1] % 4, kt.args[2] % 4} == {2, 3}:
+        return kt.args[0]
+    return None
+
+
+def _rewrite_eager(graph: torch.fx.Graph, node: torch.fx.Node):
+    """Rewrite the attention written out as ops that ``node`` (its ``probs @ v``) completes into ``rubin.attention``
+    (with ``sinks`` where its softmax has a sink column); the Rewrite, or why it was left alone."""
+    read = _read_eager(node)
+    if isinstance(read, str):
+        return read
+    sinks = read.sinks
+    with graph.inserting_before(node):
+        sval = tensor_val(sinks)
+        if sinks is not None and sval is not None and sval.dim() != 1:
+            sinks = call(graph, aten.reshape.default, (sinks, [sval.numel()]))
+    built = _new_attention(graph, node, read.query, read.key, read.value, read.mask, False, read.scale, sinks)
+    if isinstance(built, str):
+        if sinks is not read.sinks:
+            graph.erase_node(sinks)
+        return built
+    new, folded_chains, details = built
+    inherit_source([new], read.out)
+    read.out.replace_all_uses_with(new)
+    replaced = _erase_unused(graph, read.walked + folded_chains)
+    details["sinks"] = None if sinks is None else f"{read.sinks.name} [{report_value(details['Hq'])}]"
+    form = "matmul -> softmax -> matmul" + (" with attention sinks" if sinks is not None else "")
+    return Rewrite(
+        node=new.name,
+        canonical_op="rubin.attention",
+        source_idiom=f"{EAGER_IDIOM} ({form})",
+        replaced=sorted(set(replaced)),
+        details={"form": form, **details},
     )
 
 
@@ -316,8 +591,62 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         return "return_debug_mask=True (a debugging output rubin.attention does not produce)"
     q, k, v = args["query"], args["key"], args["value"]
     mask = args.get("attn_mask", args.get("attn_bias"))
-    is_causal = bool(args.get("is_causal", False))
-    scale = args.get("scale")
+    built = _new_attention(graph, node, q, k, v, mask, bool(args.get("is_causal", False)), args.get("scale"))
+    if isinstance(built, str):
+        return built
+    new, folded_chains, details = built
+    inherit_source([new], node)
+    replaced = [node.name]
+    for out in outs:
+        if out is not node:
+            out.replace_all_uses_with(new)
+            replaced.append(out.name)
+    if node.target is aten.scaled_dot_product_attention.default:
+        node.replace_all_uses_with(new)
+    for user in list(node.users):  # unused getitems (logsumexp, ...)
+        replaced.append(user.name)
+        graph.erase_node(user)
+    for out in outs:
+        if out is not node and not out._erased:
+            graph.erase_node(out)
+    graph.erase_node(node)
+    replaced += _erase_unused(graph, folded_chains)  # the repeat copies, where nothing else reads them
+    return Rewrite(
+        node=new.name,
+        canonical_op="rubin.attention",
+        source_idiom=f"{IDIOM} ({form})",
+        replaced=sorted(set(replaced)),
+        details={"form": form, **details},
+    )
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Erase those of ``nodes`` nothing reads any more (users first, until none is left); their names."""
+    erased, left = [], [n for n in nodes if isinstance(n, torch.fx.Node)]
+    while True:
+        dead = [n for n in left if not n._erased and not n.users]
+        if not dead:
+            return erased
+        for n in dead:
+            erased.append(n.name)
+            graph.erase_node(n)
+        left = [n for n in left if not n._erased]
+
+
+def _new_attention(
+    graph: torch.fx.Graph,
+    anchor: torch.fx.Node,
+    q: torch.fx.Node,
+    k: torch.fx.Node,
+    v: torch.fx.Node,
+    mask: Optional[torch.fx.Node],
+    is_causal: bool,
+    scale: Optional[float],
+    sinks: Optional[torch.fx.Node] = None,
+):
+    """A ``rubin.attention`` node before ``anchor`` for an attention of these operands (repeated key / value heads
+    folded back into GQA, an FP8 cache's dequantisation folded into the op): (the node, the nodes of the folded
+    chains, the report's details), or the reason it cannot be built."""
     vals = {n: tensor_val(x) for n, x in (("query", q), ("key", k), ("value", v))}
     if any(val is None for val in vals.values()) or (mask is not None and tensor_val(mask) is None):
         return "no fake tensor recorded on its inputs"
@@ -348,46 +677,28 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         folded_chains += dk.chain + dv.chain
         kv_cache = f"{dtype_name(tensor_val(k).dtype)}, dequantised in the graph ({dk.form}): folded"
     kv, vv = tensor_val(k), tensor_val(v)
+    sval = tensor_val(sinks) if sinks is not None else None
     try:
-        checked = AttentionArgs(vals["query"], kv, vv, tensor_val(mask), is_causal, scale)
+        checked = AttentionArgs(vals["query"], kv, vv, tensor_val(mask), is_causal, scale, sinks=sval)
     except AttentionArgumentError as e:
         return f"its operands do not fit rubin.attention: {e}"
 
     kwargs: dict[str, Any] = {"is_causal": is_causal, "scale": scale}
     if mask is not None:
         kwargs = {"attn_mask": mask, **kwargs}
-    with graph.inserting_before(node):
+    with graph.inserting_before(anchor):
         for name, dq in (fold or {}).items():
             scale_node = dq.emit(graph, q, qdtype)
             if scale_node is not None:
                 kwargs[name] = scale_node
+        if sinks is not None:
+            kwargs["sinks"] = sinks
         new = call(graph, torch.ops.rubin.attention.default, (q, k, v), kwargs)
-    inherit_source([new], node)
-    replaced = [node.name]
-    for out in outs:
-        if out is not node:
-            out.replace_all_uses_with(new)
-            replaced.append(out.name)
-    if node.target is aten.scaled_dot_product_attention.default:
-        node.replace_all_uses_with(new)
-    for user in list(node.users):  # unused getitems (logsumexp, ...)
-        replaced.append(user.name)
-        graph.erase_node(user)
-    for out in outs:
-        if out is not node and not out._erased:
-            graph.erase_node(out)
-    graph.erase_node(node)
-    for n in folded_chains:  # the repeat copies, where nothing else reads them
-        if not n._erased and not n.users:
-            replaced.append(n.name)
-            graph.erase_node(n)
 
     mval = tensor_val(mask)
-    qv = vals["query"]
     details: dict[str, Any] = {
-        "form": form,
         **{n: report_value(getattr(checked, n)) for n in ("B", "Hq", "Hkv", "S", "Skv", "D", "Dv")},
-        "dtype": dtype_name(qv.dtype),
+        "dtype": dtype_name(qdtype),
         "gqa": gqa,
         "masking": "causal" if is_causal else ("none" if mask is None else "mask"),
         "mask": None
@@ -396,13 +707,7 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
         "scale": scale if scale is not None else "1/sqrt(D)",
         "kv_cache": _describe_cache(k, kv_cache),
     }
-    return Rewrite(
-        node=new.name,
-        canonical_op="rubin.attention",
-        source_idiom=f"{IDIOM} ({form})",
-        replaced=sorted(set(replaced)),
-        details=details,
-    )
+    return new, folded_chains, details
 
 
 @dataclass

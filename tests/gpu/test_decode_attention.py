@@ -130,6 +130,30 @@ def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, split
 
 
 @needs_sm90
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 1.5e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_sinks_match_gpt_oss_eager_attention(dtype, tol, splits):
+    """GPT-OSS's shapes (64 query / 8 KV heads of 64) with a sink logit per head, a finite additive mask (eager
+    attention's ``finfo.min``, as transformers gives it) and batch rows filled to different lengths, against the
+    float64 reference (the model's own formula: tests/cpu/ops/test_attention.py); the combine adds the sinks
+    (several splits) or the split kernel (one)."""
+    from rubin_compile.kernels.triton import attention
+
+    lengths = (3000, 130)
+    B, Hq, Hkv, Skv, D = len(lengths), 64, 8, 3200, 64
+    q, k, v, mask, tail = _inputs(B, Hq, Hkv, 1, Skv, D, lengths, dtype)
+    sinks = (torch.randn(Hq, device="cuda") * 2 + 5).to(dtype)  # large enough to change every output
+    additive = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+    k, v = k.masked_fill(tail, 0.0), v.masked_fill(tail, 0.0)  # a finite mask: every position is read
+    want = reference(AttentionArgs(q.double(), k.double(), v.double(), additive.double(), sinks=sinks.double()))
+    got = attention.run(AttentionArgs(q, k, v, additive, sinks=sinks), splits=splits)
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < tol, f"error {err:.2e} of the output's scale"
+    no_sinks = attention.run(AttentionArgs(q, k, v, additive), splits=splits)
+    assert (no_sinks.double() - want).abs().max() > 10 * tol * want.abs().max(), "the sinks changed nothing"
+
+
+@needs_sm90
 def test_runs_in_a_cuda_graph():
     from rubin_compile.kernels.triton import attention
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch._inductor.config  # noqa: F401  (read by the GEMM's selection: max-autotune changes the rival)
 
-from rubin_compile.ops.attention import ATTENTION, AttentionArgs, reference
+from rubin_compile.ops.attention import ATTENTION, SINKS, AttentionArgs, reference
 from rubin_compile.ops.gemm import GEMM, GemmArgs
 from rubin_compile.kernels.triton import moe_choice
 from rubin_compile.ops.moe import MOE, MoEArgs, aten, aten_unsupported
@@ -231,6 +231,7 @@ ATTENTION_PDL_DECLINED = (
     entry=lambda spec: "rubin_compile.kernels.triton.attention.run (split-KV decode)",
     pdl=lambda spec: ATTENTION_PDL_DECLINED,
     in_graph=True,
+    features=(SINKS,),
 )
 def triton_attention(args: AttentionArgs, launch: Launch) -> torch.Tensor:
     """The split-KV decode attention (kernels/triton/attention.py: ``run``); a call with more query rows than

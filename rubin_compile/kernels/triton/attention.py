@@ -58,6 +58,7 @@ def _split_kv(
     Mask,
     KScale,
     VScale,
+    Sinks,
     Out,
     PartO,
     PartML,
@@ -95,6 +96,7 @@ def _split_kv(
     CAUSAL: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
+    SINKS: tl.constexpr,  # a sink logit per query head joins each row's softmax denominator (GPT-OSS)
     DIRECT: tl.constexpr,  # one split: normalise and write Out
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no TF32)
     F16_KV: tl.constexpr,  # FP8 keys / values with a 16-bit query: the products on fp16 MMAs (see below)
@@ -242,6 +244,9 @@ def _split_kv(
     if V_SCALED:
         acc = acc * tl.load(VScale).to(tl.float32)
     if DIRECT:
+        if SINKS:
+            alpha, l_i = _add_sink(m_i, l_i, tl.load(Sinks + head, mask=row_ok, other=0.0))
+            acc = acc * alpha[:, None]
         o = acc / l_i[:, None]
         tl.store(
             Out + b * so_b + head[:, None] * so_h + s_idx[:, None] * so_s + dv[None, :],
@@ -272,11 +277,25 @@ def _prefetch_tiles(base, start, end, stride_n, ROW_BYTES: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _merge_splits(PartO, PartML, Out, base, nsplit, b, hk, row_start, row_end, so_b, so_h, so_s, GROUP: tl.constexpr,
-                  ROWS: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, SPLIT_CHUNK: tl.constexpr):  # fmt: skip
+def _add_sink(m, l, sink):
+    """(alpha, sum) for a softmax with running maximum ``m`` (log2 units) and sum ``l`` when the sink logit ``sink``
+    (natural-log units, as the model's) joins its denominator: the accumulator times ``alpha`` and the new sum are
+    both at the new maximum. A row with nothing attended (m = -inf) gets alpha 0: zeros out, as the model's softmax
+    over [scores, sink] gives."""
+    sk = sink.to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m, sk)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    return alpha, l * alpha + tl.exp2(sk - m_use)
+
+
+@triton.jit
+def _merge_splits(PartO, PartML, Out, Sinks, base, nsplit, b, hk, row_start, row_end, so_b, so_h, so_s,
+                  GROUP: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+                  SPLIT_CHUNK: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     """Merge the ``nsplit`` partial softmaxes (acc, max, sum) of query rows ``row_start:row_end`` of KV head ``hk``
     and write those output rows: per row, online over chunks of splits (the running maximum rescales what came
-    before)."""
+    before); with ``SINKS``, the row's head's sink logit joins the denominator last."""
     dv = tl.arange(0, BDV)
     splits = tl.arange(0, SPLIT_CHUNK)
     for row in range(row_start, row_end):
@@ -299,6 +318,9 @@ def _merge_splits(PartO, PartML, Out, base, nsplit, b, hk, row_start, row_end, s
             l_sum = l_sum * alpha + tl.sum(w * l_s, 0)
             acc = acc * alpha + tl.sum(w[:, None] * o, 0)
             m_run = m_new
+        if SINKS:
+            alpha, l_sum = _add_sink(m_run, l_sum, tl.load(Sinks + head))
+            acc = acc * alpha
         tl.store(Out + b * so_b + head * so_h + s_idx * so_s + dv, (acc / l_sum).to(Out.dtype.element_ty), mask=dv < DV)
 
 
@@ -307,6 +329,7 @@ def _combine(
     PartO,
     PartML,
     Out,
+    Sinks,
     so_b,
     so_h,
     so_s,
@@ -317,6 +340,7 @@ def _combine(
     DV: tl.constexpr,
     BDV: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    SINKS: tl.constexpr,
     GDC: tl.constexpr,
 ):
     """The merge of the splits: one program per (batch, KV head, query row), PDL-launched after the split kernel
@@ -328,8 +352,8 @@ def _combine(
     if GDC:
         gdc_wait()  # the partials are the split kernel's
         gdc_launch_dependents()
-    _merge_splits(PartO, PartML, Out, bh * nsplit * ROWS, nsplit, bh // Hkv, bh % Hkv, row, row + 1, so_b, so_h, so_s,
-                  GROUP, ROWS, DV, BDV, SPLIT_CHUNK)  # fmt: skip
+    _merge_splits(PartO, PartML, Out, Sinks, bh * nsplit * ROWS, nsplit, bh // Hkv, bh % Hkv, row, row + 1, so_b, so_h,
+                  so_s, GROUP, ROWS, DV, BDV, SPLIT_CHUNK, SINKS)  # fmt: skip
 
 
 def rows_of(S: int, Hq: int, Hkv: int) -> int:
@@ -420,7 +444,7 @@ def run(
         mask_kind = 1 if mask.dtype == torch.bool else 2
         mask_arg, mask_strides = full, tuple(full.stride())
         shared = (Hq == 1 or full.stride(1) == 0) and (S == 1 or full.stride(2) == 0)
-    k_scale, v_scale = args.k_scale, args.v_scale
+    k_scale, v_scale, sinks = args.k_scale, args.v_scale, args.sinks
     if splits is not None:  # a split count asked for: whole tiles per split, as many splits as that leaves
         nsplit = max(1, min(splits, cdiv(Skv, cfg.block_n)))
         split_len = cdiv(cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n
@@ -458,6 +482,7 @@ def run(
         mask_arg,
         k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q,
+        sinks if sinks is not None else q,
         out,
         part_o,
         part_ml,
@@ -492,6 +517,7 @@ def run(
         CAUSAL=bool(args.is_causal),
         K_SCALED=k_scale is not None,
         V_SCALED=v_scale is not None,
+        SINKS=sinks is not None,
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
         F16_KV=q.dtype != torch.float32 and k.element_size() == 1 and v.element_size() == 1,
@@ -510,6 +536,7 @@ def run(
             part_o,
             part_ml,
             out,
+            sinks if sinks is not None else q,
             so[0],
             so[1],
             so[2],
@@ -520,6 +547,7 @@ def run(
             DV=Dv,
             BDV=BDV,
             SPLIT_CHUNK=combine_chunk(nsplit),
+            SINKS=sinks is not None,
             GDC=pdl or chain,
             num_warps=4,
             # PDL-chained after the split kernel (it waits for the partials): its launch overlaps the split's tail.

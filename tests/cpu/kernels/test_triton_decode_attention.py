@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rubin_compile import target as target_mod
-from rubin_compile.ops.attention import ATTENTION
+from rubin_compile.ops.attention import ATTENTION, SINKS
 from rubin_compile.ops.registry import KernelSpec
 from tests.cpu.kernels.triton_interp import run_file, triton_version
 
@@ -54,6 +54,11 @@ CASES = {
     # the Configs config_for picks: 128-position tiles, two programs per SM (LONG); one per SM, 2-tile splits
     "long-config": (2, 8, 2, 1, 900, 32, 32, {"mask": "bool", "lengths": (70, 861), "config": "LONG"}),
     "default-config": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (290,), "config": "DEFAULT"}),
+    # attention sinks (GPT-OSS): a logit per query head in each row's denominator, merged by the combine (several
+    # splits) or by the split kernel itself (one); large sinks that outweigh the scores too
+    "sinks-splits": (2, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (70, 261), "splits": 3, "sinks": 1.0}),
+    "sinks-one-split": (1, 8, 2, 1, 90, 32, 32, {"mask": "additive", "lengths": (60,), "splits": 1, "sinks": 1.0}),
+    "sinks-dominant-fp16": (1, 8, 1, 1, 200, 64, 64, {"dtype": "float16", "splits": 4, "sinks": 12.0}),
     "tile-128": (
         2,
         8,
@@ -69,7 +74,7 @@ TOLERANCE = {"float32": 2e-6, "float16": 4e-3, "bfloat16": 8e-3}
 
 
 def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, left_pad=None, causal=False,
-          dtype="float32", fp8=False, scales=True, config=None, q_mul=1.0, hole=None):  # fmt: skip
+          dtype="float32", fp8=False, scales=True, config=None, q_mul=1.0, hole=None, sinks=None):  # fmt: skip
     """Run one case: (max |out - ref| / max |ref|, whether every output is finite)."""
     from rubin_compile.kernels.triton import attention
     from rubin_compile.ops.attention import AttentionArgs, reference
@@ -122,9 +127,13 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
             k, v = k.masked_fill(tail, nan), v.masked_fill(tail, nan)
         ref_k, ref_v = ref_k.masked_fill(tail, 0.0), ref_v.masked_fill(tail, 0.0)
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
-    ref = reference(AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal))
+    sk = None if sinks is None else (torch.randn(Hq, generator=g) * sinks).to(dt)
+    ref = reference(
+        AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal, sinks=None if sk is None else sk.double())
+    )
     cfg = getattr(attention, config) if isinstance(config, str) else attention.Config(**config) if config else None
-    out = attention.run(AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale), splits=splits, config=cfg)
+    args = AttentionArgs(q, k, v, m, causal, None, k_scale, v_scale, sk)
+    out = attention.run(args, splits=splits, config=cfg)
     assert out.shape == ref.shape and out.stride() == reference(AttentionArgs(q, k, v, m, causal)).stride()
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     return err, bool(torch.isfinite(out).all())
@@ -180,10 +189,10 @@ def test_split_kernel_compiles_for_sm90_with_pipelined_kv_tiles(kernels, kv, mas
     consts = dict(
         GROUP=8, ROWS=rows, D=width, DV=width, BD=width, BDV=width, BLOCK_N=kernels.BLOCK_N, MASK_KIND=mask_kind,
         MASK_SHARED=rows == 16, SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=fp8, V_SCALED=fp8, DIRECT=False,
-        IEEE=False, F16_KV=fp8, **_PDL_OFF,
+        IEEE=False, F16_KV=fp8, SINKS=False, **_PDL_OFF,
     )  # fmt: skip
     ptrs = dict(Q="*bf16", K=kv, V=kv, Mask="*i1" if mask_kind == 1 else "*bf16", KScale="*fp32", VScale="*fp32",
-                Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
+                Sinks="*bf16", Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
     stages = kernels.config_for(1, 4, 16384).num_stages
     ttgir = {}
     ptx = compile_like_a_launch(
@@ -224,11 +233,11 @@ def test_split_kernel_with_pdl_waits_after_its_l2_requests_and_before_any_load(k
     consts = dict(
         GROUP=8, ROWS=16, D=128, DV=128, BD=128, BDV=128, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
         SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=False, IEEE=False,
-        F16_KV=False, GDC=True,
+        F16_KV=False, SINKS=False, GDC=True,
         EARLY_TRIGGER=early, PF_TILES=pf_tiles, PF_K_ROW=256, PF_V_ROW=256, PF_NCHUNK=128 // max(pf_tiles, 1),
     )  # fmt: skip
-    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Out="*bf16",
-                PartO="*fp32", PartML="*fp32")  # fmt: skip
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Sinks="*bf16",
+                Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
     ptx = compile_like_a_launch(kernels._split_kv, consts, ptrs, _qwen3_ints(16512), num_stages=3, floats=("qk_scale",))
     body = ptx[ptx.index(".entry") :]
     wait = body.index("griddepcontrol.wait")
@@ -252,8 +261,8 @@ def test_combine_kernel_with_pdl_waits_before_reading_the_partials(kernels):
 
     ptx = compile_sm90(
         kernels._combine,
-        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, GDC=True),
-        dict(PartO="*fp32", PartML="*fp32", Out="*bf16"),
+        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, SINKS=False, GDC=True),
+        dict(PartO="*fp32", PartML="*fp32", Out="*bf16", Sinks="*bf16"),
     )
     body = ptx[ptx.index(".entry") :]
     assert body.index("griddepcontrol.wait") < body.index("ld.global")
@@ -291,13 +300,46 @@ def _copy_masks_from_loads(ttgir: str) -> tuple[list[str], list[str]]:
     return copies, loaded
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["one-split", "partials"])
+def test_kernels_with_sinks_compile_for_sm90_and_read_the_sinks_after_the_loop(kernels, direct):
+    """With ``SINKS`` the split kernel (one split: it normalises) or the combine (several: it merges) reads each row's
+    head's sink after the K / V loop, outside it: the loop is the same pipelined loop, with no extra load."""
+    from tests.cpu.kernels.triton_aot import compile_like_a_launch, compile_sm90, loop_bodies
+
+    consts = dict(
+        GROUP=8, ROWS=16, D=64, DV=64, BD=64, BDV=64, BLOCK_N=kernels.BLOCK_N, MASK_KIND=1, MASK_SHARED=True,
+        SCAN=kernels.SCAN_POSITIONS, CAUSAL=False, K_SCALED=False, V_SCALED=False, DIRECT=direct, IEEE=False,
+        F16_KV=False, **_PDL_OFF,
+    )  # fmt: skip
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*i1", KScale="*fp32", VScale="*fp32", Sinks="*bf16",
+                Out="*bf16", PartO="*fp32", PartML="*fp32")  # fmt: skip
+    split = {}
+    for sinks in (False, True):
+        split[sinks] = compile_like_a_launch(
+            kernels._split_kv, {**consts, "SINKS": sinks}, ptrs, _qwen3_ints(4224), num_stages=3, floats=("qk_scale",)
+        )
+    mma = [["\n".join(b) for b in loop_bodies(split[x]) if any("mma" in ln for ln in b)] for x in (False, True)]
+    assert len(mma[1]) == 1 and mma[1][0].count("ld.global") == mma[0][0].count("ld.global")
+    body = split[True][split[True].index(".entry") :]
+    # the sinks' loads (one split; the combine reads them otherwise), after the loop
+    extra = body.count("ld.global") - split[False][split[False].index(".entry") :].count("ld.global")
+    assert extra > 0 if direct else extra == 0, extra
+    if not direct:
+        combine = compile_sm90(
+            kernels._combine,
+            dict(GROUP=8, ROWS=16, DV=64, BDV=64, SPLIT_CHUNK=kernels.SPLIT_CHUNK, SINKS=True, GDC=False),
+            dict(PartO="*fp32", PartML="*fp32", Out="*bf16", Sinks="*bf16"),
+        )
+        assert "ex2.approx" in combine and "st.global" in combine
+
+
 def test_combine_kernel_compiles_for_sm90(kernels):
     from tests.cpu.kernels.triton_aot import compile_sm90
 
     ptx = compile_sm90(
         kernels._combine,
-        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, GDC=False),
-        dict(PartO="*fp32", PartML="*fp32", Out="*bf16"),
+        dict(GROUP=8, ROWS=16, DV=128, BDV=128, SPLIT_CHUNK=kernels.SPLIT_CHUNK, SINKS=False, GDC=False),
+        dict(PartO="*fp32", PartML="*fp32", Out="*bf16", Sinks="*bf16"),
     )
     assert "st.global" in ptx and "griddepcontrol" not in ptx
 
@@ -305,9 +347,10 @@ def test_combine_kernel_compiles_for_sm90(kernels):
 # ------------------------------------------------------------------ selection
 
 
-def _spec(S=1, Hq=32, Hkv=4, D=128, act="bfloat16", kv="bfloat16", quant="none", Skv=4224):
+def _spec(S=1, Hq=32, Hkv=4, D=128, act="bfloat16", kv="bfloat16", quant="none", Skv=4224, sinks=False):
     shape = (("D", D), ("Dv", D), ("Hq", Hq), ("Hkv", Hkv), ("S", S), ("Skv", Skv), ("B", 1))
-    return KernelSpec("attention", quant, act, kv, None, tuple((n, s) for n, s in shape if s is not None), "mask")
+    shape = tuple((n, s) for n, s in shape if s is not None)
+    return KernelSpec("attention", quant, act, kv, None, shape, "mask", features=(SINKS,) if sinks else ())
 
 
 @pytest.mark.parametrize(
@@ -323,8 +366,11 @@ def _spec(S=1, Hq=32, Hkv=4, D=128, act="bfloat16", kv="bfloat16", quant="none",
         (_spec(D=512), "sm90", "torch"),
         (_spec(), "sm100", "torch"),  # not measured on Blackwell: SDPA keeps it
         (_spec(), "cpu", "reference"),
+        (_spec(Hq=64, Hkv=8, D=64, sinks=True), "sm90", "triton"),  # GPT-OSS's attention sinks
+        (_spec(S=16, sinks=True), "sm90", "torch"),  # prefill with sinks: the ATen form, as the model wrote it
+        (_spec(sinks=True), "cpu", "reference"),
     ],
-    ids=["decode", "verify", "prefill", "prefill-mha", "fp8-kv", "fp32", "symbolic-S", "head-512", "sm100", "cpu"],
+    ids="decode verify prefill prefill-mha fp8-kv fp32 symbolic-S head-512 sm100 cpu sinks sinks-prefill sinks-cpu".split(),
 )
 def test_selection_takes_the_decode_kernel_for_decode_shapes_on_sm90(spec, target, kernel):
     # FlashInfer's kernels are declared for plans (FA3 outranks on sm_90 where it can run: the FlashInfer issue);
@@ -332,6 +378,14 @@ def test_selection_takes_the_decode_kernel_for_decode_shapes_on_sm90(spec, targe
     t = target_mod.resolve(target)
     supported = [k for k in ATTENTION.kernels() if not k.name.startswith("flashinfer") and k.check(t, spec) is None]
     assert max(supported, key=lambda k: k.rank(t, spec)).name == kernel
+
+
+def test_flashinfer_attention_declines_sinks_with_the_reason():
+    """FlashInfer's attention kernels do not take rubin.attention's sinks: selection never gives them such a node."""
+    spec = _spec(sinks=True)
+    for kernel in ATTENTION.kernels():
+        if kernel.name.startswith("flashinfer"):
+            assert kernel.check(target_mod.resolve("sm90"), spec) == f"{kernel.name} does not implement {SINKS}"
 
 
 if __name__ == "__main__":  # the subprocess of interp_results

@@ -58,6 +58,45 @@ def test_reference_matches_documented_semantics(case):
     torch.testing.assert_close(got.double(), dense_attention(q, k, v, mask, is_causal, scale), rtol=1e-5, atol=1e-5)
 
 
+def gpt_oss_eager(q, k, v, sinks, mask=None, scale=None):
+    """GPT-OSS's eager attention (transformers' modeling_gpt_oss.eager_attention_forward), float64, head by head."""
+    n = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n, dim=1).double(), v.repeat_interleave(n, dim=1).double()
+    w = q.double() @ k.transpose(2, 3) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask.double()
+    c = torch.cat([w, sinks.double().reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("case", ["plain", "bool_mask", "float_mask", "causal", "scale", "fully_masked_row"])
+def test_sinks_are_gpt_oss_eager_attention(case):
+    """With ``sinks`` the op is the model's own eager attention: one more logit per head in the softmax, its column
+    dropped. A row that attends to nothing gives zeros (the sink takes all the weight), not NaN."""
+    q, k, v = make()
+    sinks = torch.randn(4) * 2
+    mask, is_causal, scale = None, case == "causal", 0.37 if case == "scale" else None
+    if case in ("bool_mask", "fully_masked_row"):
+        mask = torch.rand(2, 1, 5, 7) > 0.3
+        mask[..., 0] = True
+        if case == "fully_masked_row":
+            mask[1, 0, 2] = False
+    elif case == "float_mask":
+        mask = torch.randn(1, 4, 5, 7)
+    got = torch.ops.rubin.attention(q, k, v, mask, is_causal, scale, sinks=sinks)
+    want_mask = torch.ones(5, 7, dtype=torch.bool).tril() if is_causal else mask
+    want = gpt_oss_eager(q, k, v, sinks, want_mask, scale)
+    assert torch.isfinite(want).all()  # eager attention with a sink has no NaN rows
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if case == "fully_masked_row":
+        assert got[1, :, 2].abs().max() == 0
+    # without sinks: SDPA's semantics (the sink logit at -inf is no sink)
+    if case != "fully_masked_row":
+        no_sink = torch.ops.rubin.attention(q, k, v, mask, is_causal, scale, sinks=torch.full((4,), float("-inf")))
+        torch.testing.assert_close(no_sink, torch.ops.rubin.attention(q, k, v, mask, is_causal, scale))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 def test_half_precision_close_to_float64(dtype, tol):
     q, k, v = make(dtype=dtype)
@@ -100,6 +139,9 @@ def test_output_layout_is_bshd():
         (lambda a: a.update(attn_mask=torch.zeros(2, 4, 5, 7, dtype=torch.float64)), "attn_mask must be bool"),
         (lambda a: a.update(attn_mask=torch.zeros(2, 4, 3, 7)), "does not broadcast"),
         (lambda a: a.update(query=a["query"].int(), key=a["key"].int(), value=a["value"].int()), "dtype"),
+        (lambda a: a.update(sinks=torch.zeros(2)), r"sinks must be 1-D with a logit per query head \(\[Hq\] = \[4\]\)"),
+        (lambda a: a.update(sinks=torch.zeros(1, 4)), "sinks must be 1-D"),
+        (lambda a: a.update(sinks=torch.zeros(4, dtype=torch.int32)), "sinks must be a float tensor"),
     ],
 )
 def test_bad_arguments_are_clear_errors(mutate, message):
@@ -116,6 +158,7 @@ def test_fake_impl_and_opcheck():
     q, k, v = make()
     torch.library.opcheck(torch.ops.rubin.attention.default, (q, k, v), {"is_causal": True})
     torch.library.opcheck(torch.ops.rubin.attention.default, (q, k, v), {"attn_mask": torch.randn(2, 1, 5, 7)})
+    torch.library.opcheck(torch.ops.rubin.attention.default, (q, k, v), {"sinks": torch.randn(4)})
 
 
 def test_kernel_spec_for_selection():

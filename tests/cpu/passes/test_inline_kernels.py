@@ -59,9 +59,9 @@ class Graph:
 
     def call(self, op, *args, **kwargs):
         node = self.graph.call_function(op, args, kwargs)
-        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         with self.mode:
-            node.meta["val"] = op(*vals, **{**kwargs, "impl": "reference"})
+            node.meta["val"] = op(*map(val, args), **{**{k: val(a) for k, a in kwargs.items()}, "impl": "reference"})
         return node
 
     def finish(self, *outs):
@@ -112,6 +112,22 @@ def test_attention_is_traced_into_its_two_launches(on_h200):
     # the graph's output is the buffer the kernels write, in the op's layout ([B, S, Hq, Dv] seen as [B, Hq, S, Dv])
     out = next(n for n in g.graph.nodes if n.op == "output").args[0][0]
     assert tuple(out.meta["val"].shape) == (1, 32, 1, 128) and out.meta["val"].stride() == (4096, 128, 4096, 1)
+    g.graph.lint()
+
+
+def test_attention_with_sinks_passes_them_to_both_launches(on_h200):
+    """GPT-OSS's sinks (a graph input of one logit per query head) reach the split kernel and the combine."""
+    g = Graph()
+    q = g.input("q", 1, 64, 1, 64)
+    k = g.input("k", 1, 8, 4232, 64)
+    v = g.input("v", 1, 8, 4232, 64)
+    m = g.input("m", 1, 1, 1, 4232, dtype=torch.bool)
+    s = g.input("s", 64)
+    node = g.call(torch.ops.rubin.attention.default, q, k, v, m, sinks=s, impl="triton@sm90")
+    g.finish(node)
+    assert g.inline(node) == ["_split_kv", "_combine"]
+    launches = [n for n in g.graph.nodes if n.target is HOP]
+    assert [n.kwargs["kwargs"]["Sinks"] is g.nodes["s"] for n in launches] == [True, True]
     g.graph.lint()
 
 

@@ -8,6 +8,7 @@ reference runs the same CPU flash kernel eager does). The CUDA forms are built a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 
@@ -172,32 +173,23 @@ def eager_softcap(q, k, v):  # Gemma 2's eager attention: the scores softcapped 
 SINKS = torch.randn(4, generator=torch.Generator().manual_seed(3))
 
 
-def eager_sinks(q, k, v):  # GPT-OSS's eager attention: a logit per head joins the softmax, its column dropped
-    w = _scores(q, k)
-    c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+def eager_sinks(q, k, v, sinks=SINKS):  # GPT-OSS's eager attention: a logit per head joins the softmax, its column
+    w = _scores(q, k)  # dropped
+    c = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
     c = c - c.max(dim=-1, keepdim=True).values
     return torch.softmax(c, dim=-1)[..., :-1] @ v
 
 
-@pytest.mark.parametrize(
-    "fn, feature",
-    [
-        pytest.param(eager_softcap, "tanh softcapping of the scores", id="softcap"),
-        pytest.param(eager_sinks, "attention sinks", id="sinks"),
-    ],
-)
-def test_eager_attention_left_unchanged_says_why(rubin_run, fn, feature):
-    """A softmax between two matmuls that no SDPA call expresses stays as it is, and the report says so: the two
-    products, and what the softmax holds besides the scaled scores."""
+def test_eager_attention_with_softcapping_left_unchanged_says_why(rubin_run):
+    """A softmax between two matmuls that rubin.attention does not express (tanh-softcapped scores) stays as it is,
+    and the report says so: the two products, what the softmax holds besides the scaled scores, and why."""
     q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
-    assert_close_to_eager(rubin_run.compile(fn)(q, k, v), fn(q, k, v))
+    assert_close_to_eager(rubin_run.compile(eager_softcap)(q, k, v), eager_softcap(q, k, v))
     assert attention_rewrites(rubin_run) == []
     (left,) = rubin_run.unchanged("match_attention")
     assert left["idiom"] == "eager attention" and left["node"].startswith("bmm")
-    assert re.search(
-        r"matmul -> softmax -> matmul \(bmm\w* -> softmax -> bmm\w*\), not as an SDPA call", left["reason"]
-    )
-    assert feature in left["reason"] and "stays as Inductor compiles it" in left["reason"]
+    assert re.search(r"matmul -> softmax -> matmul \(bmm\w* -> softmax -> bmm\w*\), with tanh", left["reason"])
+    assert "has no softcapping" in left["reason"] and "stays as Inductor compiles it" in left["reason"]
     assert count_ops(rubin_run.final_code(), "aten.bmm") == 2
 
 
@@ -208,9 +200,53 @@ def test_eager_attention_inductor_turns_into_sdpa_is_rewritten(rubin_run):
     assert len(attention_rewrites(rubin_run)) == 1 and rubin_run.unchanged("match_attention") == []
 
 
-def test_gpt_oss_attention_sinks_left_unchanged_says_why(rubin_run):
-    """GPT-OSS (transformers: no SDPA path, attention sinks in its eager attention) compiles exactly and the report
-    names the sinks for each layer's attention."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_eager_attention_with_sinks_rewritten(rubin_run, dtype):
+    """GPT-OSS's eager attention (a sink logit per head concatenated to the scores, the softmax, the sink's column
+    dropped) becomes one rubin.attention with ``sinks``: the same values as eager within the dtype's tolerance."""
+    q, k, v = (torch.randn(2, 4, 8, 16).to(dtype) for _ in range(3))
+    fn = functools.partial(eager_sinks, sinks=SINKS.to(dtype))
+    assert_close_to_eager(rubin_run.compile(fn)(q, k, v), fn(q, k, v), dtype)
+    (rw,) = attention_rewrites(rubin_run)
+    assert rw["source_idiom"] == "eager attention (matmul -> softmax -> matmul with attention sinks)"
+    d = rw["details"]
+    assert (d["Hq"], d["Hkv"], d["S"], d["Skv"], d["D"], d["scale"]) == (4, 4, 8, 8, 16, 0.25)
+    assert d["sinks"].endswith("[4]") and d["masking"] == "none"
+    assert rubin_run.unchanged("match_attention") == []
+    assert "bmm" in " ".join(rw["replaced"]) and "cat" in " ".join(rw["replaced"])
+
+
+def eager_sinks_gqa_mask(q, k, v, mask):  # GPT-OSS with repeat_kv and the additive mask of a static cache
+    n = q.shape[1] // k.shape[1]
+    k = k[:, :, None].expand(k.shape[0], k.shape[1], n, *k.shape[2:]).reshape(k.shape[0], -1, *k.shape[2:])
+    v = v[:, :, None].expand(v.shape[0], v.shape[1], n, *v.shape[2:]).reshape(v.shape[0], -1, *v.shape[2:])
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + mask
+    c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    return torch.matmul(torch.softmax(c, dim=-1, dtype=c.dtype)[..., :-1].to(v.dtype), v)
+
+
+def test_eager_attention_with_sinks_gqa_and_mask_rewritten(rubin_run):
+    """With repeat_kv (folded: the op takes the 2 KV heads) and a finite additive mask (eager attention's
+    ``finfo.min``) whose last rows attend to nothing: each such row gives zeros, as eager's softmax does when
+    its sink takes all the weight."""
+    q = torch.randn(2, 4, 3, 16)
+    k, v = torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    mask = torch.zeros(2, 1, 3, 10)
+    mask[:, :, :, 7:] = torch.finfo(torch.float32).min
+    mask[1, :, 2, :] = torch.finfo(torch.float32).min
+    want = eager_sinks_gqa_mask(q, k, v, mask)
+    got = rubin_run.compile(eager_sinks_gqa_mask)(q, k, v, mask)
+    assert_close_to_eager(got, want)
+    assert got[1, :, 2].abs().max() == 0 and want[1, :, 2].abs().max() == 0
+    (rw,) = attention_rewrites(rubin_run)
+    d = rw["details"]
+    assert (d["Hq"], d["Hkv"], d["masking"]) == (4, 2, "mask") and d["gqa"].startswith("repeat_kv folded")
+
+
+def test_gpt_oss_attention_sinks_rewritten(rubin_run):
+    """GPT-OSS (transformers: no SDPA path, attention sinks in its eager attention): every layer's attention
+    becomes rubin.attention with sinks, and the logits are eager's."""
     pytest.importorskip("transformers")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -224,16 +260,16 @@ def test_gpt_oss_attention_sinks_left_unchanged_says_why(rubin_run):
         want = model(ids).logits
         got = rubin_run.compile(model)(ids).logits
     assert_close_to_eager(got, want)
-    left = rubin_run.unchanged("match_attention")
-    assert len(left) == config.num_hidden_layers and attention_rewrites(rubin_run) == []
-    assert all(u["idiom"] == "eager attention" and "attention sinks" in u["reason"] for u in left)
+    rewrites = attention_rewrites(rubin_run)
+    assert len(rewrites) == config.num_hidden_layers and rubin_run.unchanged("match_attention") == []
+    assert all(r["details"]["sinks"] is not None and r["details"]["masking"] == "mask" for r in rewrites)
 
 
 def test_eager_attention_strict_mode_raises():
     q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
     torch._dynamo.reset()
-    compiled = torch.compile(eager_sinks, backend="rubin", options={"strict": True})
-    with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*eager attention.*attention sinks"):
+    compiled = torch.compile(eager_softcap, backend="rubin", options={"strict": True})
+    with pytest.raises(Exception, match=r"(?s)rubin \(strict\).*eager attention.*softcapping"):
         compiled(q, k, v)
 
 
