@@ -45,10 +45,18 @@ Left unchanged, with the reason: an output besides the attention output is used 
 graph saves for the backward pass), dropout, ``return_debug_mask``, inputs that are not 4-D ``[B, H, S, D]``,
 mixed dtypes, a mask ``rubin.attention`` does not take. SDPA with dropout in a graph compiled for inference
 does not reach post-grad as SDPA at all (Inductor decomposes it to ``bmm`` / ``softmax``): nothing to see.
-Also left unchanged with the reason: an attention written out as ops, ``softmax(q @ k^T ...) @ v``, that Inductor's
-``fuse_attention`` did not turn into SDPA (a model's eager attention: GPT-OSS and other families with attention
-sinks, whose transformers code has no SDPA path; tanh-softcapped scores): the report names its two products and
-what its softmax holds besides the scaled scores (``read_eager_attention``), and strict mode fails on it.
+An attention written out as ops, ``softmax(q @ k^T ...) @ v``, that Inductor's ``fuse_attention`` did not turn
+into SDPA (a model's eager attention: GPT-OSS and other families with attention sinks, whose transformers code
+has no SDPA path; eager attention with a mask) is read back to the same operands and rewritten (``_read_eager``)::
+
+    w = reshape(bmm(reshape(q), reshape(permute(repeat_kv(k), [0, 1, 3, 2]))), [B, Hq, S, Skv]) * scale [+ mask]
+    c = cat([w, expand(reshape(sinks, [1, Hq, 1, 1]), [B, Hq, S, 1])], -1)     # attention sinks (optional)
+    p = exp(c - amax(c)) / sum(...)      (row-maximum subtractions before it; the softmax whole, or upcast)
+    o = reshape(bmm(reshape(p[..., :-1]), reshape(repeat_kv(v))), [B, Hq, S, Dv])
+
+into ``rubin.attention(q, k, v, mask, scale=scale, sinks=sinks)``. Left unchanged with the reason (the report
+names its two products and what its softmax holds besides the scaled scores, ``read_eager_attention``; strict
+mode fails on it): tanh-softcapped scores (Gemma 2), and any other step between the products.
 
 Recorded, not rewritten: vLLM's attention::
 

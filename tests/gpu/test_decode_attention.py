@@ -134,7 +134,8 @@ def test_half_and_fp8_kv_match_the_float64_reference(dtype, kv_dtype, tol, split
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_sinks_match_gpt_oss_eager_attention(dtype, tol, splits):
     """GPT-OSS's shapes (64 query / 8 KV heads of 64) with a sink logit per head, a finite additive mask (eager
-    attention's ``finfo.min``, as transformers gives it) and batch rows filled to different lengths, against the
+    attention's ``finfo.min``, as transformers gives it; skipped where masked, as -inf is) and batch rows filled to
+    different lengths, against the
     float64 reference (the model's own formula: tests/cpu/ops/test_attention.py); the combine adds the sinks
     (several splits) or the split kernel (one)."""
     from rubin_compile.kernels.triton import attention
@@ -144,9 +145,11 @@ def test_sinks_match_gpt_oss_eager_attention(dtype, tol, splits):
     q, k, v, mask, tail = _inputs(B, Hq, Hkv, 1, Skv, D, lengths, dtype)
     sinks = (torch.randn(Hq, device="cuda") * 2 + 5).to(dtype)  # large enough to change every output
     additive = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
-    k, v = k.masked_fill(tail, 0.0), v.masked_fill(tail, 0.0)  # a finite mask: every position is read
+    k, v = k.masked_fill(tail, 0.0), v.masked_fill(tail, 0.0)
     want = reference(AttentionArgs(q.double(), k.double(), v.double(), additive.double(), sinks=sinks.double()))
-    got = attention.run(AttentionArgs(q, k, v, additive, sinks=sinks), splits=splits)
+    # finfo.min is -inf once in log2 units: the positions past each row's length are skipped (NaN: never read)
+    got = attention.run(AttentionArgs(q, _poisoned(k, tail), _poisoned(v, tail), additive, sinks=sinks), splits=splits)
+    assert torch.isfinite(got).all(), "a position past a row's length (NaN) was read"
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err < tol, f"error {err:.2e} of the output's scale"
     no_sinks = attention.run(AttentionArgs(q, k, v, additive), splits=splits)

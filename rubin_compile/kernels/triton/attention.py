@@ -4,7 +4,8 @@ Contract: ``run(args, launch)`` computes ``rubin.attention`` (ops/attention.py) 
 (``S * Hq / Hkv <= MAX_ROWS``: decode, speculative verification) over a long key / value sequence, for
 bf16 / fp16 / fp32 queries and keys / values in the query's dtype or FP8 (e4m3 / e5m2, per-tensor
 ``k_scale`` / ``v_scale``; with a 16-bit query the products run on fp16 MMAs), with a bool or additive
-``attn_mask`` broadcast over any dimension, or ``is_causal``. No host synchronisation (capturable in a CUDA graph). Within the tolerances of
+``attn_mask`` broadcast over any dimension, or ``is_causal``, and attention ``sinks`` (a logit per query head in
+each row's denominator, added after the K / V loop: ``_add_sink``). No host synchronisation (capturable in a CUDA graph). Within the tolerances of
 tests/gpu/test_decode_attention.py of the float64 reference.
 
 Why this shape: one decode step reads the whole KV cache once and does two FLOPs per byte, so the floor is
@@ -159,7 +160,10 @@ def _split_kv(
         # position, against 2 * D bytes of K and V per KV head): the keys and values outside it -- the unfilled
         # part of a static cache, padding -- are never read. Exact: a position no row attends to adds
         # exp(-inf) = 0. Found before the K / V loop, so that no K / V load waits on a mask load: the loop's
-        # copies are predicated by loop bounds alone and Triton keeps num_stages - 1 tiles of them in flight.
+        # copies are predicated by loop bounds alone and Triton keeps num_stages - 1 tiles of them in flight. An
+        # additive mask counts as masked where its value in log2 units is -inf in fp32: -inf, or the finfo.min of a
+        # bf16 / fp32 mask, which eager attention writes (x log2(e) overflows) -- the loop adds exactly that value,
+        # so such a position adds 0 either way.
         lo = end
         hi = start
         if MASK_SHARED:
@@ -171,7 +175,7 @@ def _split_kv(
                 if MASK_KIND == 1:
                     att = ok & (mv != 0)
                 else:
-                    att = ok & (mv.to(tl.float32) != float("-inf"))
+                    att = ok & (mv.to(tl.float32) * 1.4426950408889634 != float("-inf"))
                 lo = tl.minimum(lo, tl.min(tl.where(att, cols, end), 0))
                 hi = tl.maximum(hi, tl.max(tl.where(att, cols + 1, start), 0))
         else:
@@ -186,7 +190,7 @@ def _split_kv(
                 if MASK_KIND == 1:
                     att = ok & (mv != 0)
                 else:
-                    att = ok & (mv.to(tl.float32) != float("-inf"))
+                    att = ok & (mv.to(tl.float32) * 1.4426950408889634 != float("-inf"))
                 if CAUSAL:
                     att = att & (cols[None, :] <= s_idx[:, None])
                 any_row = tl.max(att.to(tl.int32), 0) > 0

@@ -34,8 +34,10 @@ CASES = {
     "static-cache-one-split": (2, 4, 1, 1, 200, 32, 32, {"mask": "bool", "lengths": (150, 33), "splits": 1}),
     # left padding: holes at the start of a row (masked, read: inside [first, last] allowed position)
     "left-padding": (2, 8, 2, 1, 160, 32, 32, {"mask": "bool", "lengths": (160, 120), "left_pad": (0, 25)}),
-    # a finite additive mask (finfo.min, as eager attention writes it): nothing to skip, still exact
+    # a finite additive mask (finfo.min, as eager attention writes it): -inf once in log2 units (the loop's scores),
+    # so the positions past the length are skipped as with -inf (poisoned: never read)
     "finite-additive-mask": (1, 8, 2, 1, 150, 32, 32, {"mask": "finite", "lengths": (90,)}),
+    "finite-mask-sinks": (2, 8, 2, 1, 300, 32, 32, {"mask": "finite", "lengths": (70, 261), "sinks": 1.0}),
     # a shared mask whose attended span has a hole inside one split, or a finite bias: every mask tile counts
     "shared-mask-with-hole": (1, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (280,), "hole": (40, 60)}),
     "shared-additive-hole": (1, 8, 2, 1, 300, 32, 32, {"mask": "additive", "lengths": (280,), "hole": (60, 61)}),
@@ -115,7 +117,7 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
         m = m[:, None]
     ref_k = k.double() * (k_scale.double() if k_scale is not None else 1.0)
     ref_v = v.double() * (v_scale.double() if v_scale is not None else 1.0)
-    if mask in ("bool", "additive", "bool4", "additive-bias"):
+    if mask in ("bool", "additive", "bool4", "additive-bias", "finite"):
         # What a static cache holds past a row's length is masked for every query: the kernel must not read it.
         # Poisoned with NaN in the kernel's input (reading it anywhere shows in the output), zero in the reference's.
         tail = (pos[None, :] >= lengths[:, None])[:, None, :, None]
