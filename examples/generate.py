@@ -3,9 +3,12 @@
     python examples/generate.py                                   # CPU: a tiny random Qwen3-MoE, float32
     python examples/generate.py --model qwen3-30b-a3b-8l --dtype bfloat16 --context 4096   # a GPU (H200)
 
-The model has random weights (nothing is downloaded): ``tiny`` (2 layers, hidden 64, 8 experts) or
+The model has random weights (nothing is downloaded): ``tiny`` (a Qwen3-MoE of 2 layers, hidden 64, 8 experts),
 ``qwen3-30b-a3b-8l`` (8 layers of Qwen3-30B-A3B's dimensions: hidden 2048, 32 query / 4 KV heads of 128,
-128 experts of 768, top 8). Greedy decoding of ``--new-tokens`` tokens after a random prompt of
+128 experts of 768, top 8), ``gpt-oss-tiny`` (a GPT-OSS of 2 layers, one sliding-window, one full: eager attention
+with sinks, which rubin rewrites into ``rubin.attention`` with ``sinks``) or ``gpt-oss-20b-8l`` (8 layers of
+GPT-OSS-20B's dimensions: hidden 2880, 64 query / 8 KV heads of 64, every other layer a 128-position sliding
+window, 32 experts of 2880, top 4, clamped SwiGLU with biases; bf16 weights, not the checkpoint's MXFP4). Greedy decoding of ``--new-tokens`` tokens after a random prompt of
 ``--context`` tokens, with ``cache_implementation="static"`` (what generate compiles), in these variants:
 
 * ``eager``: no compile; its generated ids are the reference.
@@ -53,7 +56,7 @@ from typing import Callable, Optional
 import torch
 
 MODELS = {
-    # name: Qwen3MoeConfig keyword arguments
+    # name: Qwen3MoeConfig keyword arguments (GPT-OSS's: GPT_OSS below)
     "tiny": dict(
         vocab_size=128,
         hidden_size=64,
@@ -83,14 +86,50 @@ MODELS = {
 }
 
 
+# GptOssConfig keyword arguments
+GPT_OSS = {
+    "gpt-oss-tiny": dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gpt-oss-20b-8l": dict(
+        vocab_size=4096,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=8,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+    ),
+}
+MODELS.update(GPT_OSS)
+
+
 def build_model(name: str, dtype: torch.dtype, device: str, max_positions: int):
-    """A random-weight Qwen3-MoE causal LM (seeded: the same weights on every run)."""
+    """A random-weight Qwen3-MoE or GPT-OSS causal LM (seeded: the same weights on every run)."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**MODELS[name], max_position_embeddings=max_positions, initializer_range=0.02)
+    if name in GPT_OSS:
+        config_cls, model_cls = transformers.GptOssConfig, transformers.GptOssForCausalLM
+    else:
+        config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    cfg = config_cls(**MODELS[name], max_position_embeddings=max_positions, initializer_range=0.02)
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen3MoeForCausalLM(cfg).to(dtype).eval()
+        model = model_cls(cfg).to(dtype).eval()
     model.generation_config.pad_token_id = 0
     return model
 

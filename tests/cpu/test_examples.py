@@ -120,6 +120,28 @@ def test_generate_example_on_the_cpu(tmp_path):
         assert "| rubin.moe | hf grouped_mm" in report and "| rubin.attention | sdpa" in report
 
 
+def test_generate_example_gpt_oss_on_the_cpu(tmp_path):
+    """examples/generate.py --model gpt-oss-tiny: GPT-OSS's eager attention with sinks (no SDPA path in its
+    transformers code) becomes rubin.attention with sinks in every decode graph, the experts rubin.moe (clamped
+    SwiGLU with biases), and the ids are eager's both ways."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
+    out = subprocess.run(
+        [sys.executable, "examples/generate.py", "--model", "gpt-oss-tiny", "--new-tokens", "8", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**environ, "RUBIN_DUMP_DIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("| equal to eager |") == 2, out.stdout
+    decode = [r for r in (p.read_text() for p in tmp_path.glob("*/report.md")) if "S=1" in r]
+    assert decode, "no decode graph was compiled"
+    sinks = "| rubin.attention | eager attention (matmul -> softmax -> matmul with attention sinks) |"
+    for report in decode:
+        assert report.count(sinks) == 2 and "activation=swigluoai" in report, report
+
+
 def test_generate_without_a_compile_config_turns_transformers_own_compile_off():
     """Without a compile_config, transformers compiles the forward itself on a GPU with a static cache (Inductor,
     reduce-overhead), around whatever model.forward is: the example's eager variant would not be eager, and a
