@@ -120,8 +120,11 @@ def routed_experts(model, x) -> list[int]:
 
 def weight_bytes(cfg, T: int, routed: list[int] | None = None) -> dict:
     """Bytes of weights one forward of T tokens must read: the experts actually routed to (``routed``, per
-    layer), else the expected count under uniform routing."""
-    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    layer), else the expected count under uniform routing. Qwen3-MoE's configuration, or GPT-OSS's (its experts
+    ``num_local_experts`` of ``intermediate_size``; its biases, a few KB a layer, are not counted)."""
+    H, k = cfg.hidden_size, cfg.num_experts_per_tok
+    E = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    I = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     attn = (H * q + 2 * H * kv + q * H + 2 * cfg.head_dim + 2 * H) * 2  # projections, q/k norms, 2 RMSNorms

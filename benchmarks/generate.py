@@ -23,7 +23,8 @@ weights, vocabulary 4096). Prompt of ``context`` random tokens, ``--new-tokens``
   the generation) / device-to-device copy bandwidth measured at the start.
 * breakdown: torch.profiler over replays of the rubin step graph (and Inductor's), device time per kernel group.
 
-Writes ``generate-<gpu>.{md,json,png}`` under ``--out`` (gpu_names.py). ``--setup forward`` times generate() with ``model.forward``
+Writes ``generate-<gpu>.{md,json,png}`` under ``--out`` (gpu_names.py; ``generate-<gpu>-<model>`` for a ``--model``
+other than qwen3-30b-a3b-8l, e.g. gpt-oss-20b-8l). ``--setup forward`` times generate() with ``model.forward``
 compiled instead (examples/generate.py's second way: no CUDA graphs, so the host cost of every op is paid per step)
 and writes ``generate-forward-<gpu>.*``; pass ``--step-contexts ""`` to skip the one-graph step there.
 """
@@ -108,7 +109,11 @@ def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps:
     """The floor of one decode step at the middle of the generation (module docstring)."""
     weights = weight_bytes(cfg, batch)["total"]
     filled = context + new // 2
-    kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * cfg.head_dim * filled * dtype_bytes
+    # a sliding-window layer (GPT-OSS's every other one) reads at most its window
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None) or filled
+    positions = sum(min(window, filled) if t == "sliding_attention" else filled for t in types)
+    kv = 2 * batch * cfg.num_key_value_heads * cfg.head_dim * positions * dtype_bytes
     return {"weights_MB": weights / 1e6, "kv_MB": kv / 1e6, "us": (weights + kv) / (bw_gbps * 1e9) * 1e6}
 
 
@@ -331,6 +336,8 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"generate-{gpu_slug()}" if args.setup == "compile_config" else f"generate-forward-{gpu_slug()}"
+        if args.model != "qwen3-30b-a3b-8l":  # another model's table beside the default's: generate-<gpu>-<model>
+            stem += f"-{args.model}"
         (out / f"{stem}.md").write_text(text + "\n")
         (out / f"{stem}.json").write_text(
             json.dumps({"device": head, "rows": rows, "steps": steps, "profiles": profiles}, indent=1)
