@@ -473,6 +473,14 @@ def _read_eager(node: torch.fx.Node):
     if k is None:
         return "the keys are not transposed over their last two dims for q @ k^T"
     walked.append(kt)
+    inside = set(walked)
+    for n in walked:
+        outside = [u.name for u in n.users if u not in inside] if n is not out else []
+        if outside:
+            return (
+                f"its {n.name} is also read by {', '.join(outside)} (attention weights returned, or saved for a "
+                "backward pass); rubin.attention returns only the attention output"
+            )
     return _EagerAttention(q, k, v, mask, scale, sinks, out, walked)
 
 
@@ -520,13 +528,7 @@ def _rewrite_eager(graph: torch.fx.Graph, node: torch.fx.Node):
     replaced = _erase_unused(graph, read.walked + folded_chains)
     details["sinks"] = None if sinks is None else f"{read.sinks.name} [{report_value(details['Hq'])}]"
     form = "matmul -> softmax -> matmul" + (" with attention sinks" if sinks is not None else "")
-    return Rewrite(
-        node=new.name,
-        canonical_op="rubin.attention",
-        source_idiom=f"{EAGER_IDIOM} ({form})",
-        replaced=sorted(set(replaced)),
-        details={"form": form, **details},
-    )
+    return _attention_rewrite(new, EAGER_IDIOM, form, replaced, details)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,10 +621,14 @@ def _rewrite_sdpa(graph: torch.fx.Graph, node: torch.fx.Node):
             graph.erase_node(out)
     graph.erase_node(node)
     replaced += _erase_unused(graph, folded_chains)  # the repeat copies, where nothing else reads them
+    return _attention_rewrite(new, IDIOM, form, replaced, details)
+
+
+def _attention_rewrite(new: torch.fx.Node, idiom: str, form: str, replaced: list[str], details: dict) -> Rewrite:
     return Rewrite(
         node=new.name,
         canonical_op="rubin.attention",
-        source_idiom=f"{IDIOM} ({form})",
+        source_idiom=f"{idiom} ({form})",
         replaced=sorted(set(replaced)),
         details={"form": form, **details},
     )

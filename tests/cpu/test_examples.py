@@ -98,13 +98,12 @@ def test_the_environment_and_dump_folders_are_ignored_by_git():
     assert out.stdout.split() == [".venv/pyvenv.cfg", "dumps/g000-0_0/report.json"], out.stdout + out.stderr
 
 
-def test_generate_example_on_the_cpu(tmp_path):
-    """examples/generate.py as the README runs it on a CPU: generate() with a static cache compiled both ways
-    (generate's compile_config, forced onto the CPU with transformers' own switch, and model.forward), the ids
-    equal eager's, and the dumps show the decode step's experts and attention rewritten."""
+def _generate_example_reports(tmp_path, *args) -> list[str]:
+    """Run examples/generate.py (8 new tokens, one repeat, ``args``) with its dumps under ``tmp_path``: it must exit
+    0 with both rubin variants' ids equal to eager's; the dumps' reports."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
     out = subprocess.run(
-        [sys.executable, "examples/generate.py", "--new-tokens", "8", "--repeats", "1"],
+        [sys.executable, "examples/generate.py", *args, "--new-tokens", "8", "--repeats", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -113,7 +112,14 @@ def test_generate_example_on_the_cpu(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("| equal to eager |") == 2, out.stdout
-    reports = [p.read_text() for p in tmp_path.glob("*/report.md")]
+    return [p.read_text() for p in tmp_path.glob("*/report.md")]
+
+
+def test_generate_example_on_the_cpu(tmp_path):
+    """examples/generate.py as the README runs it on a CPU: generate() with a static cache compiled both ways
+    (generate's compile_config, forced onto the CPU with transformers' own switch, and model.forward), the ids
+    equal eager's, and the dumps show the decode step's experts and attention rewritten."""
+    reports = _generate_example_reports(tmp_path)
     decode = [r for r in reports if "S=1" in r and "static cache" in r]  # a decode step over the static cache
     assert decode, "no decode graph over the static cache was compiled"
     for report in decode:
@@ -124,18 +130,7 @@ def test_generate_example_gpt_oss_on_the_cpu(tmp_path):
     """examples/generate.py --model gpt-oss-tiny: GPT-OSS's eager attention with sinks (no SDPA path in its
     transformers code) becomes rubin.attention with sinks in every decode graph, the experts rubin.moe (clamped
     SwiGLU with biases), and the ids are eager's both ways."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("RUBIN_")}
-    out = subprocess.run(
-        [sys.executable, "examples/generate.py", "--model", "gpt-oss-tiny", "--new-tokens", "8", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**environ, "RUBIN_DUMP_DIR": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("| equal to eager |") == 2, out.stdout
-    decode = [r for r in (p.read_text() for p in tmp_path.glob("*/report.md")) if "S=1" in r]
+    decode = [r for r in _generate_example_reports(tmp_path, "--model", "gpt-oss-tiny") if "S=1" in r]
     assert decode, "no decode graph was compiled"
     sinks = "| rubin.attention | eager attention (matmul -> softmax -> matmul with attention sinks) |"
     for report in decode:

@@ -244,6 +244,24 @@ def test_eager_attention_with_sinks_gqa_and_mask_rewritten(rubin_run):
     assert (d["Hq"], d["Hkv"], d["masking"]) == (4, 2, "mask") and d["gqa"].startswith("repeat_kv folded")
 
 
+def test_eager_attention_whose_weights_are_returned_left_unchanged_says_why(rubin_run):
+    """The probabilities also returned (``output_attentions``): the op would not save their computation, so the
+    attention stays as it is, and the report names the node read outside it."""
+
+    def fn(q, k, v):
+        w = _scores(q, k)
+        c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+        p = torch.softmax(c, dim=-1)[..., :-1]
+        return p @ v, p.sum()
+
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    got, want = rubin_run.compile(fn)(q, k, v), fn(q, k, v)
+    assert_close_to_eager(got[0], want[0])
+    assert attention_rewrites(rubin_run) == []
+    (left,) = rubin_run.unchanged("match_attention")
+    assert "is also read by" in left["reason"] and "returns only the attention output" in left["reason"]
+
+
 def test_gpt_oss_attention_sinks_rewritten(rubin_run):
     """GPT-OSS (transformers: no SDPA path, attention sinks in its eager attention): every layer's attention
     becomes rubin.attention with sinks, and the logits are eager's."""
