@@ -215,8 +215,8 @@ def aten(args: AttentionArgs, launch: Launch = Launch()) -> torch.Tensor:
 
 def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
     """An attention with sinks as the models' eager code writes it, in the query's dtype (SDPA takes no sinks): the
-    scaled scores plus the mask, each head's sink logit concatenated as one more column, the softmax, that column
-    dropped, times the values. A row whose every position is masked gives zeros (its sink takes all the weight)."""
+    scaled scores plus the mask, each head's sink logit concatenated as one more column, the row maximum
+    subtracted, the softmax, that column dropped, times the values. A row whose every position is masked gives zeros (its sink takes all the weight)."""
     scale = args.scale if args.scale is not None else 1.0 / math.sqrt(args.D)
     x = torch.matmul(query, key.transpose(-2, -1)) * scale
     mask = args.attn_mask
@@ -225,7 +225,9 @@ def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, arg
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
     sinks = args.sinks.to(x.dtype).reshape(1, -1, 1, 1).expand(x.shape[0], -1, x.shape[2], 1)
-    probs = torch.softmax(torch.cat([x, sinks], dim=-1), dim=-1)[..., :-1]
+    c = torch.cat([x, sinks], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values  # as GPT-OSS's eager code: the same roundings in bf16 / fp16
+    probs = torch.softmax(c, dim=-1, dtype=c.dtype)[..., :-1]
     return torch.matmul(probs, value)
 
 
