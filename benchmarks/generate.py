@@ -128,7 +128,9 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
     step_ids = torch.randint(1, model.config.vocab_size, (batch, 1), device="cuda")
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)  # eager prefill
-    lengths = [layer.cumulative_length for layer in cache.layers]
+    # the full layers' counters; a sliding-window layer (GPT-OSS) is full after a prefill longer than its window and
+    # rolls its window on every step whatever its counter says
+    lengths = [layer.cumulative_length for layer in cache.layers if not getattr(layer, "is_sliding", False)]
     backend, options = STEP_VARIANTS[variant]
     fwd = torch.compile(model.forward, backend=backend, dynamic=False, options=options)
 
