@@ -1,7 +1,7 @@
 """generate() with a static cache on the GPU, compiled with backend="rubin" both ways (examples/generate.py: generate's
 compile_config with mode="reduce-overhead", and model.forward without CUDA graphs): the generated ids equal eager's
-in fp32; the decode step's attention runs the Triton decode kernel and its experts are
-one rubin.moe each (transformers switches them to batched_mm for decode on a GPU)."""
+in fp32; the decode step's attention runs the Triton decode kernel (GPT-OSS's with its attention sinks) and its
+experts are one rubin.moe each (transformers switches them to batched_mm for decode on a GPU)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ def _example():
     return mod
 
 
+@pytest.mark.parametrize("name", ["tiny", "gpt-oss-tiny"])  # Qwen3-MoE (SDPA); GPT-OSS (eager attention, sinks)
 @pytest.mark.parametrize("how", ["compile_config", "model.forward"])
-def test_generate_fp32_ids_equal_eager(tmp_path, monkeypatch, how):
+def test_generate_fp32_ids_equal_eager(tmp_path, monkeypatch, how, name):
     ex = _example()
     monkeypatch.setenv("RUBIN_DUMP_DIR", str(tmp_path))
-    model = ex.build_model("tiny", torch.float32, "cuda", 128)
+    model = ex.build_model(name, torch.float32, "cuda", 128)
     prompt = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(0)).cuda()
     torch._dynamo.reset()
     want = ex.generate_once(model, prompt, 20)
