@@ -54,9 +54,14 @@ has no SDPA path; eager attention with a mask) is read back to the same operands
     p = exp(c - amax(c)) / sum(...)      (row-maximum subtractions before it; the softmax whole, or upcast)
     o = reshape(bmm(reshape(p[..., :-1]), reshape(repeat_kv(v))), [B, Hq, S, Dv])
 
-into ``rubin.attention(q, k, v, mask, scale=scale, sinks=sinks)``. Left unchanged with the reason (the report
-names its two products and what its softmax holds besides the scaled scores, ``read_eager_attention``; strict
-mode fails on it): tanh-softcapped scores (Gemma 2), and any other step between the products.
+into ``rubin.attention(q, k, v, mask, scale=scale, sinks=sinks)``. Only casts between floating dtypes are read
+through; the mask must be a float tensor added as it is (no ``alpha``), the result reshaped back to
+``[B, Hq, S, Dv]``. One difference is stated: a row whose every position is masked with ``-inf`` and no sink gives
+NaN in the source and zeros in ``rubin.attention`` (SDPA's semantics); Hugging Face's eager masks use
+``finfo.min``, with which the source gives no NaN either. Left unchanged with the reason (the report names its two
+products and what its softmax holds besides the scaled scores, ``read_eager_attention``; strict mode fails on
+it): tanh-softcapped scores (Gemma 2), any other step between the products, and steps whose values are read
+elsewhere (returned attention weights, a backward pass).
 
 Recorded, not rewritten: vLLM's attention::
 
@@ -284,9 +289,10 @@ def _unbatch(node: Any) -> Optional[torch.fx.Node]:
 
 
 def _strip(node: Any, walked: list, *targets: Any) -> Any:
-    """``node`` with calls of ``targets`` (their first argument) peeled off; a non-broadcasting ``expand`` too."""
+    """``node`` with calls of ``targets`` (their first argument) peeled off -- a conversion only between floating
+    dtypes (one to an integer changes the values) --; a non-broadcasting ``expand`` too."""
     while True:
-        if is_call(node, *targets):
+        if is_call(node, *targets) and (not is_call(node, *CONVERTS) or _float_to_float(node)):
             walked.append(node)
             node = node.args[0]
         elif is_call(node, aten.expand.default) and _same_shape(node, node.args[0]):
@@ -294,6 +300,11 @@ def _strip(node: Any, walked: list, *targets: Any) -> Any:
             node = node.args[0]
         else:
             return node
+
+
+def _float_to_float(node: torch.fx.Node) -> bool:
+    src, dst = tensor_val(node.args[0]), tensor_val(node)
+    return src is not None and dst is not None and src.dtype.is_floating_point and dst.dtype.is_floating_point
 
 
 def _same_shape(a: Any, b: Any) -> bool:
@@ -338,7 +349,8 @@ def _softmax_of(p: Any, walked: list) -> Optional[torch.fx.Node]:
         x = p.args[0]
     elif is_call(p, aten.div.Tensor) and is_call(p.args[0], aten.exp.default):
         e, total = p.args[0], p.args[1]
-        if not (is_call(total, aten.sum.dim_IntList) and total.args[0] is e and len(total.args[1]) == 1):
+        keep = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
+        if not (is_call(total, aten.sum.dim_IntList) and total.args[0] is e and len(total.args[1]) == 1 and keep):
             return None
         if not _last_dim(total.args[1][0], e):
             return None
@@ -416,6 +428,10 @@ def _read_eager(node: torch.fx.Node):
     p, v = _unbatch(node.args[0]), _unbatch(node.args[1])
     if p is None or v is None:
         return "its operands are not 4-D [B, H, S, ...] tensors batched for bmm"
+    pv, vv = tensor_val(p), tensor_val(v)
+    want = (pv.shape[0], pv.shape[1], pv.shape[2], vv.shape[3])
+    if not all(statically_known_true(a == b) for a, b in zip(tensor_val(out).shape, want)):
+        return f"its product is reshaped to {tuple(tensor_val(out).shape)}, not back to [B, H, S, Dv] = {want}"
     walked += [node.args[0], node.args[1]]
     if is_call(node.args[1].args[0], aten.expand.default):
         walked.append(node.args[1].args[0])
@@ -450,14 +466,18 @@ def _read_eager(node: torch.fx.Node):
     x = _strip(x, walked, *CONVERTS)
     mask = None
     if is_call(x, aten.add.Tensor):
+        if x.kwargs.get("alpha", 1) != 1:
+            return f"the mask is added times alpha={x.kwargs['alpha']}"
         for a, b in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
             trial: list[torch.fx.Node] = []
             if isinstance(b, torch.fx.Node) and _scaled_scores(a, trial) is not None:
+                if tensor_val(b) is None or not tensor_val(b).dtype.is_floating_point:
+                    return f"the scores are added to {b.name}, a tensor that is not floating-point (a bool adds 0 / 1)"
                 walked.append(x)
                 x, mask = a, b
                 break
         else:
-            return "the scores are added to something that is not a mask (both sides are products)"
+            return "the scores are added to something that is not a mask: neither side is q @ k^T times a number"
     if _has_tanh(x):
         return "rubin.attention (SDPA's semantics, plus attention sinks) has no softcapping"
     scores = _scaled_scores(x, walked)
@@ -475,13 +495,20 @@ def _read_eager(node: torch.fx.Node):
     walked.append(kt)
     inside = set(walked)
     for n in walked:
-        outside = [u.name for u in n.users if u not in inside] if n is not out else []
+        outside = [u.name for u in n.users if u not in inside and not _reads_shape_only(u)] if n is not out else []
         if outside:
             return (
                 f"its {n.name} is also read by {', '.join(outside)} (attention weights returned, or saved for a "
                 "backward pass); rubin.attention returns only the attention output"
             )
     return _EagerAttention(q, k, v, mask, scale, sinks, out, walked)
+
+
+def _reads_shape_only(node: torch.fx.Node) -> bool:
+    """A node that reads only its input's sizes / strides (``sym_size`` under dynamic shapes), not its values."""
+    return is_call(
+        node, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default
+    )
 
 
 def _has_tanh(x: Any) -> bool:
@@ -525,7 +552,8 @@ def _rewrite_eager(graph: torch.fx.Graph, node: torch.fx.Node):
     new, folded_chains, details = built
     inherit_source([new], read.out)
     read.out.replace_all_uses_with(new)
-    replaced = _erase_unused(graph, read.walked + folded_chains)
+    shape_reads = [u for n in read.walked for u in n.users if _reads_shape_only(u)]  # dead once unused
+    replaced = _erase_unused(graph, read.walked + folded_chains + shape_reads)
     details["sinks"] = None if sinks is None else f"{read.sinks.name} [{report_value(details['Hq'])}]"
     form = "matmul -> softmax -> matmul" + (" with attention sinks" if sinks is not None else "")
     return _attention_rewrite(new, EAGER_IDIOM, form, replaced, details)

@@ -449,6 +449,8 @@ def run(
         mask_arg, mask_strides = full, tuple(full.stride())
         shared = (Hq == 1 or full.stride(1) == 0) and (S == 1 or full.stride(2) == 0)
     k_scale, v_scale, sinks = args.k_scale, args.v_scale, args.sinks
+    if sinks is not None:
+        sinks = sinks.contiguous()  # the kernels read sinks[head] (a strided view, from a graph, is copied)
     if splits is not None:  # a split count asked for: whole tiles per split, as many splits as that leaves
         nsplit = max(1, min(splits, cdiv(Skv, cfg.block_n)))
         split_len = cdiv(cdiv(Skv, nsplit), cfg.block_n) * cfg.block_n

@@ -61,6 +61,8 @@ CASES = {
     "sinks-splits": (2, 8, 2, 1, 300, 32, 32, {"mask": "bool", "lengths": (70, 261), "splits": 3, "sinks": 1.0}),
     "sinks-one-split": (1, 8, 2, 1, 90, 32, 32, {"mask": "additive", "lengths": (60,), "splits": 1, "sinks": 1.0}),
     "sinks-dominant-fp16": (1, 8, 1, 1, 200, 64, 64, {"dtype": "float16", "splits": 4, "sinks": 12.0}),
+    # sinks as a strided view (a column of a 2-D tensor, as a graph may pass them): read by head, not by offset
+    "sinks-strided": (1, 8, 2, 1, 90, 32, 32, {"splits": 3, "sinks": 2.0, "sinks_stride": 3}),
     "tile-128": (
         2,
         8,
@@ -76,7 +78,8 @@ TOLERANCE = {"float32": 2e-6, "float16": 4e-3, "bfloat16": 8e-3}
 
 
 def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, left_pad=None, causal=False,
-          dtype="float32", fp8=False, scales=True, config=None, q_mul=1.0, hole=None, sinks=None):  # fmt: skip
+          dtype="float32", fp8=False, scales=True, config=None, q_mul=1.0, hole=None, sinks=None,
+          sinks_stride=1):  # fmt: skip
     """Run one case: (max |out - ref| / max |ref|, whether every output is finite)."""
     from rubin_compile.kernels.triton import attention
     from rubin_compile.ops.attention import AttentionArgs, reference
@@ -129,7 +132,7 @@ def _case(B, Hq, Hkv, S, Skv, D, Dv, *, splits=None, mask=None, lengths=None, le
             k, v = k.masked_fill(tail, nan), v.masked_fill(tail, nan)
         ref_k, ref_v = ref_k.masked_fill(tail, 0.0), ref_v.masked_fill(tail, 0.0)
     ref_mask = m.double() if m is not None and m.dtype != torch.bool else m
-    sk = None if sinks is None else (torch.randn(Hq, generator=g) * sinks).to(dt)
+    sk = None if sinks is None else (torch.randn(Hq, sinks_stride, generator=g) * sinks).to(dt)[:, -1]
     ref = reference(
         AttentionArgs(q.double(), ref_k, ref_v, ref_mask, causal, sinks=None if sk is None else sk.double())
     )

@@ -216,10 +216,13 @@ def test_eager_attention_with_sinks_rewritten(rubin_run, dtype):
     assert "bmm" in " ".join(rw["replaced"]) and "cat" in " ".join(rw["replaced"])
 
 
+def repeat_kv(x, n=2):  # transformers' repeat_kv (n_rep a number of the module)
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, n, S, D).reshape(B, H * n, S, D)
+
+
 def eager_sinks_gqa_mask(q, k, v, mask):  # GPT-OSS with repeat_kv and the additive mask of a static cache
-    n = q.shape[1] // k.shape[1]
-    k = k[:, :, None].expand(k.shape[0], k.shape[1], n, *k.shape[2:]).reshape(k.shape[0], -1, *k.shape[2:])
-    v = v[:, :, None].expand(v.shape[0], v.shape[1], n, *v.shape[2:]).reshape(v.shape[0], -1, *v.shape[2:])
+    k, v = repeat_kv(k), repeat_kv(v)
     w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + mask
     c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
     c = c - c.max(dim=-1, keepdim=True).values
@@ -260,6 +263,62 @@ def test_eager_attention_whose_weights_are_returned_left_unchanged_says_why(rubi
     assert attention_rewrites(rubin_run) == []
     (left,) = rubin_run.unchanged("match_attention")
     assert "is also read by" in left["reason"] and "returns only the attention output" in left["reason"]
+
+
+def _sinks_tail(w, v):
+    c = torch.cat([w, SINKS.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)], dim=-1)
+    return torch.softmax(c - c.max(dim=-1, keepdim=True).values, -1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        pytest.param(
+            lambda q, k, v, m: _sinks_tail(torch.add(_scores(q, k), m, alpha=3.0), v), "alpha=3.0", id="mask-alpha"
+        ),
+        pytest.param(
+            lambda q, k, v, m: torch.softmax(_scores(q, k) + (m > 0), -1) @ v, "not floating-point", id="bool-added"
+        ),
+        pytest.param(
+            lambda q, k, v, m: torch.softmax(_scores(q, k).to(torch.int32).float() + m, -1) @ v,
+            "neither side is q @ k^T",
+            id="int-cast-scores",
+        ),
+        pytest.param(
+            lambda q, k, v, m: torch.softmax(_scores(q, k) + m, -1).to(torch.int32).float() @ v,
+            "not a plain softmax",
+            id="int-cast-probs",
+        ),
+        pytest.param(
+            lambda q, k, v, m: torch.bmm(
+                torch.softmax(_scores(q, k) + m, -1).reshape(8, 5, 7), v.reshape(8, 7, 16)
+            ).reshape(4, 2, 5, 16),
+            "not back to [B, H, S, Dv]",
+            id="output-reshaped-otherwise",
+        ),
+    ],
+)
+def test_eager_attention_near_misses_left_unchanged(rubin_run, fn, reason):
+    """Forms that look like attention but compute something else stay as they are, with the reason: a mask added
+    times alpha, a bool added (0 / 1, not a mask), a cast to an integer between the products, the product reshaped
+    to another shape."""
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 4, 7, 16), torch.randn(2, 4, 7, 16)
+    m = torch.randn(2, 1, 5, 7)
+    assert_close_to_eager(rubin_run.compile(fn)(q, k, v, m), fn(q, k, v, m))
+    assert attention_rewrites(rubin_run) == []
+    (left,) = rubin_run.unchanged("match_attention")
+    assert reason in left["reason"], left["reason"]
+
+
+def test_eager_attention_with_sinks_dynamic_shapes_rewritten(rubin_run):
+    """Compiled with dynamic shapes, the graph reads sizes off the steps between the products (``sym_size``): those
+    read no values, so the attention is still rewritten, and exact at every shape."""
+    compiled = rubin_run.compile(eager_sinks_gqa_mask, dynamic=True)
+    for s, skv in ((3, 9), (1, 17), (5, 5)):
+        q, k, v = torch.randn(2, 4, s, 16), torch.randn(2, 2, skv, 16), torch.randn(2, 2, skv, 16)
+        m = torch.randn(2, 1, s, skv)
+        assert_close_to_eager(compiled(q, k, v, m), eager_sinks_gqa_mask(q, k, v, m))
+    assert attention_rewrites(rubin_run) and rubin_run.unchanged("match_attention") == []
 
 
 def test_gpt_oss_attention_sinks_rewritten(rubin_run):
