@@ -338,7 +338,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"generate-{gpu_slug()}" if args.setup == "compile_config" else f"generate-forward-{gpu_slug()}"
-        if args.model != "qwen3-30b-a3b-8l":  # another model's table beside the default's: generate-<gpu>-<model>
+        if args.model != ap.get_default("model"):  # another model's table beside the default's: generate-<gpu>-<model>
             stem += f"-{args.model}"
         (out / f"{stem}.md").write_text(text + "\n")
         (out / f"{stem}.json").write_text(

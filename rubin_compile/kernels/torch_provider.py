@@ -72,7 +72,11 @@ attention.ATTENTION.register_kernel(
     runnable=_runnable,
     entry=lambda spec: (
         "torch.nn.functional.scaled_dot_product_attention"
-        + (" (with sinks: matmul -> softmax -> matmul, as the model writes it)" if spec.features else "")
+        + (
+            " (with sinks: matmul -> softmax -> matmul, as the model writes it)"
+            if attention.SINKS in spec.features
+            else ""
+        )
     ),
     module=__name__,
     features=(attention.SINKS,),

@@ -108,6 +108,7 @@ from rubin_compile.passes.fx import (
     inherit_source,
     is_call,
     report_value,
+    same_shape,
     scalar,
     schema_name,
     tensor_val,
@@ -154,14 +155,15 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             node.meta["rubin_kept"] = record
             result.notes.append(describe_kept(record))
             continue
-        eager = read_eager_attention(node)
-        if eager is not None:
-            outcome = _rewrite_eager(graph, node)
+        seen = _eager_seen(node)
+        if seen is not None:
+            what = seen.describe(node)
+            outcome = _rewrite_eager(graph, node, seen)
             if isinstance(outcome, Rewrite):
                 result.rewrites.append(outcome)
             else:
                 result.unchanged.append(
-                    Unchanged(node.name, EAGER_IDIOM, f"{eager}: {outcome}; it stays as Inductor compiles it")
+                    Unchanged(node.name, EAGER_IDIOM, f"{what}: {outcome}; it stays as Inductor compiles it")
                 )
     result.changed = bool(result.rewrites)
     if result.changed:
@@ -215,12 +217,27 @@ def _softmax_input(node: Any) -> Optional[torch.fx.Node]:
     return None
 
 
-def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
-    """What attention ``node`` completes, when ``node`` is the ``probs @ v`` product of an attention written out as
-    ops (``softmax(q @ k^T ...) @ v``: a model's eager attention, which neither SDPA nor Inductor's
-    ``fuse_attention`` pass turned into an SDPA call): its two products and what the softmax holds besides the
-    scores (attention sinks, softcapping); None for any other node. ``_rewrite_eager`` then rewrites it or says
-    why not."""
+@dataclass
+class _EagerSeen:
+    """A ``probs @ v`` product whose probabilities are a softmax of scores from another bmm: what its softmax holds
+    besides the scaled scores."""
+
+    scores: torch.fx.Node  # the q @ k^T bmm
+    sinks: bool  # a column concatenated on the last dim before the softmax
+    softcap: bool  # a tanh between the scores and the softmax
+
+    def describe(self, node: torch.fx.Node) -> str:
+        extra = []
+        if self.sinks:
+            extra.append("attention sinks (a logit per head concatenated to the scores before the softmax)")
+        if self.softcap:
+            extra.append("tanh softcapping of the scores")
+        what = f", with {' and '.join(extra)}" if extra else ""
+        return f"attention written as matmul -> softmax -> matmul ({self.scores.name} -> softmax -> {node.name}){what}"
+
+
+def _eager_seen(node: torch.fx.Node) -> Optional[_EagerSeen]:
+    """What ``node`` completes, when it is the ``probs @ v`` product of an attention written out as ops; else None."""
     if not is_call(node, aten.bmm.default):
         return None
     start = _softmax_input(node.args[0])
@@ -240,21 +257,22 @@ def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
                 found = n
                 break
             if is_call(n, aten.cat.default):
-                dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
                 val = tensor_val(n)
-                sinks = sinks or (val is not None and dim in (-1, val.dim() - 1))
+                sinks = sinks or (val is not None and bound_arguments(n)["dim"] in (-1, val.dim() - 1))
             softcap = softcap or is_call(n, aten.tanh.default)
             nxt.extend(a for a in n.all_input_nodes)
         frontier = nxt
-    if found is None:
-        return None
-    extra = []
-    if sinks:
-        extra.append("attention sinks (a logit per head concatenated to the scores before the softmax)")
-    if softcap:
-        extra.append("tanh softcapping of the scores")
-    what = f", with {' and '.join(extra)}" if extra else ""
-    return f"attention written as matmul -> softmax -> matmul ({found.name} -> softmax -> {node.name}){what}"
+    return None if found is None else _EagerSeen(found, sinks, softcap)
+
+
+def read_eager_attention(node: torch.fx.Node) -> Optional[str]:
+    """What attention ``node`` completes, when ``node`` is the ``probs @ v`` product of an attention written out as
+    ops (``softmax(q @ k^T ...) @ v``: a model's eager attention, which neither SDPA nor Inductor's
+    ``fuse_attention`` pass turned into an SDPA call): its two products and what the softmax holds besides the
+    scores (attention sinks, softcapping); None for any other node. ``_rewrite_eager`` then rewrites it or says
+    why not."""
+    seen = _eager_seen(node)
+    return None if seen is None else seen.describe(node)
 
 
 @dataclass
@@ -271,13 +289,15 @@ class _EagerAttention:
     walked: list[torch.fx.Node]  # the nodes between the operands and ``out``
 
 
-def _unbatch(node: Any) -> Optional[torch.fx.Node]:
+def _unbatch(node: Any, walked: list) -> Optional[torch.fx.Node]:
     """``x`` for ``reshape([expand](x, [B, H, M, N]), [B * H, M, N])`` -- how a 4-D ``matmul`` reaches ``bmm`` -- with
-    ``x`` 4-D and the expand not broadcasting; else None."""
+    ``x`` 4-D and the expand not broadcasting (the reshape and expand added to ``walked``); else None."""
     if not is_call(node, *RESHAPES):
         return None
+    chain = [node]
     inner = node.args[0]
     if is_call(inner, aten.expand.default):
+        chain.append(inner)
         inner = inner.args[0]
     val, out = tensor_val(inner), tensor_val(node)
     if val is None or out is None or val.dim() != 4 or out.dim() != 3:
@@ -285,6 +305,7 @@ def _unbatch(node: Any) -> Optional[torch.fx.Node]:
     B, H, M, N = val.shape
     if not all(statically_known_true(a == b) for a, b in zip(out.shape, (B * H, M, N))):
         return None
+    walked += chain
     return inner
 
 
@@ -295,7 +316,7 @@ def _strip(node: Any, walked: list, *targets: Any) -> Any:
         if is_call(node, *targets) and (not is_call(node, *CONVERTS) or _float_to_float(node)):
             walked.append(node)
             node = node.args[0]
-        elif is_call(node, aten.expand.default) and _same_shape(node, node.args[0]):
+        elif is_call(node, aten.expand.default) and _same_shape_nodes(node, node.args[0]):
             walked.append(node)
             node = node.args[0]
         else:
@@ -307,14 +328,9 @@ def _float_to_float(node: torch.fx.Node) -> bool:
     return src is not None and dst is not None and src.dtype.is_floating_point and dst.dtype.is_floating_point
 
 
-def _same_shape(a: Any, b: Any) -> bool:
+def _same_shape_nodes(a: Any, b: Any) -> bool:
     va, vb = tensor_val(a), tensor_val(b)
-    return (
-        va is not None
-        and vb is not None
-        and va.dim() == vb.dim()
-        and all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape))
-    )
+    return va is not None and vb is not None and same_shape(va, vb)
 
 
 def _last_dim(dim: Any, node: Any) -> bool:
@@ -326,14 +342,13 @@ def _row_max_of(m: Any, x: Any) -> Optional[list[torch.fx.Node]]:
     """The nodes of ``m`` when it is the maximum of ``x`` over the last dim, kept (``amax(x, [-1], True)`` or
     ``max(x, -1, True)[0]``); else None."""
     if is_call(m, aten.amax.default):
-        dims = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim", [])
-        keep = m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False)
-        if m.args[0] is x and keep and len(dims) == 1 and _last_dim(dims[0], x):
+        a = bound_arguments(m)
+        if a["self"] is x and a["keepdim"] and len(a["dim"]) == 1 and _last_dim(a["dim"][0], x):
             return [m]
     if is_call(m, operator.getitem) and m.args[1] == 0 and is_call(m.args[0], aten.max.dim):
         mx = m.args[0]
-        keep = mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False)
-        if mx.args[0] is x and keep and _last_dim(mx.args[1], x):
+        a = bound_arguments(mx)
+        if a["self"] is x and a["keepdim"] and _last_dim(a["dim"], x):
             return [m, mx]
     return None
 
@@ -349,10 +364,10 @@ def _softmax_of(p: Any, walked: list) -> Optional[torch.fx.Node]:
         x = p.args[0]
     elif is_call(p, aten.div.Tensor) and is_call(p.args[0], aten.exp.default):
         e, total = p.args[0], p.args[1]
-        keep = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
-        if not (is_call(total, aten.sum.dim_IntList) and total.args[0] is e and len(total.args[1]) == 1 and keep):
+        if not is_call(total, aten.sum.dim_IntList):
             return None
-        if not _last_dim(total.args[1][0], e):
+        a = bound_arguments(total)
+        if not (a["self"] is e and a["dim"] and len(a["dim"]) == 1 and a["keepdim"] and _last_dim(a["dim"][0], e)):
             return None
         walked += [p, e, total]
         x = e.args[0]
@@ -416,34 +431,33 @@ def _head_logits(col: Any, hq: Any, walked: list) -> Optional[torch.fx.Node]:
     return n
 
 
-def _read_eager(node: torch.fx.Node):
-    """``node`` (the ``probs @ v`` bmm of an attention written out as ops) read back to the operands of
+def _read_eager(node: torch.fx.Node, seen: _EagerSeen):
+    """``node`` (the ``probs @ v`` bmm of an attention written out as ops, ``seen``) read back to the operands of
     ``rubin.attention`` (an ``_EagerAttention``), or why it cannot be."""
+    if seen.softcap:
+        return "rubin.attention (SDPA's semantics, plus attention sinks) has no softcapping"
     walked: list[torch.fx.Node] = [node]
     users = list(node.users)
     out = users[0] if len(users) == 1 else None
     if not (is_call(out, *RESHAPES) and tensor_val(out) is not None and tensor_val(out).dim() == 4):
         return "its product is not reshaped back to [B, H, S, Dv] (a 4-D matmul)"
     walked.append(out)
-    p, v = _unbatch(node.args[0]), _unbatch(node.args[1])
+    p, v = _unbatch(node.args[0], walked), _unbatch(node.args[1], walked)
     if p is None or v is None:
         return "its operands are not 4-D [B, H, S, ...] tensors batched for bmm"
     pv, vv = tensor_val(p), tensor_val(v)
     want = (pv.shape[0], pv.shape[1], pv.shape[2], vv.shape[3])
     if not all(statically_known_true(a == b) for a, b in zip(tensor_val(out).shape, want)):
         return f"its product is reshaped to {tuple(tensor_val(out).shape)}, not back to [B, H, S, Dv] = {want}"
-    walked += [node.args[0], node.args[1]]
-    if is_call(node.args[1].args[0], aten.expand.default):
-        walked.append(node.args[1].args[0])
-    if is_call(node.args[0].args[0], aten.expand.default):
-        walked.append(node.args[0].args[0])
     p = _strip(p, walked, aten.clone.default, *CONVERTS)
     sliced = is_call(p, aten.slice.Tensor)
     if sliced:
-        dim, begin = p.args[1], p.args[2] if len(p.args) > 2 else 0
-        end, step = (p.args[3] if len(p.args) > 3 else None), (p.args[4] if len(p.args) > 4 else 1)
+        a = bound_arguments(p)
         width = tensor_val(p.args[0]).shape[-1] if tensor_val(p.args[0]) is not None else None
-        if not (_last_dim(dim, p) and begin in (0, None) and step == 1 and (end == -1 or end == width - 1)):
+        end = a["end"]
+        if not (
+            _last_dim(a["dim"], p) and a["start"] in (0, None) and a["step"] == 1 and (end == -1 or end == width - 1)
+        ):
             return "the probabilities are a slice of the softmax other than all but its last column"
         walked.append(p)
         p = p.args[0]
@@ -452,9 +466,9 @@ def _read_eager(node: torch.fx.Node):
         return "its softmax is not over the last dim of the scores (or not a plain softmax)"
     sinks = None
     if is_call(x, aten.cat.default):
-        parts = x.args[0]
-        dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
-        if not sliced or len(parts) != 2 or not _last_dim(dim, x):
+        a = bound_arguments(x)
+        parts = a["tensors"]
+        if not sliced or len(parts) != 2 or not _last_dim(a["dim"], x):
             return "the softmax is over scores concatenated with something other than one column it then drops"
         walked.append(x)
         x, col = parts
@@ -466,8 +480,9 @@ def _read_eager(node: torch.fx.Node):
     x = _strip(x, walked, *CONVERTS)
     mask = None
     if is_call(x, aten.add.Tensor):
-        if x.kwargs.get("alpha", 1) != 1:
-            return f"the mask is added times alpha={x.kwargs['alpha']}"
+        alpha = bound_arguments(x)["alpha"]
+        if alpha != 1:
+            return f"the mask is added times alpha={alpha}"
         for a, b in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
             trial: list[torch.fx.Node] = []
             if isinstance(b, torch.fx.Node) and _scaled_scores(a, trial) is not None:
@@ -478,17 +493,13 @@ def _read_eager(node: torch.fx.Node):
                 break
         else:
             return "the scores are added to something that is not a mask: neither side is q @ k^T times a number"
-    if _has_tanh(x):
-        return "rubin.attention (SDPA's semantics, plus attention sinks) has no softcapping"
     scores = _scaled_scores(x, walked)
     if scores is None:
         return "the scores are not q @ k^T multiplied by a number (and then a mask added)"
     qk, scale = scores
-    q, kt = _unbatch(qk.args[0]), _unbatch(qk.args[1])
+    q, kt = _unbatch(qk.args[0], walked), _unbatch(qk.args[1], walked)
     if q is None or kt is None:
         return "q @ k^T does not multiply 4-D [B, H, S, D] tensors"
-    walked += [qk.args[0], qk.args[1]]
-    walked += [a.args[0] for a in (qk.args[0], qk.args[1]) if is_call(a.args[0], aten.expand.default)]
     k = _untransposed(kt)
     if k is None:
         return "the keys are not transposed over their last two dims for q @ k^T"
@@ -511,19 +522,6 @@ def _reads_shape_only(node: torch.fx.Node) -> bool:
     )
 
 
-def _has_tanh(x: Any) -> bool:
-    todo, seen = [x], set()
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or is_call(n, aten.bmm.default) or n.op != "call_function":
-            continue
-        seen.add(n)
-        if is_call(n, aten.tanh.default):
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
-
-
 def _untransposed(kt: torch.fx.Node) -> Optional[torch.fx.Node]:
     """``k`` for ``kt = k.transpose(-2, -1)`` (``permute(k, [0, 1, 3, 2])`` or ``transpose(k, 2, 3)``)."""
     if is_call(kt, aten.permute.default) and list(kt.args[1]) in ([0, 1, 3, 2], [0, 1, -1, -2]):
@@ -533,10 +531,10 @@ def _untransposed(kt: torch.fx.Node) -> Optional[torch.fx.Node]:
     return None
 
 
-def _rewrite_eager(graph: torch.fx.Graph, node: torch.fx.Node):
+def _rewrite_eager(graph: torch.fx.Graph, node: torch.fx.Node, seen: _EagerSeen):
     """Rewrite the attention written out as ops that ``node`` (its ``probs @ v``) completes into ``rubin.attention``
     (with ``sinks`` where its softmax has a sink column); the Rewrite, or why it was left alone."""
-    read = _read_eager(node)
+    read = _read_eager(node, seen)
     if isinstance(read, str):
         return read
     sinks = read.sinks
