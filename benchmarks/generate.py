@@ -129,8 +129,11 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)  # eager prefill
     # the full layers' counters; a sliding-window layer (GPT-OSS) is full after a prefill longer than its window and
-    # rolls its window on every step whatever its counter says
+    # rolls its window on every step whatever its counter says, but its Python-int copy of the counter
+    # (``cumulative_length_int``, what get_seq_length returns) is a guard of the compiled step: rewound too, or each
+    # step would recompile, the last of them during the capture
     lengths = [layer.cumulative_length for layer in cache.layers if not getattr(layer, "is_sliding", False)]
+    sliding = [layer for layer in cache.layers if hasattr(layer, "cumulative_length_int")]
     backend, options = STEP_VARIANTS[variant]
     fwd = torch.compile(model.forward, backend=backend, dynamic=False, options=options)
 
@@ -141,6 +144,8 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
         with torch.inference_mode():  # the cache's counters are inference tensors (the prefill ran in it)
             for n in lengths:
                 n.fill_(context)
+            for layer in sliding:
+                layer.cumulative_length_int = context
 
     t0 = time.perf_counter()
     with torch.inference_mode(), attention_config(variant):
