@@ -665,26 +665,35 @@ def _global(scale_2: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
 # ------------------------------------------------------------------------------------------------
 
 
-def aten_declines(args: MoEArgs, target_is_cuda: bool = False) -> Optional[str]:
-    """Why ``aten`` does not express this call (``None`` when it does). ``aten`` is the form Hugging Face's
+def aten_declines(args: MoEArgs, target_cc: Optional[int] = None) -> Optional[str]:
+    """Why ``aten`` does not express this call for the target (``None`` when it does); ``target_cc`` is a GPU
+    target's compute capability (90 for sm_90), ``None`` the CPU target. ``aten`` is the form Hugging Face's
     default (grouped-mm) experts compile to, for what Inductor supports of it: bf16 or float32, unquantised, plain
-    weights, on the CPU. On a GPU target the reference runs only where no kernel takes the call (and torch's grouped GEMM there is
-    bf16 on sm_80+, which the Triton kernel covers), so the node stays the op: a plan for a GPU made on this CPU keeps
-    showing the GPU's passes. (The Triton kernel's adapter runs ``aten`` itself, per call, at the sizes where it
-    measured faster: kernels/triton/moe_choice.py.)"""
-    device = args.hidden_states.device.type
-    if target_is_cuda or device != "cpu":
-        return "the ATen form (grouped GEMM) is used for the CPU target only"
+    weights, on the CPU. On a GPU target a node is bound to the reference only where no kernel takes the call (a
+    GPT-OSS clamped SwiGLU, another activation or weight format the kernels lack): the reference there loops over
+    the routed experts with a host synchronisation, and inside a CUDA graph (mode="reduce-overhead", generate()'s
+    compile_config) runs every expert on every token, E / k times the weight bytes. So a bf16 call of plain layout
+    takes the ATen form there too: torch's grouped GEMM, bf16 from sm_90, which reads only the routed experts'
+    weights. Below sm_90, or what the grouped GEMM cannot take (fp16, fp32, quantised or packed weights), the node
+    stays the op. (The Triton kernel's adapter runs ``aten`` itself, per call, at the sizes where it measured
+    faster: kernels/triton/moe_choice.py.)"""
+    if target_cc is not None:
+        if target_cc < 90:
+            return f"torch's grouped GEMM on a GPU needs sm_90 or newer (the target is cc {target_cc})"
+        return aten_unsupported(args, gpu=True)
+    if args.hidden_states.device.type != "cpu":
+        return f"the CPU target's ATen form, with the hidden states on {args.hidden_states.device}"
     return aten_unsupported(args)
 
 
-def aten_unsupported(args: MoEArgs) -> Optional[str]:
-    """Why ``aten`` cannot compute this call on its device (``None`` when it can): torch's grouped GEMM takes bf16
-    operands of plain layout with rows of whole 16 bytes; float32 ones on the CPU take ``grouped_mm_rows`` instead."""
+def aten_unsupported(args: MoEArgs, gpu: bool = False) -> Optional[str]:
+    """Why ``aten`` cannot compute this call on its device (``None`` when it can), or on a GPU with ``gpu`` (a plan
+    for one made anywhere): torch's grouped GEMM takes bf16 operands of plain layout with rows of whole 16 bytes;
+    float32 ones on the CPU take ``grouped_mm_rows`` instead."""
     dtypes = {args.hidden_states.dtype, args.w13.dtype, args.w2.dtype}
     if args.weight_layout != PLAIN:
         return f"weights in the {args.weight_layout.describe()} layout"
-    if dtypes == {torch.float32} and args.hidden_states.device.type == "cpu":
+    if dtypes == {torch.float32} and args.hidden_states.device.type == "cpu" and not gpu:
         return None  # grouped_mm_rows: any row size
     if _grouped_mm is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
@@ -801,7 +810,7 @@ def moe_aten(*args, pdl: bool = False, placement: str = "", **kwargs) -> torch.T
 
 def moe_aten_declines(target: Target, *args, pdl: bool = False, placement: str = "", **kwargs) -> Optional[str]:
     """``aten_declines`` for ``target`` called like the op (its data arguments, on the node's fake values)."""
-    return aten_declines(MoEArgs(*args, **kwargs), target.is_cuda)
+    return aten_declines(MoEArgs(*args, **kwargs), target.cc if target.is_cuda else None)
 
 
 def moe_reference(*args, **kwargs) -> torch.Tensor:

@@ -22,7 +22,10 @@ docs/kernels/selection.md). Such a node is replaced by its op's ATen form (``Can
 the CPU is lowered the same way, into grouped GEMMs over the slots sorted by expert (``ops/moe.py:moe_aten``; fp32's
 are ``rubin.grouped_mm_rows`` calls, a GEMM per expert's run): the
 reference loops over the routed experts with a host synchronisation, slower than what Inductor compiles from
-transformers' grouped-mm experts. Where an op's ATen form cannot express a node (``CanonicalOp.aten_declines``),
+transformers' grouped-mm experts. On a GPU target (sm_90 and newer) a bf16 ``rubin.moe`` bound to the reference -- one
+no kernel takes, such as GPT-OSS's clamped SwiGLU -- takes the same form: inside a CUDA graph the reference runs every
+expert on every token, the grouped GEMMs only the routed ones (``ops/moe.py:aten_declines``). Where an op's ATen form
+cannot express a node (``CanonicalOp.aten_declines``),
 the node stays an op call and the notes say why. Nodes bound to any other kernel stay canonical ops.
 """
 
@@ -103,10 +106,12 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
             )
             result.notes.append(note)
             _warn_once(f"rubin: options.kernels: {note} (strict=True makes this an error)")
+        outranked_by_missing = False
         for name, reason in selection.rejected:
             package = _MISSING.fullmatch(reason)
             if package and op.kernel(name).rank(target, spec) > selection.chosen.rank(target, spec):
                 missing.setdefault(package.group(1), set()).add(name)
+                outranked_by_missing = True
         impl = selection.impl
         if bound_arguments(node).get("impl") != impl:
             set_argument(node, "impl", impl)
@@ -126,7 +131,11 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         )
         result.plans.append(plan)
         if selection.chosen.name in KERNELS_LOWERED_TO_ATEN:
-            to_lower.append((node, op, plan))
+            kept = _kept_as_reference(target, selection.chosen.name, forced, outranked_by_missing)
+            if kept:
+                result.notes.append(f"{node.name}: rubin.{op.name} stays an op call of {plan.kernel!r}: {kept}")
+            else:
+                to_lower.append((node, op, plan))
     lowered: dict[str, int] = {}
     for node, op, plan in to_lower:  # after every spec is read: a lowered node's users see new nodes
         declined = _lower_to_aten(graph, node, op, target)
@@ -158,6 +167,21 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 
 
 _MISSING = re.compile(r"package (\S+) is not installed")
+
+
+def _kept_as_reference(target: Target, kernel: str, forced: Optional[str], outranked_by_missing: bool) -> str:
+    """Why a node bound to the reference on a GPU target stays the op instead of its ATen form (``""``: it does
+    not). The reference is lowered there only when it was chosen on its merits -- no kernel of ours takes the call --
+    not when ``options.kernels`` names it (the user asked for the reference itself) nor when a kernel ranked above
+    it was rejected only because its package is missing here (the GPU's own plan binds that kernel: the plan made
+    here keeps the op, so the passes after selection show what that GPU runs)."""
+    if kernel != "reference" or not target.is_cuda:
+        return ""
+    if forced == "reference":
+        return "options.kernels names the reference"
+    if outranked_by_missing:
+        return "kernels ranked above it need packages this machine lacks (the GPU's own plan binds one of them)"
+    return ""
 
 
 def _prepared(kernel, node: torch.fx.Node) -> str:

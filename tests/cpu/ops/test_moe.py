@@ -319,7 +319,7 @@ def test_aten_form_of_an_empty_batch_and_runtime_constants():
 
 def test_aten_form_declines_what_it_cannot_express_with_the_reason():
     """fp16 (Inductor compiles torch's grouped GEMM for bf16 only; fp32 takes grouped_mm_rows), FP8 weights, vLLM's
-    packed layout, a GPU target: each a reason; the node then stays an op call
+    packed layout, a GPU target below sm_90 or not in bf16: each a reason; the node then stays an op call
     (tests/cpu/passes/test_select_kernels.py)."""
     from rubin_compile.ops.moe import MoEArgs, aten_declines, pack_cpu_weight
 
@@ -338,7 +338,12 @@ def test_aten_form_declines_what_it_cannot_express_with_the_reason():
     assert "rows of whole 16 bytes" in aten_declines(MoEArgs(x, w13, w2, w, ids)) and "'I': 12" in aten_declines(
         MoEArgs(x, w13, w2, w, ids)
     )
-    assert "CPU target only" in aten_declines(plain, target_is_cuda=True)
+    # a GPU target: bf16 of plain layout from sm_90 (the grouped GEMM reads only the routed experts; the reference
+    # in a CUDA graph runs them all); float32 tensors of a plan made on this CPU do not count as the CPU's
+    assert aten_declines(plain, target_cc=90) is None and aten_declines(plain, target_cc=107) is None
+    assert "sm_90 or newer (the target is cc 80)" in aten_declines(plain, target_cc=80)
+    assert "bfloat16 only" in aten_declines(MoEArgs(x.float(), w13.float(), w2.float(), w, ids), target_cc=90)
+    assert "float8_e4m3fn weights" in aten_declines(fp8, target_cc=90)
 
 
 @pytest.mark.parametrize("on_input", [False, True], ids=["weights-after", "weights-on-input"])

@@ -48,7 +48,7 @@ def _plans(rubin_run, op=None):
     ]
 
 
-def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4, k=2):
+def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4, k=2, activation="silu"):
     """A graph with one rubin.moe node and fake values on every node, as match_moe leaves it."""
     import rubin_compile.ops  # noqa: F401
 
@@ -56,7 +56,7 @@ def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4,
         kwargs = {}
         if scales:
             kwargs = {"w13_scale": scales[0], "w2_scale": scales[1], "block_shape": block_shape}
-        return torch.ops.rubin.moe(x, w13, w2, tw, ids, "silu", **kwargs)
+        return torch.ops.rubin.moe(x, w13, w2, tw, ids, activation, **kwargs)
 
     with FakeTensorMode():
         args = [
@@ -114,6 +114,21 @@ def test_spec_from_the_node_and_the_kernel_written_into_it(w_dtype, block, targe
     else:
         assert _impl(graph) == plan.impl == f"{kernel}@{target}" and plan.lowered is None
     assert result.changed
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm107"])
+def test_moe_no_kernel_takes_on_a_gpu_target_is_lowered_to_grouped_gemms(target):
+    """GPT-OSS's clamped SwiGLU (interleaved gate / up rows), bf16, on a GPU target: no kernel of ours takes it, so
+    it is bound to the reference -- which inside a CUDA graph runs every expert on every token (E / k times the
+    weight bytes) -- and is lowered into the ATen form, torch's grouped GEMM over the routed experts (below sm_90,
+    a detected target only, it stays the op with the reason: tests/cpu/ops/test_moe.py). The Triton MoE's own
+    activations are bound to it as before (test_spec_from_the_node_and_the_kernel_written_into_it)."""
+    graph = _moe_graph(activation="swigluoai")
+    result = _select(graph, target=target)
+    (plan,) = result.plans
+    assert plan.kernel == "reference" and plan.lowered == "aten"
+    assert any("activation swigluoai is not implemented in the Triton MoE" in r["reason"] for r in plan.rejected)
+    assert not any(_is_moe(n) for n in graph.nodes) and "grouped_mm" in str(graph)
 
 
 @cpu_only
@@ -178,8 +193,11 @@ def test_forced_kernel_rejected_with_its_reason_and_strict_makes_it_an_error():
 
 def test_forced_kernel_that_can_run_is_used_and_unknown_names_are_errors():
     graph = _moe_graph()
-    (plan,) = _select(graph, target="sm90", kernels={"moe": "reference"}).plans
+    result = _select(graph, target="sm90", kernels={"moe": "reference"})
+    (plan,) = result.plans
     assert plan.kernel == "reference" and plan.forced_reason is None and _impl(graph) == "reference@sm90"
+    # the reference the user named runs as itself on a GPU target, not as the ATen form
+    assert plan.lowered is None and any("options.kernels names the reference" in n for n in result.notes)
     with pytest.raises(ValueError, match=r"unknown kernel 'cutlass' for rubin.moe; its kernels are \[.*'triton'"):
         _select(_moe_graph(), target="sm90", kernels={"moe": "cutlass"})
 
@@ -380,6 +398,7 @@ def test_a_plan_for_a_gpu_made_without_its_packages_says_so(rubin_run, monkeypat
     assert plan["impl"] == "reference@sm107"
     (note,) = [n for n in passes["select_kernels"]["notes"] if "not installed here" in n]
     assert "pip install flashinfer-python triton" in note and "triton" in note.split("(")[1]
+    assert plan["lowered"] is None  # the op, not its ATen form: sm107's own plan binds a kernel the packages bring
     assert [d["reason"] for d in passes["place_locality"]["decisions"]] == ["kernel reference has no split-N form"]
     assert passes["chain_pdl"]["decisions"][0]["reason"].startswith("reference takes no PDL launch")
     assert passes["chain_pdl"]["decisions"][0]["details"]["target"] == "sm107"
