@@ -131,7 +131,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         )
         result.plans.append(plan)
         if selection.chosen.name in KERNELS_LOWERED_TO_ATEN:
-            kept = _kept_as_reference(target, selection.chosen.name, forced, outranked_by_missing)
+            kept = _kept_as_reference(target, selection.chosen.name, forced, outranked_by_missing and not runs_here)
             if kept:
                 result.notes.append(f"{node.name}: rubin.{op.name} stays an op call of {plan.kernel!r}: {kept}")
             else:
@@ -169,17 +169,18 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
 _MISSING = re.compile(r"package (\S+) is not installed")
 
 
-def _kept_as_reference(target: Target, kernel: str, forced: Optional[str], outranked_by_missing: bool) -> str:
+def _kept_as_reference(target: Target, kernel: str, forced: Optional[str], planned_elsewhere: bool) -> str:
     """Why a node bound to the reference on a GPU target stays the op instead of its ATen form (``""``: it does
-    not). The reference is lowered there only when it was chosen on its merits -- no kernel of ours takes the call --
-    not when ``options.kernels`` names it (the user asked for the reference itself) nor when a kernel ranked above
-    it was rejected only because its package is missing here (the GPU's own plan binds that kernel: the plan made
-    here keeps the op, so the passes after selection show what that GPU runs)."""
+    not). The reference is lowered there when it is what would run -- no kernel of ours takes the call, or, on the
+    GPU itself, none that is installed -- but not when ``options.kernels`` names it (the user asked for the
+    reference itself), nor in a plan for a GPU made on another machine where a kernel ranked above it was rejected
+    only because its package is missing here (``planned_elsewhere``: that GPU's own plan binds the kernel; the plan
+    made here keeps the op, so the passes after selection show what that GPU runs)."""
     if kernel != "reference" or not target.is_cuda:
         return ""
     if forced == "reference":
         return "options.kernels names the reference"
-    if outranked_by_missing:
+    if planned_elsewhere:
         return "kernels ranked above it need packages this machine lacks (the GPU's own plan binds one of them)"
     return ""
 
