@@ -56,6 +56,17 @@ class RubinRun:
     def notes(self, pass_name: str) -> list[str]:
         return [n for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for n in p["notes"]]
 
+    def plans(self, canonical_op: Optional[str] = None) -> list[dict]:
+        """select_kernels' plans over every dumped graph (of ``canonical_op``, e.g. "rubin.moe", when given)."""
+        return [
+            pl
+            for rep in self.reports()
+            for p in rep["passes"]
+            if p["name"] == "select_kernels"
+            for pl in p["plans"]
+            if canonical_op is None or pl["canonical_op"] == canonical_op
+        ]
+
     def unchanged(self, pass_name: str = "match_moe") -> list[dict]:
         return [u for rep in self.reports() for p in rep["passes"] if p["name"] == pass_name for u in p["unchanged"]]
 

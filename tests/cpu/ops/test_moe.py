@@ -342,7 +342,7 @@ def test_aten_form_declines_what_it_cannot_express_with_the_reason():
     # in a CUDA graph runs them all); float32 tensors of a plan made on this CPU do not count as the CPU's
     assert aten_declines(plain, target_cc=90) is None and aten_declines(plain, target_cc=107) is None
     assert "sm_90 or newer (the target is cc 80)" in aten_declines(plain, target_cc=80)
-    assert "bfloat16 only" in aten_declines(MoEArgs(x.float(), w13.float(), w2.float(), w, ids), target_cc=90)
+    assert "on a GPU takes bfloat16" in aten_declines(MoEArgs(x.float(), w13.float(), w2.float(), w, ids), target_cc=90)
     assert "float8_e4m3fn weights" in aten_declines(fp8, target_cc=90)
 
 
