@@ -36,18 +36,6 @@ def _model(dtype):
     return model
 
 
-def _plans(rubin_run, op=None):
-    """select_kernels' plans (of ``op``, "rubin.moe", when given)."""
-    return [
-        pl
-        for rep in rubin_run.reports()
-        for p in rep["passes"]
-        if p["name"] == "select_kernels"
-        for pl in p["plans"]
-        if op is None or pl["canonical_op"] == op
-    ]
-
-
 def _moe_graph(w_dtype=torch.bfloat16, block_shape=None, E=8, H=256, I=256, T=4, k=2, activation="silu"):
     """A graph with one rubin.moe node and fake values on every node, as match_moe leaves it."""
     import rubin_compile.ops  # noqa: F401
@@ -138,7 +126,7 @@ def test_cpu_target_runs_the_reference_with_exact_numerics(rubin_run):
     with torch.no_grad():
         out = rubin_run.compile(model)(x)
         assert_close_to_eager(out, model(x))
-    (plan,) = _plans(rubin_run)
+    (plan,) = rubin_run.plans()
     assert plan["kernel"] == "reference" and plan["target"] == "cpu" and plan["impl"] == "reference"
     assert {r["kernel"] for r in plan["rejected"]} >= {"triton", "flashinfer_cutlass", "flashinfer_trtllm"}
     assert rubin_run.reports()[0]["target"]["name"] == "cpu"
@@ -151,7 +139,7 @@ def test_plan_for_sm107_made_on_the_cpu_and_executing_it_raises_a_clear_error(ru
     compiled = rubin_run.compile(_model(torch.bfloat16), target="sm107", kernels={"route": "reference"})
     with pytest.raises(KernelUnavailableError) as err, torch.no_grad():
         compiled(torch.randn(5, 32, dtype=torch.bfloat16))
-    (plan,) = _plans(rubin_run, "rubin.moe")
+    (plan,) = rubin_run.plans("rubin.moe")
     # H=32 / I=24: trtllm-gen's I % 128 limit rejects it, so CUTLASS (128-bit aligned rows) is chosen.
     assert plan["kernel"] == "flashinfer_cutlass" and plan["impl"] == "flashinfer_cutlass@sm107"
     rejected = {r["kernel"]: r["reason"] for r in plan["rejected"]}
@@ -209,7 +197,7 @@ def test_forced_reference_on_a_gpu_target_still_runs_here(rubin_run):
     with torch.no_grad():
         out = rubin_run.compile(model, target="sm100", kernels={"moe": "reference", "route": "reference"})(x)
         assert_close_to_eager(out, model(x))
-    plans = _plans(rubin_run)
+    plans = rubin_run.plans()
     assert [(p["canonical_op"], p["kernel"], p["forced"]) for p in plans] == [
         ("rubin.route", "reference", "reference"),
         ("rubin.moe", "reference", "reference"),
@@ -310,7 +298,7 @@ def test_moe_on_the_cpu_is_lowered_to_grouped_gemms(rubin_run):
     with torch.no_grad():
         got = rubin_run.compile(model)(x)
         assert_close_to_eager(got, model(x), torch.bfloat16)
-    (plan,) = _plans(rubin_run, "rubin.moe")
+    (plan,) = rubin_run.plans("rubin.moe")
     assert plan["kernel"] == "reference" and plan["lowered"] == "aten"
     (report,) = rubin_run.reports()
     sel = next(p for p in report["passes"] if p["name"] == "select_kernels")
@@ -330,7 +318,7 @@ def test_moe_the_aten_form_cannot_express_stays_an_op_call_with_the_reason(rubin
     x = torch.randn(7, 32, dtype=torch.float16)
     with torch.no_grad():
         assert_close_to_eager(rubin_run.compile(model)(x), model(x))
-    (plan,) = _plans(rubin_run, "rubin.moe")
+    (plan,) = rubin_run.plans("rubin.moe")
     assert plan["lowered"] is None
     (report,) = rubin_run.reports()
     notes = next(p for p in report["passes"] if p["name"] == "select_kernels")["notes"]
@@ -350,7 +338,7 @@ def test_moe_float32_on_the_cpu_lowered_with_a_gemm_per_expert(rubin_run):
     x = torch.randn(7, 32)
     with torch.no_grad():
         assert_close_to_eager(rubin_run.compile(model)(x), model(x))
-    (plan,) = _plans(rubin_run, "rubin.moe")
+    (plan,) = rubin_run.plans("rubin.moe")
     assert plan["lowered"] == "aten"
     code = rubin_run.final_code()
     assert "rubin.moe" not in code and count_ops(code, "rubin.grouped_mm_rows") == 2
