@@ -669,8 +669,9 @@ def aten_declines(args: MoEArgs, target_cc: Optional[int] = None) -> Optional[st
     """Why ``aten`` does not express this call for the target (``None`` when it does); ``target_cc`` is a GPU
     target's compute capability (90 for sm_90), ``None`` the CPU target. ``aten`` is the form Hugging Face's
     default (grouped-mm) experts compile to, for what Inductor supports of it: bf16 or float32, unquantised, plain
-    weights, on the CPU. On a GPU target a node is bound to the reference only where no kernel takes the call (a
-    GPT-OSS clamped SwiGLU, another activation or weight format the kernels lack): the reference there loops over
+    weights, on the CPU. On a GPU target a node is bound to the reference only where no kernel takes the call (an
+    activation or weight format the kernels lack, in a rubin.moe written by hand: match_moe leaves such a Hugging
+    Face block as written there, passes/match_moe/emit.py): the reference there loops over
     the routed experts with a host synchronisation, and inside a CUDA graph (mode="reduce-overhead", generate()'s
     compile_config) runs every expert on every token, E / k times the weight bytes. So a bf16 call of plain layout
     takes the ATen form there too: torch's grouped GEMM, bf16 from sm_90, which reads only the routed experts'
@@ -688,9 +689,8 @@ def aten_declines(args: MoEArgs, target_cc: Optional[int] = None) -> Optional[st
 
 
 def gpu_aten_declines(target_cc: int, act_dtype: str, weight_dtype: str, sizes: dict) -> Optional[str]:
-    """What ``aten_declines`` says for a GPU target of compute capability ``target_cc`` from a block's dtypes and
-    sizes alone (``sizes``: ``H`` and ``I``, ints or symbols), before any node exists: match_moe asks it whether a
-    block only the reference would take still runs as grouped GEMMs there (passes/match_moe/emit.py)."""
+    """What ``aten_declines`` says for a GPU target of compute capability ``target_cc`` from a call's dtypes and
+    sizes alone (``sizes``: ``H`` and ``I``, ints or symbols; other keys are ignored)."""
     if target_cc < 90:
         return f"torch's grouped GEMM on a GPU needs sm_90 or newer (the target is cc {target_cc})"
     if _grouped_mm is None:

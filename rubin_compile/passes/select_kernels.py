@@ -23,8 +23,9 @@ the CPU is lowered the same way, into grouped GEMMs over the slots sorted by exp
 are ``rubin.grouped_mm_rows`` calls, a GEMM per expert's run): the
 reference loops over the routed experts with a host synchronisation, slower than what Inductor compiles from
 transformers' grouped-mm experts. On a GPU target (sm_90 and newer) a bf16 ``rubin.moe`` bound to the reference -- one
-no kernel takes, such as GPT-OSS's clamped SwiGLU -- takes the same form: inside a CUDA graph the reference runs every
-expert on every token, the grouped GEMMs only the routed ones (``ops/moe.py:aten_declines``). Where an op's ATen form
+no kernel takes, e.g. a clamped SwiGLU in an op call written by hand (match_moe leaves such model blocks as written
+there) -- takes the same form: inside a CUDA graph the reference runs every expert on every token, the grouped GEMMs
+only the routed ones (``ops/moe.py:aten_declines``). Where an op's ATen form
 cannot express a node (``CanonicalOp.aten_declines``),
 the node stays an op call and the notes say why. Nodes bound to any other kernel stay canonical ops.
 """

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 import rubin_compile.kernels  # noqa: F401  (registers every kernel on the op: reference_only_reason asks the registry)
-from rubin_compile.ops.moe import MOE, gpu_aten_declines
+from rubin_compile.ops.moe import MOE
 from rubin_compile.ops.registry import KernelSpec
 from rubin_compile.passes.fx import call
 
@@ -60,17 +60,12 @@ def reference_only_reason(
     sizes: dict[str, Any],
     activation: str,
     features: Sequence[str] = (),
-    grouped_gemms: bool = False,
 ) -> Optional[str]:
     """On a CUDA target, why a block stays when its activation or the optional semantics it uses (``features``:
     ``ops.moe.call_features``, e.g. Llama 4's router weight on the input) are what leave only the reference kernel
     to run its ``rubin.moe`` (the reference loops over the experts: slower on a GPU than what the block runs without
-    rubin, Inductor's compile of it or vLLM's fused MoE). None when a GPU kernel takes it, on a CPU target, when
-    the reference would run it for another reason (an fp32 model, rewritten as before), or, with ``grouped_gemms``
-    (a Hugging Face experts block: what runs it without rubin is Inductor's compile of transformers' experts),
-    where select_kernels lowers the reference-bound node into the ATen form, grouped GEMMs over the routed experts
-    (bf16 on sm_90+: ``ops.moe.gpu_aten_declines``) -- no slower than transformers' grouped-mm experts, and it reads
-    only the routed experts' weights where transformers' batched-mm experts gather theirs per token."""
+    rubin, Inductor's compile of it or vLLM's fused MoE). None when a GPU kernel takes it, on a CPU target, or when
+    the reference would run it for another reason (an fp32 model, rewritten as before)."""
     if not getattr(target, "is_cuda", False):
         return None
     spec = KernelSpec(
@@ -85,8 +80,6 @@ def reference_only_reason(
     if selection.chosen.name != "reference":
         return None
     if MOE.select(dataclasses.replace(spec, activation="silu", features=()), target).chosen.name == "reference":
-        return None
-    if grouped_gemms and gpu_aten_declines(target.cc, act_dtype, weight_dtype, sizes) is None:
         return None
     why = "; ".join(f"{name}: {reason}" for name, reason in selection.rejected)
     # Name what is to blame: the activation, the features, or (when each alone has a GPU kernel) the two together.

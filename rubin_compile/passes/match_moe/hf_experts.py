@@ -273,8 +273,7 @@ def gpu_kernel_reason(b: Block, target: Any) -> Optional[str]:
     n = w13v.shape[2 if b.w13_transposed else 1]
     sizes = {"E": w13v.shape[0], "H": hv.shape[1], "I": n // 2 if b.gated else n, "k": idv.shape[1]}
     features = call_features(b.apply_router_weight_on_input, b.activation_constants is not None)
-    act, weights = dtype_name(hv.dtype), dtype_name(w13v.dtype)
-    return reference_only_reason(target, act, weights, sizes, b.activation, features, grouped_gemms=True)
+    return reference_only_reason(target, dtype_name(hv.dtype), dtype_name(w13v.dtype), sizes, b.activation, features)
 
 
 def _emit_constants(graph: torch.fx.Graph, constants: list) -> torch.fx.Node:

@@ -58,15 +58,3 @@ def test_no_reason_where_the_reference_runs_anyway(target, dtype):
     """On the CPU the reference is rubin.moe's kernel for these; in fp32 on sm90 the reference runs every block
     (no GPU kernel takes fp32), so the rewrite changes nothing there: both rewritten, as before."""
     assert reference_only_reason(target, dtype, dtype, SIZES, "silu", (ROUTER_WEIGHT_ON_INPUT,)) is None
-
-
-def test_a_hf_block_only_the_reference_takes_still_rewritten_where_grouped_gemms_run_it():
-    """``grouped_gemms`` (Hugging Face experts): on sm90 in bf16 select_kernels lowers the reference-bound node into
-    grouped GEMMs over the routed experts, so the block is rewritten (no reason); not in fp16, nor with rows of
-    other than whole 16 bytes, where the reference would run it; vLLM's layer (no ``grouped_gemms``) stays."""
-    assert reference_only_reason(SM90, "bfloat16", "bfloat16", SIZES, "swigluoai", grouped_gemms=True) is None
-    assert reference_only_reason(SM90, "bfloat16", "bfloat16", SIZES, "silu", (ROUTER_WEIGHT_ON_INPUT,), True) is None
-    assert "so the block stays" in reference_only_reason(SM90, "float16", "float16", SIZES, "swigluoai", (), True)
-    odd = {**SIZES, "I": 12}
-    assert "so the block stays" in reference_only_reason(SM90, "bfloat16", "bfloat16", odd, "swigluoai", (), True)
-    assert "so the block stays" in reference_only_reason(SM90, "bfloat16", "bfloat16", SIZES, "swigluoai")

@@ -379,22 +379,19 @@ def test_gpt_oss_report_reads_the_interleaved_columns(rubin_run):
     assert "no copy" in d["weights"]
 
 
-def test_gpt_oss_on_a_gpu_target_runs_grouped_gemms(rubin_run):
-    """Planned for sm90 in bf16, where no GPU kernel implements swigluoai (a silu block would get the Triton MoE),
-    the block is rewritten all the same and its rubin.moe, bound to the reference, is lowered into the ATen form:
-    grouped GEMMs over the routed experts (select_kernels), where the reference would loop over the experts -- or,
-    inside a CUDA graph, run every expert on every token. Before, the block stayed as written (transformers'
-    experts under Inductor). It computes what eager does."""
+def test_gpt_oss_left_to_inductor_on_a_gpu_target(rubin_run):
+    """Planned for sm90 in bf16, where no GPU kernel implements swigluoai (a silu block would get the Triton MoE;
+    only the reference, a loop over the experts, takes this one), the block stays as written, with that reason;
+    it still computes what eager does. (In fp32 the reference runs every activation on sm90: rewritten as before.)"""
     skip_if_bf16_grouped_mm_breaks_the_graph(torch.bfloat16)
     block = gpt_oss_block().to(torch.bfloat16).eval()
     compiled = rubin_run.compile(block, target="sm90")
     x = torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16)
     with torch.no_grad():
         assert_close_to_eager(compiled(x)[0], block(x)[0], torch.bfloat16)
-    assert len(hf_rewrites(rubin_run)) == 1, hf_unchanged(rubin_run)
-    plans = rubin_run.plans("rubin.moe")
-    assert [(pl["kernel"], pl["lowered"]) for pl in plans] == [("reference", "aten")], plans
-    assert "triton: activation swigluoai is not implemented" not in str(hf_unchanged(rubin_run))
+    left = [u for u in hf_unchanged(rubin_run) if "only the reference implements activation swigluoai" in u["reason"]]
+    assert left and "triton: activation swigluoai is not implemented" in left[0]["reason"], hf_unchanged(rubin_run)
+    assert hf_rewrites(rubin_run) == []
 
 
 def test_dynamic_token_count(rubin_run):
