@@ -117,6 +117,26 @@ def floor_us(cfg, batch: int, context: int, new: int, dtype_bytes: int, bw_gbps:
     return {"weights_MB": weights / 1e6, "kv_MB": kv / 1e6, "us": (weights + kv) / (bw_gbps * 1e9) * 1e6}
 
 
+def rewinder(cache, context: int):
+    """A function that sets a static cache prefilled with ``context`` tokens back to that length, so the next step
+    writes the same position and the compiled step's guards hold. It rewinds the full layers' counters (tensors); a
+    sliding-window layer (GPT-OSS) is full after a prefill longer than its window and rolls its window on every step
+    whatever its counter says, but its Python-int copy of the counter (``cumulative_length_int``, what
+    get_seq_length returns) is a guard of the compiled step: rewound too, or each step would recompile, the last of
+    them during the CUDA-graph capture (tests/cpu/benchmarks/test_generate_step.py)."""
+    lengths = [layer.cumulative_length for layer in cache.layers if not getattr(layer, "is_sliding", False)]
+    sliding = [layer for layer in cache.layers if hasattr(layer, "cumulative_length_int")]
+
+    def rewind():
+        with torch.inference_mode():  # the cache's counters are inference tensors (the prefill ran in it)
+            for n in lengths:
+                n.fill_(context)
+            for layer in sliding:
+                layer.cumulative_length_int = context
+
+    return rewind
+
+
 def step_graph(model, variant: str, batch: int, context: int, new: int):
     """(replay, compile seconds): one decode step of ``model.forward`` compiled as ``STEP_VARIANTS[variant]`` says
     (no CUDA graphs of its own), captured in one CUDA graph over a static cache prefilled with ``context`` tokens.
@@ -128,24 +148,12 @@ def step_graph(model, variant: str, batch: int, context: int, new: int):
     step_ids = torch.randint(1, model.config.vocab_size, (batch, 1), device="cuda")
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)  # eager prefill
-    # the full layers' counters; a sliding-window layer (GPT-OSS) is full after a prefill longer than its window and
-    # rolls its window on every step whatever its counter says, but its Python-int copy of the counter
-    # (``cumulative_length_int``, what get_seq_length returns) is a guard of the compiled step: rewound too, or each
-    # step would recompile, the last of them during the capture
-    lengths = [layer.cumulative_length for layer in cache.layers if not getattr(layer, "is_sliding", False)]
-    sliding = [layer for layer in cache.layers if hasattr(layer, "cumulative_length_int")]
+    rewind = rewinder(cache, context)
     backend, options = STEP_VARIANTS[variant]
     fwd = torch.compile(model.forward, backend=backend, dynamic=False, options=options)
 
     def step():
         return fwd(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
-
-    def rewind():
-        with torch.inference_mode():  # the cache's counters are inference tensors (the prefill ran in it)
-            for n in lengths:
-                n.fill_(context)
-            for layer in sliding:
-                layer.cumulative_length_int = context
 
     t0 = time.perf_counter()
     with torch.inference_mode(), attention_config(variant):
