@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Measures match_moe's rewrite of df70801 (taken back out untimed): re-apply its match_moe half first.
+# Measures match_moe's rewrite of df70801 (taken back out untimed): re-apply it first with
+#   git show df70801 -- rubin_compile/passes/match_moe tests/cpu/passes/match_moe README.md | git apply
 # Issue 16, when only ~6 min of device time are left: the GPU tests of the change (a Hugging Face experts block only
 # the reference takes is rewritten and lowered into grouped GEMMs on sm_90+: tests/gpu/test_select_kernels_gpu.py;
 # generate() ids against eager, gpt-oss-tiny among them: tests/gpu/test_generate.py), -v so a timeout keeps the

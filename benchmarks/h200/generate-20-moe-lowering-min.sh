@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measures match_moe's rewrite of df70801 (taken back out untimed): re-apply its match_moe half first.
+# Measures match_moe's rewrite of df70801 (taken back out untimed): re-apply it first (generate-19's header says how).
 # generate-19 cut to what ~4 min of device time holds: the new GPU test of the MoE lowering (with and without CUDA
 # graphs), then GPT-OSS-20B dims' generate() at 4k, batch 1, under rubin (Inductor: 5011 us a token on an H100).
 #   bash benchmarks/h200/generate-20-moe-lowering-min.sh   (carry .whl)
