@@ -264,10 +264,23 @@ def compile_config_setup(backend: str, device: str):
     return setup
 
 
+def forward_dynamic(model) -> Optional[bool]:
+    """``dynamic`` for ``torch.compile(model.forward)``: False (static shapes: one graph for the prefill, one for the
+    decode step), except for a model with sliding-window layers (GPT-OSS). transformers' static cache keeps such a
+    layer's length as a Python int (``StaticSlidingWindowLayer.cumulative_length_int``), which a static compile
+    guards on: with ``dynamic=False`` every decode step compiles again, under any backend, until Dynamo's recompile
+    limit, after which the step runs eagerly. ``None`` (Dynamo's default) makes that int symbolic where it changed
+    from the prefill's: the decode step compiles once (tests/cpu/test_examples.py: 2 graphs for 8 new tokens, 8
+    with ``dynamic=False``)."""
+    types = getattr(model.config, "layer_types", None) or ()
+    return None if "sliding_attention" in types else False
+
+
 def forward_setup(backend: str, device: str):
     def setup(model):
         model.__dict__.pop("forward", None)
-        model.forward = torch.compile(model.forward, backend=backend, dynamic=False)  # no CUDA graphs: see above
+        # no CUDA graphs: see above
+        model.forward = torch.compile(model.forward, backend=backend, dynamic=forward_dynamic(model))
         return None
 
     return setup

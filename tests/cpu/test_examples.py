@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -257,3 +259,32 @@ def test_only_a_bf16_divergence_at_a_near_tie_is_accepted():
     assert example.near_tie(result(0.0), torch.bfloat16) and example.near_tie(result(2.0), torch.bfloat16)
     assert not example.near_tie(result(3.0), torch.bfloat16)
     assert not example.near_tie(result(0.0), torch.float32)
+
+
+@pytest.mark.parametrize("dynamic", ["example's", False], ids=["example", "dynamic-false"])
+def test_gpt_oss_model_forward_compiles_once_for_the_decode_steps(dynamic):
+    """The model.forward way for GPT-OSS: transformers' sliding-window cache layer keeps its length as a Python int,
+    which a static compile guards on, so with ``dynamic=False`` each of the 7 decode steps of 8 new tokens compiles
+    again (any backend: here Dynamo's eager backend), 8 graphs with the prefill's; with the example's
+    ``forward_dynamic`` (None for a model with sliding layers) the decode step's graph has the length symbolic (it
+    changed from the prefill's 0): 2 graphs. A model without sliding layers keeps ``dynamic=False``."""
+    import torch
+
+    example = _generate_example()
+    model = example.build_model("gpt-oss-tiny", torch.float32, "cpu", 64)
+    assert example.forward_dynamic(model) is None
+    assert example.forward_dynamic(example.build_model("tiny", torch.float32, "cpu", 64)) is False
+    prompt = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    want = example.generate_once(model, prompt, 8)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    flag = example.forward_dynamic(model) if dynamic == "example's" else dynamic
+    model.forward = torch.compile(model.forward, backend="eager", dynamic=flag)
+    try:
+        got = example.generate_once(model, prompt, 8)
+    finally:
+        model.__dict__.pop("forward", None)
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == (2 if dynamic == "example's" else 8), dict(counters["stats"])
