@@ -120,7 +120,7 @@ import torch.nn.functional as F
 
 from rubin_compile.errors import RubinError
 from rubin_compile.ops import fp4
-from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, dtype_name, node_val, static_size, val_dtype
+from rubin_compile.ops.nodes import FLOAT_DTYPES, bound_arguments, node_val, static_size, val_dtype
 from rubin_compile.ops.registry import CanonicalOp, KernelSpec, Launch
 from rubin_compile.ops.library import op
 from rubin_compile.target import Target
@@ -679,28 +679,12 @@ def aten_declines(args: MoEArgs, target_cc: Optional[int] = None) -> Optional[st
     stays the op. (The Triton kernel's adapter runs ``aten`` itself, per call, at the sizes where it measured
     faster: kernels/triton/moe_choice.py.)"""
     if target_cc is not None:
-        sizes = {"H": args.H, "I": args.I}
-        return gpu_aten_declines(
-            target_cc, dtype_name(args.hidden_states.dtype), dtype_name(args.w13.dtype), sizes
-        ) or (aten_unsupported(args, gpu=True))
+        if target_cc < 90:
+            return f"torch's grouped GEMM on a GPU needs sm_90 or newer (the target is cc {target_cc})"
+        return aten_unsupported(args, gpu=True)
     if args.hidden_states.device.type != "cpu":
         return f"the CPU target's ATen form, with the hidden states on {args.hidden_states.device}"
     return aten_unsupported(args)
-
-
-def gpu_aten_declines(target_cc: int, act_dtype: str, weight_dtype: str, sizes: dict) -> Optional[str]:
-    """What ``aten_declines`` says for a GPU target of compute capability ``target_cc`` from a call's dtypes and
-    sizes alone (``sizes``: ``H`` and ``I``, ints or symbols; other keys are ignored)."""
-    if target_cc < 90:
-        return f"torch's grouped GEMM on a GPU needs sm_90 or newer (the target is cc {target_cc})"
-    if _grouped_mm is None:
-        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
-    if {act_dtype, weight_dtype} != {"bfloat16"}:
-        return f"{act_dtype} activations / {weight_dtype} weights: torch's grouped GEMM on a GPU takes bfloat16"
-    odd = {name: n for name in ("H", "I") if isinstance(n := sizes.get(name), int) and n % 8}
-    if odd:
-        return f"torch's grouped GEMM takes rows of whole 16 bytes (multiples of 8 bf16 values); here {odd}"
-    return None
 
 
 def aten_unsupported(args: MoEArgs, gpu: bool = False) -> Optional[str]:
@@ -715,9 +699,12 @@ def aten_unsupported(args: MoEArgs, gpu: bool = False) -> Optional[str]:
     if _grouped_mm is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
     if dtypes != {torch.bfloat16}:
+        given = f"{args.hidden_states.dtype} activations / {args.w13.dtype} weights"
+        if gpu:
+            return f"{given}: torch's grouped GEMM on a GPU takes bfloat16"
         return (
-            f"{args.hidden_states.dtype} activations / {args.w13.dtype} weights: Inductor compiles torch's grouped "
-            "GEMM for bfloat16 only (float32 on the CPU takes a loop of GEMMs)"
+            f"{given}: Inductor compiles torch's grouped GEMM for bfloat16 only (float32 on the CPU takes a loop of "
+            "GEMMs)"
         )
     rows = {"H": args.H, "N": args.w13.shape[1], "I": args.I}
     odd = {name: n for name, n in rows.items() if n % 8}

@@ -33,9 +33,7 @@ def test_qwen3_moe_bf16_on_sm90(rubin_run):
     routed = qwen3_moe().to("cuda", torch.bfloat16).eval()
     blocks = [layer.mlp for layer in routed.model.layers]
     assert_moe_blocks_close(blocks, block_inputs(routed, blocks, tokens), torch.bfloat16)
-    plans = [
-        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
-    ]
+    plans = rubin_run.plans()
     by_op: dict[str, set] = {}
     for pl in plans:
         by_op.setdefault(pl["canonical_op"], set()).add(pl["impl"])

@@ -104,14 +104,7 @@ def test_plain_sdpa_forms(rubin_run, dtype):
     # it back to ATen (repeat_kv + SDPA) so Inductor lowers the attention itself
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.attention") == 0 and count_ops(code, CPU_SDPA) == len(EXPECTED_FORMS)
-    plans = [
-        pl
-        for rep in rubin_run.reports()
-        for p in rep["passes"]
-        if p["name"] == "select_kernels"
-        for pl in p["plans"]
-        if pl["canonical_op"] == "rubin.attention"
-    ]
+    plans = rubin_run.plans("rubin.attention")
     assert [(pl["kernel"], pl["lowered"]) for pl in plans] == [("reference", "aten")] * len(EXPECTED_FORMS)
 
 

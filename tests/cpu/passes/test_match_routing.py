@@ -75,9 +75,7 @@ def test_each_family_router_becomes_one_rubin_route_on_sm90(rubin_run, model_typ
     assert "topk" in rw["replaced"]  # the old choice is gone from the graph
     code = rubin_run.final_code()
     assert count_ops(code, "rubin.route") == 1 and count_ops(code, "aten.topk") == 0
-    plans = [
-        pl for rep in rubin_run.reports() for p in rep["passes"] if p["name"] == "select_kernels" for pl in p["plans"]
-    ]
+    plans = rubin_run.plans()
     route = [pl for pl in plans if pl["canonical_op"] == "rubin.route"]
     assert len(route) == 1 and route[0]["impl"] == "triton@sm90"
     decisions = [
